@@ -1,0 +1,35 @@
+# trioshed: two commands on a fresh machine, `make serve` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: install serve test lint bench bench-full clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[bundled,test,bench]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(PY) -m trioshed serve --demo-model
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check trioshed tests bench
+	$(VENV)/bin/mypy trioshed
+
+bench: $(STAMP)
+	$(PY) -m bench.compare --quick
+
+bench-full: $(STAMP)
+	$(PY) -m bench.compare --full
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""Decisions without I/O: plain dataclasses in, plain dataclasses out. Nothing here imports trio."""

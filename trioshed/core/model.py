@@ -1,0 +1,148 @@
+"""The plain values that the scheduler's pure decisions take and return.
+
+Nothing here performs I/O or imports trio: estimates, placement, eviction and queue decisions
+are functions over these frozen dataclasses, tested without processes or clocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+GiB = 1024**3
+MiB = 1024**2
+
+#: Cache types llama-server accepts for ``--cache-type-k/-v``; the quantized ones need flash attention.
+KV_CACHE_TYPES = ("f16", "q8_0", "q4_0")
+
+
+@dataclass(frozen=True)
+class Device:
+    """One place a runner's memory can live.
+
+    ``id`` is ``"<library>:<index>"`` (``"cuda:0"``), ``"cpu"`` for system memory.
+    ``free`` is what the caller considers free *now* (the scheduler has already subtracted the
+    loaded runners' use and the per-GPU overhead before calling placement).
+    """
+
+    id: str
+    library: str
+    index: int
+    total: int
+    free: int
+    name: str = ""
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.library == "cpu"
+
+
+@dataclass(frozen=True)
+class RunnerOptions:
+    """The options that define a runner process: a request whose options differ needs a reload.
+
+    ``num_ctx`` is the context per slot; the runner's KV cache holds ``num_ctx * num_parallel`` cells.
+    ``num_gpu`` is the layer count on GPUs: -1 = automatic, 0 = CPU only, N = exactly N layers.
+    ``num_thread`` 0 lets llama-server choose.
+    """
+
+    num_ctx: int = 4096
+    num_batch: int = 512
+    num_gpu: int = -1
+    main_gpu: int = 0
+    use_mmap: bool | None = None
+    num_thread: int = 0
+    num_parallel: int = 1
+    kv_cache_type: str = "f16"
+    flash_attention: bool = False
+
+    @property
+    def kv_cells(self) -> int:
+        return self.num_ctx * self.num_parallel
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """What a model is predicted to need, in bytes, for one set of runner options.
+
+    ``layers[i]`` is repeating layer i's weights plus its KV cache: the unit that ``-ngl`` moves.
+    ``total`` is everything on one device at full offload:
+    ``weights + kv + output + token_embd + compute_full + projector + adapters``.
+    """
+
+    weights: int
+    kv: int
+    output: int
+    token_embd: int
+    compute_full: int
+    compute_partial: int
+    layers: tuple[int, ...]
+    projector: int = 0
+    adapters: int = 0
+
+    @property
+    def total(self) -> int:
+        return (
+            self.weights
+            + self.kv
+            + self.output
+            + self.token_embd
+            + self.compute_full
+            + self.projector
+            + self.adapters
+        )
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a runner goes: the llama-server flags and the bytes it will take on each device.
+
+    ``devices`` are the GPU ids used, in ``--device`` order (empty = CPU only).
+    ``vram`` maps device id to bytes predicted on it; ``ram`` is the system-memory part.
+    """
+
+    n_gpu_layers: int
+    devices: tuple[str, ...] = ()
+    tensor_split: tuple[float, ...] | None = None
+    main_gpu: int | None = None
+    vram: tuple[tuple[str, int], ...] = ()
+    ram: int = 0
+
+    @property
+    def vram_total(self) -> int:
+        return sum(b for _, b in self.vram)
+
+    @property
+    def total(self) -> int:
+        return self.vram_total + self.ram
+
+    @property
+    def on_cpu_only(self) -> bool:
+        return not self.devices
+
+
+@dataclass(frozen=True)
+class DoesNotFit:
+    """The model cannot be placed even on the devices given; numbers for the error message."""
+
+    needed: int
+    available: int
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class MeasuredMemory:
+    """Buffer sizes llama.cpp reported for a running model (parsed from its verbose log), bytes."""
+
+    model: dict[str, int] = field(default_factory=dict)  # buffer name ("CPU_Mapped", "CUDA0") -> bytes
+    kv: int = 0
+    kv_k: int = 0
+    kv_v: int = 0
+    compute: dict[str, int] = field(default_factory=dict)  # backend ("CPU", "CUDA0") -> bytes
+
+    @property
+    def weights(self) -> int:
+        return sum(self.model.values())
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv + sum(self.compute.values())
