@@ -1,0 +1,127 @@
+"""One exception tree for everything a client can be told.
+
+::
+
+    TrioshedError (500)                  base: .status, .message, .headers
+    ├── BadRequest (400)                 malformed JSON, wrong option types, unsafe model names
+    ├── Unauthorized (401)               TRIOSHED_API_KEY set and the bearer token is missing/wrong
+    ├── ModelNotFound (404)              no such model in the store
+    ├── PayloadTooLarge (413)
+    ├── QueueFull (503, Retry-After)     the pending queue holds TRIOSHED_MAX_QUEUE requests
+    ├── LoadCooldown (503, Retry-After)  the model failed to load recently; retried after a back-off
+    ├── InsufficientMemory (507)         the model cannot fit even with every other model unloaded
+    ├── RunnerError (500)                a runner failed
+    │   ├── LoadFailed                   llama-server exited or timed out before it was ready
+    │   └── RunnerCrashed                llama-server exited while serving (the next request reloads)
+    ├── UpstreamError (502)              llama-server answered with an error status
+    └── ShuttingDown (503)
+
+Each message says what happened and what to do. Trio/httpx/OS errors are translated where they
+arise (runner, scheduler), never re-raised raw to an HTTP client.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+
+class TrioshedError(Exception):
+    status: int = 500
+
+    def __init__(self, message: str, *, headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.headers: dict[str, str] = dict(headers or {})
+
+    def to_json(self) -> dict[str, str]:
+        return {"error": self.message}
+
+
+class BadRequest(TrioshedError):
+    status = 400
+
+
+class Unauthorized(TrioshedError):
+    status = 401
+
+
+class ModelNotFound(TrioshedError):
+    status = 404
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"model '{name}' not found")
+        self.name = name
+
+
+class PayloadTooLarge(TrioshedError):
+    status = 413
+
+
+class QueueFull(TrioshedError):
+    status = 503
+
+    def __init__(self, retry_after: int = 1) -> None:
+        super().__init__(
+            "server busy, please try again. maximum pending requests exceeded",
+            headers={"Retry-After": str(retry_after)},
+        )
+
+
+class LoadCooldown(TrioshedError):
+    status = 503
+
+    def __init__(self, model: str, retry_after: float, cause: str) -> None:
+        seconds = max(1, round(retry_after))
+        super().__init__(
+            f"model '{model}' failed to load recently ({cause}); retrying in {seconds}s",
+            headers={"Retry-After": str(seconds)},
+        )
+        self.retry_after = retry_after
+
+
+class InsufficientMemory(TrioshedError):
+    status = 507
+
+    def __init__(self, model: str, needed: int, available: int, reason: str = "") -> None:
+        gib = 1024**3
+        message = (
+            f"model '{model}' needs an estimated {needed / gib:.2f} GiB but the largest capacity "
+            f"available is {available / gib:.2f} GiB even with every other model unloaded"
+        )
+        if reason:
+            message += f" ({reason})"
+        super().__init__(message + "; use a smaller model, quantization or num_ctx")
+        self.needed = needed
+        self.available = available
+
+
+class RunnerError(TrioshedError):
+    status = 500
+
+
+class LoadFailed(RunnerError):
+    def __init__(self, message: str, *, returncode: int | None = None, stderr_tail: str = "") -> None:
+        super().__init__(message)
+        self.returncode = returncode
+        self.stderr_tail = stderr_tail
+
+
+class RunnerCrashed(RunnerError):
+    def __init__(self, model: str, returncode: int | None, stderr_tail: str = "") -> None:
+        message = f"llama-server for model '{model}' exited unexpectedly (code {returncode})"
+        if stderr_tail:
+            message += f"; last output: {stderr_tail[-300:]!r}"
+        super().__init__(message + "; the next request reloads it")
+        self.returncode = returncode
+        self.stderr_tail = stderr_tail
+
+
+class UpstreamError(TrioshedError):
+    status = 502
+
+
+class ShuttingDown(TrioshedError):
+    status = 503
+
+    def __init__(self) -> None:
+        super().__init__("trioshed is shutting down", headers={"Retry-After": "5"})
