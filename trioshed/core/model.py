@@ -146,3 +146,25 @@ class MeasuredMemory:
     @property
     def total(self) -> int:
         return self.weights + self.kv + sum(self.compute.values())
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model as the store resolved it: what a runner is started from.
+
+    ``name`` is the full ``name:tag``; ``path`` the GGUF file; ``adapters``/``projector`` extra files
+    passed to llama-server (``--lora``/``--mmproj``). Two requests share a runner only when
+    path, adapters and projector are equal (see ``core.sched.needs_reload``).
+    """
+
+    name: str
+    path: str
+    adapters: tuple[str, ...] = ()
+    projector: str | None = None
+    size: int = 0
+    modified: float = 0.0
+    defaults: tuple[tuple[str, object], ...] = ()
+
+    @property
+    def short_name(self) -> str:
+        return self.name.removesuffix(":latest")

@@ -1,0 +1,1 @@
+"""The model store (names → GGUF files) and GGUF metadata."""

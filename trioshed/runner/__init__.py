@@ -1,0 +1,1 @@
+"""llama-server children: the command line (pure), the supervised process, its upstream HTTP."""

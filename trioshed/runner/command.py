@@ -1,0 +1,84 @@
+"""The llama-server command line for a model, its runner options and its placement (pure)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trioshed.core.model import ModelSpec, Placement, RunnerOptions
+
+_LLAMA_BACKEND = {"cuda": "CUDA", "vulkan": "Vulkan", "rocm": "ROCm", "metal": "Metal", "sycl": "SYCL"}
+
+
+def llama_device_name(device_id: str) -> str:
+    """trioshed's ``"cuda:1"`` → llama.cpp's ``"CUDA1"``."""
+    library, _, index = device_id.partition(":")
+    return _LLAMA_BACKEND.get(library, library.upper()) + index
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Process-wide runner settings (not per request)."""
+
+    binary: str
+    env: tuple[tuple[str, str], ...] = ()
+    load_timeout: float = 300.0
+    verbose: bool = True  # llama-server prints its buffer sizes only when verbose
+    accounting_only: bool = False  # declared inventory: children run on the CPU
+    stop_grace: float = 5.0
+
+
+def build_command(
+    binary: str,
+    model: ModelSpec,
+    options: RunnerOptions,
+    placement: Placement,
+    *,
+    port: int,
+    verbose: bool = True,
+    accounting_only: bool = False,
+) -> list[str]:
+    """llama-server argv. trioshed decides placement itself, so ``--fit off`` with explicit ``-ngl``.
+
+    ``accounting_only`` (a declared inventory, no real GPU): the scheduler accounts memory as if
+    the runner sat on ``placement.devices`` while the child itself runs on the CPU.
+    """
+    ngl = 0 if accounting_only else placement.n_gpu_layers
+    argv = [
+        binary,
+        "--model", model.path,
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--ctx-size", str(options.kv_cells),
+        "--parallel", str(options.num_parallel),
+        "--batch-size", str(options.num_batch),
+        "--fit", "off",
+        "--n-gpu-layers", str(ngl),
+        "--no-webui",
+        "--log-colors", "off",
+        "--alias", model.name,
+    ]  # fmt: skip
+    if options.num_thread > 0:
+        argv += ["--threads", str(options.num_thread)]
+    if placement.devices and not accounting_only:
+        argv += ["--device", ",".join(llama_device_name(d) for d in placement.devices)]
+        if placement.tensor_split:
+            argv += ["--tensor-split", ",".join(f"{x:.4g}" for x in placement.tensor_split)]
+        if placement.main_gpu is not None:
+            argv += ["--main-gpu", str(placement.main_gpu)]
+    else:
+        argv += ["--device", "none"]
+    if options.flash_attention:
+        argv += ["--flash-attn", "on"]
+        if options.kv_cache_type != "f16":
+            argv += ["--cache-type-k", options.kv_cache_type, "--cache-type-v", options.kv_cache_type]
+    else:
+        argv += ["--flash-attn", "off"]
+    if options.use_mmap is False:
+        argv += ["--no-mmap"]
+    for adapter in model.adapters:
+        argv += ["--lora", adapter]
+    if model.projector:
+        argv += ["--mmproj", model.projector]
+    if verbose:
+        argv += ["--verbose"]
+    return argv

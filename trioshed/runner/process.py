@@ -1,0 +1,232 @@
+"""A supervised ``llama-server`` child.
+
+``open_llama_server()`` starts the child under ``trio.run_process`` in a nursery it owns, drains
+its output into a bounded tail (and the memory-log parser), waits until ``GET /health`` answers
+200, and yields a :class:`LlamaServer`. Leaving the block stops the child: SIGTERM, a grace
+period, SIGKILL, reaped. The child carries a parent-death signal, so a killed trioshed leaves no
+orphan.
+
+Cancellation: cancelling the enclosing scope at any point (during the load too) stops and reaps
+the child before the cancellation propagates.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import signal
+import socket
+import subprocess
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from functools import partial
+
+import httpx
+import trio
+
+from trioshed.core.model import MeasuredMemory, ModelSpec, Placement, RunnerOptions
+from trioshed.errors import LoadFailed
+from trioshed.runner.command import LaunchConfig, build_command
+
+try:
+    from trioshed.runner.memlog import MemoryLogParser
+except ImportError:  # pragma: no cover - lands with the memory-estimate work
+    MemoryLogParser = None  # type: ignore[assignment,misc]
+
+_PR_SET_PDEATHSIG = 1
+_TAIL_LINES = 200
+
+
+def _set_parent_death_signal() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class OutputTail:
+    """The last lines a child printed: for error messages and ``/api/ps``-style diagnostics."""
+
+    def __init__(self, lines: int = _TAIL_LINES) -> None:
+        self._lines: deque[str] = deque(maxlen=lines)
+
+    def append(self, line: str) -> None:
+        self._lines.append(line)
+
+    def text(self, lines: int = 20) -> str:
+        return "\n".join(list(self._lines)[-lines:])
+
+    def errors(self, lines: int = 6) -> str:
+        """The lines most likely to explain a failure (errors first, else the last lines)."""
+        interesting = [
+            ln for ln in self._lines if any(w in ln.lower() for w in ("error", "failed", "exception", "what()"))
+        ]
+        return "\n".join((interesting or list(self._lines))[-lines:])
+
+
+def _terminate_after(grace: float) -> Callable[[trio.Process], object]:
+    async def deliver_cancel(process: trio.Process) -> None:
+        process.terminate()
+        with trio.move_on_after(grace) as scope:
+            await process.wait()
+        if scope.cancelled_caught:
+            process.kill()
+
+    return deliver_cancel
+
+
+class LlamaServer:
+    """A running, ready llama-server child: its address, output and exit."""
+
+    def __init__(self, model: ModelSpec, options: RunnerOptions, placement: Placement, port: int) -> None:
+        self.model = model
+        self.options = options
+        self.placement = placement
+        self.port = port
+        self.base_url = f"http://127.0.0.1:{port}"
+        self.tail = OutputTail()
+        self.process: trio.Process | None = None
+        self._exited = trio.Event()
+        self._memlog = MemoryLogParser() if MemoryLogParser is not None else None
+        self._progress: trio.CancelScope | None = None
+        self._load_timeout = math.inf
+        self.http = httpx.AsyncClient(base_url=self.base_url, timeout=httpx.Timeout(None, connect=10.0))
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.returncode if self.process else None
+
+    @property
+    def exited(self) -> bool:
+        return self._exited.is_set()
+
+    @property
+    def measured(self) -> MeasuredMemory | None:
+        return self._memlog.result() if self._memlog is not None else None
+
+    async def wait_exited(self) -> int | None:
+        await self._exited.wait()
+        return self.returncode
+
+    async def health(self) -> bool:
+        """True when the child answers ``/health`` with 200 within 10 s (the reference's ping)."""
+        if self.exited:
+            return False
+        try:
+            with trio.fail_after(10):
+                response = await self.http.get("/health")
+        except (httpx.HTTPError, trio.TooSlowError):
+            return False
+        return response.status_code == 200
+
+    def _on_line(self, line: str) -> None:
+        self.tail.append(line)
+        if self._memlog is not None:
+            self._memlog.feed(line)
+        if self._progress is not None:  # output is progress: a load that prints isn't stuck
+            self._progress.deadline = trio.current_time() + self._load_timeout
+
+    async def _drain(self, stream: trio.abc.ReceiveStream) -> None:
+        buffer = b""
+        async with stream:
+            while chunk := await stream.receive_some(65536):
+                buffer += chunk
+                *lines, buffer = buffer.split(b"\n")
+                for raw in lines:
+                    self._on_line(raw.decode("utf-8", "replace").rstrip("\r"))
+        if buffer:
+            self._on_line(buffer.decode("utf-8", "replace"))
+
+    async def _wait_ready(self, load_timeout: float) -> None:
+        self._load_timeout = load_timeout
+        with trio.CancelScope(deadline=trio.current_time() + load_timeout) as self._progress:
+            delay = 0.01
+            while not self.exited:
+                try:
+                    response = await self.http.get("/health", timeout=5.0)
+                    if response.status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                with trio.move_on_after(delay):
+                    await self._exited.wait()
+                delay = min(delay * 1.5, 0.25)
+        self._progress = None
+        if self.exited:
+            raise LoadFailed(
+                f"llama-server exited with code {self.returncode} before it was ready; "
+                f"last output: {self.tail.errors()!r}; check that {self.model.path} is a valid GGUF "
+                "that this llama.cpp build supports",
+                returncode=self.returncode,
+                stderr_tail=self.tail.text(),
+            )
+        raise LoadFailed(
+            f"llama-server made no progress loading {self.model.name} for {load_timeout:.0f}s "
+            f"(TRIOSHED_LOAD_TIMEOUT); last output: {self.tail.errors()!r}",
+            stderr_tail=self.tail.text(),
+        )
+
+    async def _supervise(self, argv: list[str], config: LaunchConfig, *, task_status: trio.TaskStatus[None]) -> None:
+        try:
+            async with trio.open_nursery() as nursery:
+                try:
+                    self.process = await nursery.start(
+                        partial(
+                            trio.run_process,
+                            argv,
+                            stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT,
+                            check=False,
+                            env=dict(config.env) if config.env else None,
+                            start_new_session=True,
+                            preexec_fn=_set_parent_death_signal,
+                            deliver_cancel=_terminate_after(config.stop_grace),
+                        )
+                    )
+                except OSError as exc:
+                    raise LoadFailed(f"cannot start llama-server {argv[0]!r}: {exc}") from None
+                assert self.process is not None and self.process.stdout is not None
+                task_status.started()
+                await self._drain(self.process.stdout)
+        finally:
+            self._exited.set()
+
+
+@asynccontextmanager
+async def open_llama_server(
+    model: ModelSpec, options: RunnerOptions, placement: Placement, config: LaunchConfig
+) -> AsyncIterator[LlamaServer]:
+    """Start a llama-server for ``model`` and yield it once ``/health`` answers 200.
+
+    Raises LoadFailed (with the child's exit code and last output) when the child exits first or
+    prints nothing for ``config.load_timeout`` seconds.
+    """
+    port = free_port()
+    server = LlamaServer(model, options, placement, port)
+    argv = build_command(
+        config.binary, model, options, placement, port=port,
+        verbose=config.verbose, accounting_only=config.accounting_only,
+    )  # fmt: skip
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(server._supervise, argv, config)
+            await server._wait_ready(config.load_timeout)
+            try:
+                yield server
+            finally:
+                nursery.cancel_scope.cancel(reason="runner stopped")
+    finally:
+        with trio.move_on_after(1, shield=True):
+            await server.http.aclose()
