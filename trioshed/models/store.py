@@ -99,10 +99,10 @@ class ModelStore:
             )
         if tag != "latest":
             raise ModelNotFound(name)
-        path = self.root / f"{base}.gguf"
-        if not path.is_file():
+        file = self.root / f"{base}.gguf"
+        if not file.is_file():
             raise ModelNotFound(name)
-        return self._spec_from_file(full, path)
+        return self._spec_from_file(full, file)
 
     def list(self) -> list[ModelSpec]:
         specs: dict[str, ModelSpec] = {}

@@ -1,0 +1,588 @@
+"""The scheduler: requests in, leases on runners out.
+
+Shape (Trio): ``run()`` owns a nursery holding every runner's lifetime task. Requests enter
+through a bounded memory channel (full: :class:`QueueFull`, HTTP 503); a receiver task moves them
+into the waiting list. Every change (a request arrives or leaves, a lease ends, a load completes
+or fails, a runner exits) marks the state dirty; the loop then asks the pure planner
+(:func:`trioshed.core.sched.plan`) what to do and performs it: dispatch, load, evict, fail.
+
+A runner's lifetime task wraps the child in a cancel scope: unloading is cancelling it, and the
+keep-alive timer *is* that scope's deadline (``inf`` while leased or kept forever, now + keep_alive
+once idle). An unexpected exit of the child is seen at once by the same task.
+
+Cancellation: a request cancelled while queued leaves the waiting list at once; a lease whose
+``async with`` exits (client gone, handler cancelled) is released synchronously.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import trio
+
+from trioshed.core import sched
+from trioshed.core.model import MeasuredMemory, MemoryEstimate, ModelSpec, Placement, RunnerOptions
+from trioshed.core.sched import Dispatch, Evict, Fail, Load, Machine, RunnerState
+from trioshed.devices import DeviceSource
+from trioshed.errors import LoadFailed, QueueFull, RunnerCrashed, ShuttingDown, TrioshedError
+
+log = logging.getLogger(__name__)
+
+COOLDOWN_FIRST = 10.0
+COOLDOWN_MAX = 300.0
+VRAM_RECOVERY_TIMEOUT = 5.0
+VRAM_POLL_INTERVAL = 0.25
+
+
+class RunnerHandle(Protocol):
+    """What the scheduler needs of a running child (real: LlamaServer; tests: a fake)."""
+
+    base_url: str
+
+    @property
+    def pid(self) -> int | None: ...
+    @property
+    def returncode(self) -> int | None: ...
+    @property
+    def measured(self) -> MeasuredMemory | None: ...
+    async def wait_exited(self) -> int | None: ...
+
+
+RunnerFactory = Callable[[ModelSpec, RunnerOptions, Placement], AbstractAsyncContextManager[Any]]
+Estimator = Callable[[ModelSpec, RunnerOptions], MemoryEstimate]
+
+
+@dataclass(eq=False)
+class _Runner:
+    id: int
+    model: ModelSpec
+    options: RunnerOptions
+    placement: Placement
+    estimate: MemoryEstimate
+    state: RunnerState = RunnerState.LOADING
+    leases: int = 0
+    evicting: bool = False
+    keep_alive: float = 300.0
+    last_used: float = 0.0
+    # scope: the whole life (cancelling it aborts a load); timer: the serving phase, whose deadline
+    # is the keep-alive expiry and whose cancellation is an unload.
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    timer: trio.CancelScope = field(default_factory=lambda: trio.CancelScope(deadline=math.inf))
+    served: int = 0
+    handle: Any = None
+    load_started: float = 0.0
+    load_duration: float = 0.0
+    crash: RunnerCrashed | None = None
+    idle_since_wall: float = field(default_factory=time.time)
+    unload_reason: str = ""
+
+    def usage(self) -> tuple[tuple[str, int], ...]:
+        """Bytes per device: the placement's prediction, scaled to llama.cpp's measured total."""
+        usage = sched.usage_of(self.placement)
+        measured = self.handle.measured if self.handle is not None else None
+        predicted = self.placement.total
+        if measured is not None and measured.total > 0 and predicted > 0:
+            scale = measured.total / predicted
+            usage = tuple((dev, int(b * scale)) for dev, b in usage)
+        return usage
+
+    @property
+    def stopping(self) -> bool:
+        return self.scope.cancel_called or self.timer.cancel_called
+
+    def stop(self, reason: str) -> None:
+        """Unload: cancel the serving phase (or the load itself, if still loading)."""
+        self.timer.cancel(reason=reason)
+        if self.state is RunnerState.LOADING:
+            self.scope.cancel(reason=reason)
+
+    def view(self) -> sched.RunnerView:
+        state = RunnerState.UNLOADING if self.stopping else self.state
+        return sched.RunnerView(
+            id=self.id,
+            model=self.model,
+            options=self.options,
+            state=state,
+            leases=self.leases,
+            evicting=self.evicting,
+            keep_alive=self.keep_alive,
+            last_used=self.last_used,
+            usage=self.usage(),
+        )
+
+
+@dataclass(eq=False)
+class _Request:
+    id: int
+    model: ModelSpec
+    options: RunnerOptions
+    keep_alive: float
+    estimate: MemoryEstimate
+    done: trio.Event = field(default_factory=trio.Event)
+    runner: _Runner | None = None
+    error: TrioshedError | None = None
+    enqueued: float = 0.0
+    load_duration: float = 0.0
+
+    def view(self) -> sched.RequestView:
+        return sched.RequestView(self.id, self.model, self.options, self.estimate)
+
+
+class Lease:
+    """A request's hold on a runner slot, from dispatch until released (synchronous, idempotent)."""
+
+    def __init__(self, scheduler: Scheduler, runner: _Runner, load_duration: float) -> None:
+        self._scheduler = scheduler
+        self._runner = runner
+        self.load_duration = load_duration
+        self.released = False
+
+    @property
+    def model(self) -> ModelSpec:
+        return self._runner.model
+
+    @property
+    def options(self) -> RunnerOptions:
+        return self._runner.options
+
+    @property
+    def handle(self) -> Any:
+        return self._runner.handle
+
+    @property
+    def base_url(self) -> str:
+        return str(self._runner.handle.base_url)
+
+    @property
+    def crash(self) -> RunnerCrashed | None:
+        """Set when the runner died under this lease: the error to give the client."""
+        return self._runner.crash
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self._scheduler._release(self._runner)
+
+
+@dataclass(frozen=True)
+class RunnerStats:
+    id: int
+    model: str
+    path: str
+    state: str
+    leases: int
+    slots: int
+    waiting: int
+    evicting: bool
+    pid: int | None
+    keep_alive: float
+    expires_at: float  # wall-clock seconds; inf = never
+    size: int
+    size_vram: int
+    context_length: int
+    load_duration: float
+    placement: Placement
+    estimate: MemoryEstimate
+    measured: MeasuredMemory | None
+
+
+@dataclass(frozen=True)
+class SchedulerStatistics:
+    queued: int
+    leased: int
+    loaded: int
+    loading: int
+    unloading: int
+    runners: tuple[RunnerStats, ...]
+    loads: int
+    unloads: int
+    crashes: int
+    load_failures: int
+    rejected: int
+
+
+class Scheduler:
+    """Owns the runners; hands out leases. Start with ``await nursery.start(scheduler.run)``."""
+
+    def __init__(
+        self,
+        *,
+        devices: DeviceSource,
+        factory: RunnerFactory,
+        estimator: Estimator,
+        place: sched.Placer,
+        max_queue: int = 512,
+        max_loaded_models: int = 0,
+        default_keep_alive: float = 300.0,
+        gpu_overhead: int = 0,
+        spread: bool = False,
+        record: list[tuple[str, str]] | None = None,
+    ) -> None:
+        self._devices = devices
+        self._factory = factory
+        self._estimator = estimator
+        self._place = place
+        self.max_queue = max_queue
+        self.max_loaded = sched.default_max_loaded(max_loaded_models, len(devices.gpus))
+        self.default_keep_alive = default_keep_alive
+        self._overhead = gpu_overhead
+        self._spread = spread
+        self.record = record  # (event, model) in order: for tests and debugging
+        # Requests enter here; the buffer is the queue bound (TRIOSHED_MAX_QUEUE).
+        self._pending_send, self._pending_recv = trio.open_memory_channel[_Request](max_queue)
+        self._waiting: list[_Request] = []
+        self._runners: dict[int, _Runner] = {}
+        self._cooldowns: dict[str, tuple[float, str]] = {}
+        self._backoff: dict[str, float] = {}
+        self._dirty = trio.Event()
+        self._ids = itertools.count(1)
+        self._nursery: trio.Nursery | None = None
+        self._closing = False
+        self._counters = dict(loads=0, unloads=0, crashes=0, load_failures=0, rejected=0)
+
+    # -- the public surface -------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run until cancelled; on the way out every runner is stopped and reaped."""
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                nursery.start_soon(self._receive_requests)
+                task_status.started()
+                while True:
+                    await self._dirty.wait()
+                    self._dirty = trio.Event()
+                    self._schedule()
+        finally:
+            self._closing = True
+            for req in self._waiting:
+                self._finish(req, error=ShuttingDown())
+
+    @asynccontextmanager
+    async def acquire(
+        self, model: ModelSpec, options: RunnerOptions, keep_alive: float | None = None
+    ) -> AsyncIterator[Lease]:
+        """Wait for a runner of ``model`` with ``options`` and hold a slot on it.
+
+        Raises QueueFull (503) at once when the queue is full; the planner's errors (507, 503
+        cooldown, load failures) when they apply. Cancellation while waiting leaves the queue.
+        """
+        lease = await self._wait_for_lease(model, options, keep_alive)
+        try:
+            yield lease
+        finally:
+            lease.release()
+
+    async def _wait_for_lease(self, model: ModelSpec, options: RunnerOptions, keep_alive: float | None) -> Lease:
+        if self._closing or self._nursery is None:
+            raise ShuttingDown()
+        estimate = await trio.to_thread.run_sync(self._estimator, model, options)
+        req = _Request(
+            id=next(self._ids),
+            model=model,
+            options=options,
+            keep_alive=self.default_keep_alive if keep_alive is None else keep_alive,
+            estimate=estimate,
+            enqueued=trio.current_time(),
+        )
+        self.submit_nowait(req)
+        try:
+            await req.done.wait()
+        except BaseException:
+            self._withdraw(req)
+            raise
+        if req.error is not None:
+            raise req.error
+        assert req.runner is not None
+        return Lease(self, req.runner, req.load_duration)
+
+    def submit_nowait(self, req: _Request) -> None:
+        if len(self._waiting) + self._pending_send.statistics().current_buffer_used >= self.max_queue:
+            self._counters["rejected"] += 1
+            raise QueueFull()
+        try:
+            self._pending_send.send_nowait(req)
+        except trio.WouldBlock:
+            self._counters["rejected"] += 1
+            raise QueueFull() from None
+
+    async def unload(self, model: ModelSpec) -> bool:
+        """Unload every runner of ``model`` (``keep_alive: 0`` with an empty prompt). Returns
+        whether one was loaded; waits until the children have exited."""
+        runners = [r for r in self._runners.values() if r.model.path == model.path]
+        for r in runners:
+            r.evicting = True
+            r.unload_reason = "unload requested"
+            if r.leases == 0:
+                r.stop("unload requested")
+        self._wake()
+        while any(r.id in self._runners for r in runners):
+            await self._wait_changed()
+        return bool(runners)
+
+    def statistics(self) -> SchedulerStatistics:
+        now, wall = trio.current_time(), time.time()
+        runners = []
+        for r in self._runners.values():
+            view = r.view()
+            waiting = sum(1 for q in self._waiting if q.model.path == r.model.path)
+            if r.leases > 0 or r.state is RunnerState.LOADING:
+                expires = math.inf if r.keep_alive == math.inf else wall + r.keep_alive
+            else:
+                expires = math.inf if r.timer.deadline == math.inf else wall + max(0.0, r.timer.deadline - now)
+            usage = dict(view.usage)
+            size = sum(usage.values())
+            runners.append(
+                RunnerStats(
+                    id=r.id,
+                    model=r.model.name,
+                    path=r.model.path,
+                    state=view.state.value,
+                    leases=r.leases,
+                    slots=r.options.num_parallel,
+                    waiting=waiting,
+                    evicting=r.evicting,
+                    pid=r.handle.pid if r.handle is not None else None,
+                    keep_alive=r.keep_alive,
+                    expires_at=expires,
+                    size=size,
+                    size_vram=size - usage.get(sched.CPU_ID, 0),
+                    context_length=r.options.num_ctx,
+                    load_duration=r.load_duration,
+                    placement=r.placement,
+                    estimate=r.estimate,
+                    measured=r.handle.measured if r.handle is not None else None,
+                )
+            )
+        states = [r.view().state for r in self._runners.values()]
+        return SchedulerStatistics(
+            queued=len(self._waiting) + self._pending_send.statistics().current_buffer_used,
+            leased=sum(r.leases for r in self._runners.values()),
+            loaded=states.count(RunnerState.READY),
+            loading=states.count(RunnerState.LOADING),
+            unloading=states.count(RunnerState.UNLOADING),
+            runners=tuple(sorted(runners, key=lambda s: (s.expires_at, s.id))),
+            **self._counters,
+        )
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        self._dirty.set()
+        self._changed_event().set()
+
+    _changed: trio.Event | None = None
+
+    def _changed_event(self) -> trio.Event:
+        if self._changed is None or self._changed.is_set():
+            self._changed = trio.Event()
+        return self._changed
+
+    async def _wait_changed(self) -> None:
+        await self._changed_event().wait()
+
+    def _note(self, event: str, model: ModelSpec) -> None:
+        log.info("%s %s", event, model.name)
+        if self.record is not None:
+            self.record.append((event, model.short_name))
+
+    async def _receive_requests(self) -> None:
+        async with self._pending_recv:
+            async for req in self._pending_recv:
+                if not req.done.is_set():
+                    self._waiting.append(req)
+                    self._wake()
+
+    def _withdraw(self, req: _Request) -> None:
+        """The requester left (cancelled): leave the queue, or give back a lease granted meanwhile."""
+        if req in self._waiting:
+            self._waiting.remove(req)
+            self._note("left queue", req.model)
+        if req.runner is not None and req.error is None:
+            self._release(req.runner)
+        req.error = req.error or ShuttingDown()
+        req.done.set()
+        self._wake()
+
+    def _finish(self, req: _Request, *, runner: _Runner | None = None, error: TrioshedError | None = None) -> None:
+        if req.done.is_set():
+            return
+        if req in self._waiting:
+            self._waiting.remove(req)
+        req.runner, req.error = runner, error
+        req.done.set()
+
+    def _release(self, runner: _Runner) -> None:
+        runner.leases -= 1
+        runner.last_used = trio.current_time()
+        if runner.leases == 0 and runner.id in self._runners:
+            runner.idle_since_wall = time.time()
+            if runner.evicting or runner.keep_alive <= 0:
+                runner.stop(runner.unload_reason or "keep_alive 0")
+            else:
+                runner.timer.deadline = trio.current_time() + runner.keep_alive
+        self._wake()
+
+    def _machine(self) -> Machine:
+        return Machine(
+            gpus=self._devices.poll(),
+            system=self._devices.system(),
+            max_loaded=self.max_loaded,
+            overhead=self._overhead,
+            spread=self._spread,
+        )
+
+    def _schedule(self) -> None:
+        now = trio.current_time()
+        self._waiting = [r for r in self._waiting if not r.done.is_set()]
+        if not self._waiting:
+            return
+        requests = {r.id: r for r in self._waiting}
+        actions = sched.plan(
+            [r.view() for r in self._waiting],
+            [r.view() for r in self._runners.values()],
+            self._machine(),
+            place=self._place,
+            now=now,
+            cooldowns=self._cooldowns,
+            next_runner_id=-1,
+        )
+        provisional: dict[int, _Runner] = {}
+        for action in actions:
+            match action:
+                case Dispatch(request=rid, runner=runner_id):
+                    runner = self._runners.get(runner_id) or provisional[runner_id]
+                    self._dispatch(requests[rid], runner)
+                case Load(request=rid, placement=placement):
+                    runner = self._start_load(requests[rid], placement)
+                    provisional[-(len(provisional) + 1)] = runner
+                case Evict(runner=runner_id, reason=reason):
+                    self._evict(self._runners[runner_id], reason)
+                case Fail(request=rid, error=error):
+                    self._note("failed", requests[rid].model)
+                    self._finish(requests[rid], error=error)
+
+    def _dispatch(self, req: _Request, runner: _Runner) -> None:
+        runner.leases += 1
+        runner.last_used = trio.current_time()
+        runner.keep_alive = req.keep_alive
+        runner.timer.deadline = math.inf
+        req.load_duration = runner.load_duration if runner.served == 0 else 0.0
+        runner.served += 1
+        self._note("dispatch", req.model)
+        self._finish(req, runner=runner)
+
+    def _evict(self, runner: _Runner, reason: str) -> None:
+        runner.evicting = True
+        runner.unload_reason = reason
+        self._note("evict", runner.model)
+        if runner.leases == 0:
+            runner.stop(reason)
+
+    def _start_load(self, req: _Request, placement: Placement) -> _Runner:
+        assert self._nursery is not None
+        runner = _Runner(
+            id=next(self._ids),
+            model=req.model,
+            options=req.options,
+            placement=placement,
+            estimate=req.estimate,
+            keep_alive=req.keep_alive,
+            last_used=trio.current_time(),
+            load_started=trio.current_time(),
+        )
+        self._runners[runner.id] = runner
+        self._counters["loads"] += 1
+        self._note("load", req.model)
+        self._nursery.start_soon(self._runner_life, runner, name=f"runner {req.model.name}")
+        return runner
+
+    def _fail_waiters(self, runner: _Runner, error: TrioshedError) -> None:
+        for req in list(self._waiting):
+            if req.model.path == runner.model.path and sched.can_serve(runner.view(), req.model, req.options):
+                self._finish(req, error=error)
+
+    async def _runner_life(self, runner: _Runner) -> None:
+        """Load, serve until stopped (timer cancelled or keep-alive deadline) or crashed, clean up."""
+        try:
+            with runner.scope:
+                try:
+                    async with self._factory(runner.model, runner.options, runner.placement) as handle:
+                        self._on_ready(runner, handle)
+                        with runner.timer:
+                            await handle.wait_exited()
+                            self._on_crash(runner)
+                            return
+                        # Stopped (unload, eviction, keep-alive expiry): the child is still alive here,
+                        # so this is the moment to read the GPUs' free memory before it goes.
+                        runner.state = RunnerState.UNLOADING
+                        baseline = await self._vram_baseline(runner)
+                    self._counters["unloads"] += 1
+                    self._note("unloaded", runner.model)
+                    if baseline is not None:
+                        await self._wait_for_vram_recovery(runner, baseline)
+                except LoadFailed as exc:
+                    self._on_load_failed(runner, exc)
+                except (OSError, RuntimeError) as exc:
+                    self._on_load_failed(runner, LoadFailed(f"cannot run llama-server: {exc}"))
+        finally:
+            self._runners.pop(runner.id, None)
+            self._wake()
+
+    def _on_ready(self, runner: _Runner, handle: Any) -> None:
+        runner.handle = handle
+        runner.state = RunnerState.READY
+        runner.load_duration = trio.current_time() - runner.load_started
+        self._cooldowns.pop(runner.model.path, None)
+        self._backoff.pop(runner.model.path, None)
+        self._note("ready", runner.model)
+        self._wake()
+
+    def _on_crash(self, runner: _Runner) -> None:
+        """The child exited on its own: forget the runner now, so the next request reloads."""
+        self._counters["crashes"] += 1
+        tail = getattr(runner.handle, "tail", None)
+        runner.crash = RunnerCrashed(
+            runner.model.name, runner.handle.returncode, tail.errors() if tail is not None else ""
+        )
+        runner.state = RunnerState.UNLOADING
+        self._runners.pop(runner.id, None)
+        self._note("crashed", runner.model)
+        self._wake()
+
+    def _on_load_failed(self, runner: _Runner, exc: LoadFailed) -> None:
+        self._counters["load_failures"] += 1
+        path = runner.model.path
+        self._backoff[path] = min(self._backoff.get(path, COOLDOWN_FIRST / 2) * 2, COOLDOWN_MAX)
+        self._cooldowns[path] = (trio.current_time() + self._backoff[path], exc.message[:300])
+        self._note("load failed", runner.model)
+        self._runners.pop(runner.id, None)
+        self._fail_waiters(runner, exc)
+
+    async def _vram_baseline(self, runner: _Runner) -> int | None:
+        if not (runner.placement.devices and self._devices.recovers_vram):
+            return None
+        ids = set(runner.placement.devices)
+        with trio.CancelScope(shield=True):
+            polled = await trio.to_thread.run_sync(self._devices.poll)
+        return sum(d.free for d in polled if d.id in ids)
+
+    async def _wait_for_vram_recovery(self, runner: _Runner, baseline: int) -> None:
+        """Free GPU memory lags behind a child's exit: wait until ~80% of its use is back."""
+        expected = sum(b for dev, b in runner.usage() if dev != sched.CPU_ID)
+        ids = set(runner.placement.devices)
+        with trio.move_on_after(VRAM_RECOVERY_TIMEOUT) as scope:
+            while True:
+                polled = await trio.to_thread.run_sync(self._devices.poll)
+                if sum(d.free for d in polled if d.id in ids) - baseline >= 0.8 * expected:
+                    break
+                await trio.sleep(VRAM_POLL_INTERVAL)
+        if scope.cancelled_caught:
+            log.warning("GPU memory of %s did not recover within %.0fs", runner.model.name, VRAM_RECOVERY_TIMEOUT)
