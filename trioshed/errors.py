@@ -117,7 +117,15 @@ class RunnerCrashed(RunnerError):
 
 
 class UpstreamError(TrioshedError):
+    """llama-server refused the request; a 4xx from it (bad parameters, prompt too long) keeps
+    its status, anything else is a 502."""
+
     status = 502
+
+    def __init__(self, message: str, *, status: int | None = None) -> None:
+        super().__init__(message)
+        if status is not None and 400 <= status < 500:
+            self.status = status
 
 
 class ShuttingDown(TrioshedError):

@@ -274,13 +274,13 @@ class Scheduler:
         Raises QueueFull (503) at once when the queue is full; the planner's errors (507, 503
         cooldown, load failures) when they apply. Cancellation while waiting leaves the queue.
         """
-        lease = await self._wait_for_lease(model, options, keep_alive)
+        lease = await self.wait_for_lease(model, options, keep_alive)
         try:
             yield lease
         finally:
             lease.release()
 
-    async def _wait_for_lease(self, model: ModelSpec, options: RunnerOptions, keep_alive: float | None) -> Lease:
+    async def wait_for_lease(self, model: ModelSpec, options: RunnerOptions, keep_alive: float | None) -> Lease:
         if self._closing or self._nursery is None:
             raise ShuttingDown()
         estimate = await trio.to_thread.run_sync(self._estimator, model, options)

@@ -1,0 +1,5 @@
+import sys
+
+from trioshed.cli import main
+
+sys.exit(main())

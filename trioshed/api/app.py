@@ -1,0 +1,91 @@
+"""The Quart-Trio application: routes, error handling, CORS and the optional API key.
+
+The only package importing quart. Every TrioshedError becomes ``{"error": message}`` with its
+status and headers; anything unexpected becomes a 500 with a short message (never a traceback).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from typing import Any
+
+from quart import Response, request
+from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException
+
+from trioshed.api import metrics, ollama, openai
+from trioshed.api.state import AppState
+from trioshed.errors import PayloadTooLarge, TrioshedError, Unauthorized
+
+log = logging.getLogger(__name__)
+
+MAX_BODY = 64 * 1024 * 1024
+_LOCAL_ORIGINS = ("http://localhost", "https://localhost", "http://127.0.0.1", "https://127.0.0.1", "app://", "file://", "tauri://")
+
+
+def _json_error(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
+    import json
+
+    response = Response(json.dumps({"error": message}), status=status, content_type="application/json")
+    for k, v in (headers or {}).items():
+        response.headers[k] = v
+    return response
+
+
+def create_app(state: AppState) -> QuartTrio:
+    app = QuartTrio("trioshed")
+    app.config["TRIOSHED"] = state
+    app.config["RESPONSE_TIMEOUT"] = None  # token streams may run for many minutes
+    app.config["BODY_TIMEOUT"] = None
+    app.config["MAX_CONTENT_LENGTH"] = MAX_BODY
+    app.register_blueprint(ollama.bp)
+    app.register_blueprint(openai.bp)
+    app.register_blueprint(metrics.bp)
+    origins = state.settings.origins
+    api_key = state.settings.api_key
+
+    @app.before_request
+    async def _guard() -> Response | None:
+        if request.method == "OPTIONS":
+            return Response("", status=204)
+        if api_key and request.path not in ("/", "/api/version"):
+            auth = request.headers.get("Authorization", "")
+            if not secrets.compare_digest(auth.encode(), f"Bearer {api_key}".encode()):
+                raise Unauthorized("missing or wrong API key: send 'Authorization: Bearer <TRIOSHED_API_KEY>'")
+        length = request.content_length
+        if length is not None and length > MAX_BODY:
+            raise PayloadTooLarge(f"request body of {length} bytes exceeds the {MAX_BODY} byte limit")
+        return None
+
+    @app.after_request
+    async def _cors(response: Response) -> Response:
+        origin = request.headers.get("Origin")
+        if origin and (origin in origins or "*" in origins or origin.startswith(_LOCAL_ORIGINS)):
+            response.headers["Access-Control-Allow-Origin"] = origin
+            response.headers["Vary"] = "Origin"
+            response.headers["Access-Control-Allow-Headers"] = "Authorization, Content-Type"
+            response.headers["Access-Control-Allow-Methods"] = "GET, POST, DELETE, HEAD, OPTIONS"
+        return response
+
+    @app.errorhandler(TrioshedError)
+    async def _trioshed_error(exc: TrioshedError) -> Response:
+        response = _json_error(exc.status, exc.message, exc.headers)
+        if exc.status == 413:
+            response.headers["Connection"] = "close"  # a keep-alive client would hang otherwise
+        return response
+
+    @app.errorhandler(HTTPException)
+    async def _http_error(exc: HTTPException) -> Response:
+        status = exc.code or 500
+        response = _json_error(status, exc.description or exc.name)
+        if status == 413:
+            response.headers["Connection"] = "close"
+        return response
+
+    @app.errorhandler(Exception)
+    async def _unexpected(exc: Exception) -> Any:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return _json_error(500, f"internal error: {type(exc).__name__}: {exc}")
+
+    return app

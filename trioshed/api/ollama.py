@@ -1,0 +1,285 @@
+"""Ollama's API: /api/generate, /api/chat, /api/ps, /api/tags, /api/show, /api/version, GET /.
+
+Statuses are decided before the response starts (Quart sends headers before it enters the
+body): unknown model 404, bad input 400, queue full 503, cannot fit 507, load failure 500.
+Errors after the first streamed chunk arrive as a final NDJSON ``{"error": ...}`` line.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+import trio
+from quart import Blueprint, Response, current_app, request
+
+from trioshed import __version__
+from trioshed.api import translate
+from trioshed.api.state import AppState
+from trioshed.api.upstream import LeasedBody, upstream_events
+from trioshed.config import parse_duration
+from trioshed.core.model import ModelSpec
+from trioshed.errors import BadRequest, TrioshedError
+from trioshed.scheduler import Lease
+
+log = logging.getLogger(__name__)
+bp = Blueprint("ollama", __name__)
+
+NDJSON = "application/x-ndjson"
+
+
+def state() -> AppState:
+    return current_app.config["TRIOSHED"]  # type: ignore[no-any-return]
+
+
+async def json_body() -> dict[str, Any]:
+    raw = await request.get_data(as_text=False)
+    if not raw:
+        raise BadRequest("missing request body")
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadRequest(f"invalid JSON in request body: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    return body
+
+
+def keep_alive_of(body: Mapping[str, Any]) -> float | None:
+    value = body.get("keep_alive")
+    if value is None:
+        return None
+    try:
+        return parse_duration(value)
+    except (ValueError, TypeError) as exc:
+        raise BadRequest(f"invalid keep_alive: {exc}") from None
+
+
+def rfc3339(ts: float) -> str:
+    if math.isinf(ts):
+        ts = datetime(2318, 1, 1, tzinfo=UTC).timestamp()  # "forever", as Ollama shows it
+    return datetime.fromtimestamp(ts, UTC).isoformat().replace("+00:00", "Z")
+
+
+def ndjson(obj: Mapping[str, Any]) -> bytes:
+    return json.dumps(obj, ensure_ascii=False).encode() + b"\n"
+
+
+async def _ollama_stream(
+    lease: Lease, upstream: translate.Upstream, stream: translate.OllamaStream, started: float
+) -> AsyncIterator[bytes]:
+    try:
+        async for line in upstream_events(lease, upstream.path, upstream.body):
+            event = translate.parse_sse_line(line)
+            if event is None:
+                continue
+            for chunk in stream.feed(event):
+                yield ndjson(chunk)
+        if not stream.finished:
+            raise await _truncated(lease)
+        yield ndjson(stream.finish(load_duration_ns=_ns(lease.load_duration), total_duration_ns=_ns(time.monotonic() - started)))
+    except TrioshedError as exc:
+        log.warning("stream for %s ended with an error: %s", lease.model.name, exc.message)
+        yield ndjson(exc.to_json())
+
+
+async def _truncated(lease: Lease) -> TrioshedError:
+    from trioshed.api.upstream import crash_or
+
+    return await crash_or(lease, RuntimeError("llama-server closed the stream early"))
+
+
+def _ns(seconds: float) -> int:
+    return int(seconds * 1e9)
+
+
+async def _serve(kind: translate.Kind) -> Response:
+    st = state()
+    started = time.monotonic()
+    body = await json_body()
+    model = st.store.resolve(body.get("model") or "")
+    keep_alive = keep_alive_of(body)
+    defaults = {k: v for k, v in model.defaults}
+    sampling_overrides = body.get("options")
+    if sampling_overrides is not None and not isinstance(sampling_overrides, dict):
+        raise BadRequest("options must be an object")
+    _, runner_overrides = translate.split_options({**defaults, **(sampling_overrides or {})})
+    options = st.runner_options(model, runner_overrides)
+
+    if translate.is_load_only(kind, body):
+        if keep_alive == 0:
+            await st.scheduler.unload(model)
+            reason = "unload"
+        else:
+            async with st.scheduler.acquire(model, options, keep_alive):
+                pass
+            reason = "load"
+        return Response(
+            json.dumps(translate.load_response(kind, model.name, done_reason=reason, created_at=translate.now_rfc3339())),
+            content_type="application/json",
+        )
+
+    upstream = translate.generate_upstream(body) if kind == "generate" else translate.chat_upstream(body)
+    if defaults:
+        sampling_defaults, _ = translate.split_options(defaults)
+        upstream = translate.Upstream(upstream.path, {**sampling_defaults, **upstream.body})
+    translator = translate.OllamaStream(kind, model.name)
+
+    if body.get("stream", True) is False:
+        async with st.scheduler.acquire(model, options, keep_alive) as lease:
+            async for line in upstream_events(lease, upstream.path, upstream.body):
+                event = translate.parse_sse_line(line)
+                if event is not None:
+                    translator.feed(event)
+            if not translator.finished:
+                raise await _truncated(lease)
+            result = translator.aggregate(
+                load_duration_ns=_ns(lease.load_duration), total_duration_ns=_ns(time.monotonic() - started)
+            )
+        return Response(json.dumps(result, ensure_ascii=False), content_type="application/json")
+
+    lease = await st.scheduler.wait_for_lease(model, options, keep_alive)
+    response = Response(LeasedBody(lease, _ollama_stream(lease, upstream, translator, started)), content_type=NDJSON)
+    response.timeout = None  # Quart's RESPONSE_TIMEOUT would cut long token streams
+    return response
+
+
+@bp.post("/api/generate")
+async def generate() -> Response:
+    return await _serve("generate")
+
+
+@bp.post("/api/chat")
+async def chat() -> Response:
+    return await _serve("chat")
+
+
+async def details(spec: ModelSpec) -> dict[str, Any]:
+    from trioshed.models.gguf_meta import read_metadata
+
+    try:
+        meta = await trio.to_thread.run_sync(read_metadata, spec.path)
+    except Exception as exc:  # a broken file still lists, with what is known
+        log.warning("cannot read metadata of %s: %s", spec.path, exc)
+        return {"parent_model": "", "format": "gguf", "family": "", "families": None, "parameter_size": "", "quantization_level": ""}
+    arch = meta.architecture or ""
+    return {
+        "parent_model": "",
+        "format": "gguf",
+        "family": arch,
+        "families": [arch] if arch else None,
+        "parameter_size": _human_params(meta.parameter_count),
+        "quantization_level": meta.quantization or "",
+    }
+
+
+def _human_params(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            value = n / size
+            return f"{value:.1f}{unit}" if value < 10 else f"{value:.0f}{unit}"
+    return str(n)
+
+
+@bp.get("/api/tags")
+async def tags() -> Any:
+    st = state()
+    models = []
+    for spec in await trio.to_thread.run_sync(st.store.list):
+        models.append(
+            {
+                "name": spec.name,
+                "model": spec.name,
+                "modified_at": rfc3339(spec.modified),
+                "size": spec.size,
+                "digest": await st.digest(spec),
+                "details": await details(spec),
+            }
+        )
+    return {"models": models}
+
+
+@bp.get("/api/ps")
+async def ps() -> Any:
+    st = state()
+    out = []
+    for r in st.scheduler.statistics().runners:
+        spec = st.store.resolve(r.model) if _resolvable(st, r.model) else None
+        out.append(
+            {
+                "name": r.model,
+                "model": r.model,
+                "size": r.size,
+                "size_vram": r.size_vram,
+                "digest": (await st.digest(spec)) if spec else "",
+                "details": (await details(spec)) if spec else {},
+                "expires_at": rfc3339(r.expires_at),
+                "context_length": r.context_length,
+            }
+        )
+    return {"models": out}
+
+
+def _resolvable(st: AppState, name: str) -> bool:
+    try:
+        st.store.resolve(name)
+    except TrioshedError:
+        return False
+    return True
+
+
+@bp.post("/api/show")
+async def show() -> Any:
+    from trioshed.core.estimate import estimate
+    from trioshed.models.gguf_meta import read_metadata
+
+    st = state()
+    body = await json_body()
+    spec = st.store.resolve(body.get("model") or body.get("name") or "")
+    meta = await trio.to_thread.run_sync(read_metadata, spec.path)
+    options = st.runner_options(spec, {})
+    est = estimate(meta, options)
+    arch = meta.architecture
+    info: dict[str, Any] = {
+        "general.architecture": arch,
+        "general.parameter_count": meta.parameter_count,
+        "general.file_type": meta.file_type,
+    }
+    for key, value in meta.fields.items():
+        if isinstance(value, int | float | str | bool) and not key.startswith("tokenizer.") and len(str(value)) < 256:
+            info[key] = value
+    info.update(
+        {
+            "trioshed.estimate.num_ctx": options.num_ctx,
+            "trioshed.estimate.weights": est.weights,
+            "trioshed.estimate.kv": est.kv,
+            "trioshed.estimate.compute": est.compute_full,
+            "trioshed.estimate.output": est.output,
+            "trioshed.estimate.token_embd": est.token_embd,
+            "trioshed.estimate.total": est.total,
+        }
+    )
+    return {
+        "modelfile": f"FROM {spec.path}\n",
+        "parameters": "\n".join(f"{k} {v}" for k, v in spec.defaults),
+        "template": meta.chat_template or "",
+        "details": await details(spec),
+        "model_info": info,
+        "capabilities": ["completion"],
+        "modified_at": rfc3339(spec.modified),
+    }
+
+
+@bp.get("/api/version")
+async def version() -> Any:
+    return {"version": __version__}
+
+
+@bp.route("/", methods=["GET", "HEAD"])
+async def root() -> Response:
+    return Response("Ollama is running", content_type="text/plain; charset=utf-8")

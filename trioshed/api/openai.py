@@ -1,0 +1,100 @@
+"""OpenAI's API: /v1/chat/completions, /v1/completions, /v1/models.
+
+llama-server speaks OpenAI's API itself; trioshed resolves the model, leases a runner and
+relays the answer, naming the model as the client did. Errors use OpenAI's error shape.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import trio
+from quart import Blueprint, Response
+
+from trioshed.api.ollama import json_body, keep_alive_of, state
+from trioshed.api.translate import openai_model_rewrite, parse_sse_line, split_options
+from trioshed.api.upstream import LeasedBody, crash_or, upstream_events
+from trioshed.errors import BadRequest, TrioshedError
+from trioshed.scheduler import Lease
+
+bp = Blueprint("openai", __name__)
+
+_OLLAMA_STYLE = {"max_tokens": "num_predict"}
+
+
+async def _relay(lease: Lease, path: str, body: dict[str, Any], model: str) -> AsyncIterator[bytes]:
+    try:
+        async for line in upstream_events(lease, path, body):
+            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                if line.strip():
+                    yield line + b"\n\n"
+                continue
+            event = parse_sse_line(line)
+            if event is None:
+                continue
+            yield b"data: " + json.dumps(openai_model_rewrite(event, model)).encode() + b"\n\n"
+    except TrioshedError as exc:
+        yield b"data: " + json.dumps({"error": {"message": exc.message, "type": "server_error", "code": exc.status}}).encode() + b"\n\n"
+
+
+async def _proxy(path: str) -> Response:
+    st = state()
+    body = await json_body()
+    name = body.get("model")
+    if not isinstance(name, str) or not name:
+        raise BadRequest("model is required")
+    model = st.store.resolve(name)
+    keep_alive = keep_alive_of(body)
+    body.pop("keep_alive", None)
+    runner_overrides = body.pop("options", None) or {}
+    if not isinstance(runner_overrides, dict):
+        raise BadRequest("options must be an object")
+    _, runner_overrides = split_options(runner_overrides)
+    options = st.runner_options(model, runner_overrides)
+    body["model"] = model.name
+    streaming = bool(body.get("stream", False))
+    if not streaming:
+        async with st.scheduler.acquire(model, options, keep_alive) as lease:
+            try:
+                response = await lease.handle.http.post(path, json=body)
+            except httpx.HTTPError as exc:
+                raise await crash_or(lease, exc) from None
+        try:
+            data = response.json()
+        except ValueError:
+            data = {"error": {"message": response.text[:500]}}
+        if isinstance(data, dict):
+            data = openai_model_rewrite(data, name)
+        return Response(json.dumps(data), status=response.status_code, content_type="application/json")
+    lease = await st.scheduler.wait_for_lease(model, options, keep_alive)
+    resp = Response(LeasedBody(lease, _relay(lease, path, body, name)), content_type="text/event-stream")
+    resp.headers["Cache-Control"] = "no-cache"
+    resp.timeout = None
+    return resp
+
+
+@bp.post("/v1/chat/completions")
+async def chat_completions() -> Response:
+    return await _proxy("/v1/chat/completions")
+
+
+@bp.post("/v1/completions")
+async def completions() -> Response:
+    return await _proxy("/v1/completions")
+
+
+@bp.get("/v1/models")
+async def models() -> Any:
+    st = state()
+    specs = await trio.to_thread.run_sync(st.store.list)
+    return {
+        "object": "list",
+        "data": [
+            {"id": s.short_name, "object": "model", "created": int(s.modified or time.time()), "owned_by": "trioshed"}
+            for s in specs
+        ],
+    }

@@ -1,0 +1,49 @@
+"""What the HTTP routes share: settings, the model store, the scheduler, model facts."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import trio
+
+from trioshed.config import Settings
+from trioshed.core.model import ModelSpec, RunnerOptions
+from trioshed.errors import BadRequest
+from trioshed.models.store import ModelStore
+from trioshed.scheduler import Scheduler
+
+_RUNNER_FIELDS = {"num_ctx", "num_batch", "num_gpu", "main_gpu", "use_mmap", "num_thread"}
+
+
+@dataclass
+class AppState:
+    settings: Settings
+    store: ModelStore
+    scheduler: Scheduler
+    started: float = field(default_factory=time.time)
+
+    def runner_options(self, model: ModelSpec, overrides: dict[str, Any]) -> RunnerOptions:
+        """The runner options for a request: settings, then the model's defaults, then the request."""
+        s = self.settings
+        options = RunnerOptions(
+            num_ctx=s.context_length,
+            num_parallel=s.num_parallel,
+            num_thread=s.num_thread,
+        )
+        merged = {k: v for k, v in model.defaults if k in _RUNNER_FIELDS}
+        merged.update({k: v for k, v in overrides.items() if k in _RUNNER_FIELDS and v is not None})
+        try:
+            options = replace(options, **merged)
+        except TypeError as exc:
+            raise BadRequest(f"invalid runner option: {exc}") from None
+        if options.num_ctx < 4:
+            options = replace(options, num_ctx=4)
+        return options
+
+    async def digest(self, spec: ModelSpec) -> str:
+        cached = self.store.cached_digest(spec)
+        if cached is not None:
+            return cached
+        return await trio.to_thread.run_sync(self.store.digest, spec)

