@@ -11,6 +11,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[bundled,test,bench]'
+	$(PY) -m trioshed.runner.provision
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -25,6 +25,7 @@ from functools import partial
 import httpx
 import trio
 
+from trioshed._util import single_error
 from trioshed.core.model import MeasuredMemory, ModelSpec, Placement, RunnerOptions
 from trioshed.errors import LoadFailed
 from trioshed.runner.command import LaunchConfig, build_command
@@ -220,13 +221,14 @@ async def open_llama_server(
         verbose=config.verbose, accounting_only=config.accounting_only,
     )  # fmt: skip
     try:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(server._supervise, argv, config)
-            await server._wait_ready(config.load_timeout)
-            try:
-                yield server
-            finally:
-                nursery.cancel_scope.cancel(reason="runner stopped")
+        with single_error(LoadFailed):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(server._supervise, argv, config)
+                await server._wait_ready(config.load_timeout)
+                try:
+                    yield server
+                finally:
+                    nursery.cancel_scope.cancel(reason="runner stopped")
     finally:
         with trio.move_on_after(1, shield=True):
             await server.http.aclose()
