@@ -78,6 +78,10 @@ class MemoryEstimate:
     layers: tuple[int, ...]
     projector: int = 0
     adapters: int = 0
+    #: Bytes of ``output`` that cost nothing while the output layer stays in system memory: with
+    #: tied embeddings (no ``output.weight``, e.g. gemma3) llama.cpp reuses ``token_embd.weight``,
+    #: a second copy only on a GPU. Added by trioshed.core.estimate.
+    output_shared: int = 0
 
     @property
     def total(self) -> int:
@@ -90,6 +94,11 @@ class MemoryEstimate:
             + self.projector
             + self.adapters
         )
+
+    @property
+    def cpu_total(self) -> int:
+        """Everything in system memory (``-ngl 0``): ``total`` less the tied output copy."""
+        return self.total - self.output_shared
 
 
 @dataclass(frozen=True)
@@ -138,6 +147,8 @@ class MeasuredMemory:
     kv_k: int = 0
     kv_v: int = 0
     compute: dict[str, int] = field(default_factory=dict)  # backend ("CPU", "CUDA0") -> bytes
+    #: Logits/embeddings output buffers (``output buffer size``), backend -> bytes.
+    output: dict[str, int] = field(default_factory=dict)
 
     @property
     def weights(self) -> int:
@@ -145,7 +156,7 @@ class MeasuredMemory:
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv + sum(self.compute.values())
+        return self.weights + self.kv + sum(self.compute.values()) + sum(self.output.values())
 
 
 @dataclass(frozen=True)
