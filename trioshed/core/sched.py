@@ -189,6 +189,18 @@ class _Sim:
             overhead=self.machine.overhead,
         )
 
+    def fits_after(self, place: Placer, req: RequestView, victims: Sequence[RunnerView]) -> Placement | None:
+        """Where ``req`` would go once pending evictions and ``victims`` are gone, if anywhere."""
+        ids = {v.id for v in victims}
+        saved = self.runners
+        self.runners = [replace(r, evicting=True) if r.id in ids else r for r in saved]
+        try:
+            result = self.place(place, req, projected=True)
+            ok = isinstance(result, Placement) and self.count(projected=True) < self.machine.max_loaded
+        finally:
+            self.runners = saved
+        return result if ok and isinstance(result, Placement) else None
+
     def capacity(self, place: Placer, req: RequestView, system_capacity: int) -> Placement | DoesNotFit:
         gpus = tuple(replace(d, free=d.total) for d in self.machine.gpus)
         return place(
@@ -286,21 +298,30 @@ def plan(
             )
             new_id -= 1
             continue
-        # Not now: make room. Evict victims until the request fits once they are gone.
-        while True:
-            projected = sim.place(place, req, projected=True)
-            if isinstance(projected, Placement) and sim.count(projected=True) < machine.max_loaded:
-                sim.reserved[req.model.path] = usage_of(projected)
+        # Not now: make room. Victims in order (idle first, shortest keep-alive, least recently
+        # used) until the request fits once they are gone; then drop any victim not needed.
+        candidates = sorted(
+            (r for r in sim.runners if r.state is RunnerState.READY and not r.evicting),
+            key=victim_order,
+        )
+        chosen: list[RunnerView] = []
+        fit = sim.fits_after(place, req, chosen)
+        for victim in candidates:
+            if fit is not None:
                 break
-            candidates = sorted(
-                (r for r in sim.runners if r.state is RunnerState.READY and not r.evicting),
-                key=victim_order,
-            )
-            if not candidates:
-                break  # only loading runners are left: wait for them, then decide again
-            victim = candidates[0]
+            chosen.append(victim)
+            fit = sim.fits_after(place, req, chosen)
+        if fit is not None:
+            for victim in reversed(list(chosen)):
+                without = [v for v in chosen if v is not victim]
+                if sim.fits_after(place, req, without) is not None:
+                    chosen = without
+        for victim in chosen:
             actions.append(Evict(victim.id, f"make room for {req.model.name}"))
             set_runner(replace(victim, evicting=True))
+        if fit is not None:
+            sim.reserved[req.model.path] = usage_of(sim.fits_after(place, req, []) or fit)
+        # else: only loading runners are left to evict: wait for them, then decide again
     return actions
 
 

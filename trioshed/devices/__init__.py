@@ -30,6 +30,7 @@ class DeviceSource:
     gpus: tuple[Device, ...]
     kind: str  # "nvml", "declared" or "cpu"
     accounting_only: bool = False
+    fixed_system: Device | None = None  # tests: a declared system memory instead of psutil's
     _handles: tuple[object, ...] = ()
 
     def poll(self) -> tuple[Device, ...]:
@@ -49,7 +50,7 @@ class DeviceSource:
         return tuple(polled)
 
     def system(self) -> Device:
-        return system_memory()
+        return self.fixed_system or system_memory()
 
     @property
     def recovers_vram(self) -> bool:

@@ -283,7 +283,7 @@ class Scheduler:
     async def wait_for_lease(self, model: ModelSpec, options: RunnerOptions, keep_alive: float | None) -> Lease:
         if self._closing or self._nursery is None:
             raise ShuttingDown()
-        estimate = await trio.to_thread.run_sync(self._estimator, model, options)
+        estimate = self._estimator(model, options)  # cached GGUF header read: microseconds once warm
         req = _Request(
             id=next(self._ids),
             model=model,
