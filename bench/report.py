@@ -1,0 +1,280 @@
+"""The comparison's summary: rows with ratios to direct, a markdown report, PNG plots.
+
+``summary_rows`` is pure (results in, rows out); ``plots`` imports matplotlib (the ``bench``
+extra) only when called, with the non-interactive Agg backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from bench.plan import TARGETS
+
+Row = dict[str, Any]
+
+
+def _get(d: Any, *path: str) -> Any:
+    for key in path:
+        if not isinstance(d, Mapping) or key not in d:
+            return None
+        d = d[key]
+    return d
+
+
+def _ratio(v: Any, base: Any) -> float | None:
+    if not isinstance(v, int | float) or not isinstance(base, int | float) or not base:
+        return None
+    return round(v / base, 3)
+
+
+def _row(metric: str, values: dict[str, Any], target: str = "", met: bool | None = None,
+         ratios: bool = True, note: str = "") -> Row:  # fmt: skip
+    base = values.get("direct")
+    return {
+        "metric": metric,
+        "values": values,
+        "ratio": {t: _ratio(v, base) for t, v in values.items() if t != "direct"} if ratios else {},
+        "target": target,
+        "met": met,
+        "note": note,
+    }
+
+
+def summary_rows(results: Mapping[str, Any]) -> list[Row]:
+    rows: list[Row] = []
+
+    def per(scenario: str) -> Mapping[str, Any]:
+        return _get(results, scenario, "per_target") or {}
+
+    for family in ("generate", "chat"):
+        pt = per(f"overhead-{family}")
+        if not pt:
+            continue
+        values = {t: _get(pt, t, "summary", "p50") for t in TARGETS if t in pt}
+        deltas = {t: _get(pt, t, "paired_delta_ms", "p50") for t in TARGETS if t in pt and t != "direct"}
+        d_tri, d_rou = deltas.get("trioshed"), deltas.get("router")
+        met = None if d_tri is None else (d_tri <= 1.0 and (d_rou is None or d_tri < d_rou))
+        note = ", ".join(f"{t} {v:+.2f} ms" for t, v in deltas.items() if v is not None)
+        rows.append(_row(f"overhead c=1 p50 ms ({family})", values,
+                         "trioshed ≤ direct +1 ms and < router", met, note=f"paired Δ p50: {note}"))  # fmt: skip
+
+    for scen in sorted(k for k in results if k.startswith("throughput-c")):
+        pt = per(scen)
+        conc = scen.removeprefix("throughput-c")
+        values = {t: _get(pt, t, "summary", "req_s") for t in TARGETS if t in pt}
+        r = _ratio(values.get("trioshed"), values.get("direct"))
+        target = "trioshed ≥ 0.97x direct" if conc == "16" else ""
+        met = (None if r is None else r >= 0.97) if conc == "16" else None
+        rows.append(_row(f"req/s c={conc}", values, target, met))
+        p99 = {t: _get(pt, t, "summary", "p99") for t in TARGETS if t in pt}
+        rows.append(_row(f"p99 ms c={conc}", p99))
+
+    pt = per("streaming")
+    if pt:
+        values = {t: _get(pt, t, "summary", "stream_tok_s") for t in TARGETS if t in pt}
+        r = _ratio(values.get("trioshed"), values.get("direct"))
+        rows.append(_row("stream tokens/s (gemma3, 128)", values, "trioshed ≥ 0.99x direct",
+                         None if r is None else r >= 0.99))  # fmt: skip
+        ttft = {t: _get(pt, t, "summary", "ttft_p50") for t in TARGETS if t in pt}
+        dt = _get(pt, "trioshed", "paired_ttft_delta_ms", "p50")
+        note = ", ".join(
+            f"{t} {v:+.2f} ms" for t in ("router", "trioshed")
+            if (v := _get(pt, t, "paired_ttft_delta_ms", "p50")) is not None
+        )  # fmt: skip
+        rows.append(_row("time to first token p50 ms", ttft, "trioshed ≤ direct +2 ms",
+                         None if dt is None else dt <= 2.0, note=f"paired Δ p50: {note}"))  # fmt: skip
+
+    pt = per("swap")
+    if pt:
+        values = {t: _get(pt, t, "summary", "p50") for t in TARGETS if t in pt}
+        r = _ratio(values.get("trioshed"), values.get("direct"))
+        errs = {t: _get(pt, t, "summary", "n") - (_get(pt, t, "summary", "ok") or 0) for t in pt}
+        rows.append(_row("swap ms p50 (max loaded 1; direct = cold start)", values,
+                         "trioshed ≤ 1.05x direct", None if r is None else r <= 1.05,
+                         note="failed: " + ", ".join(f"{t} {n}" for t, n in errs.items())))  # fmt: skip
+
+    pt = per("head-of-line")
+    if pt:
+        values = {t: _get(pt, t, "p99_ratio") for t in TARGETS if t in pt}
+        v = values.get("trioshed")
+        p99s = ", ".join(
+            f"{t} {_get(pt, t, 'alone', 'p99')}→{_get(pt, t, 'with_swaps', 'p99')} ms" for t in pt
+        )
+        rows.append(_row("head-of-line: A p99 with B swaps / without", values, "trioshed ≤ 1.2",
+                         None if v is None else v <= 1.2, ratios=False, note=p99s))  # fmt: skip
+
+    pt = per("overload")
+    if pt:
+        values = {t: _outcomes(_get(pt, t) or {}) for t in TARGETS if t in pt}
+        tri = _get(pt, "trioshed") or {}
+        met = None if not tri else (tri.get("lost", 1) == 0 and tri.get("other_5xx", 1) == 0)
+        q = _get(results, "overload", "trioshed_max_queue")
+        rows.append(_row("overload: answered/503/other 5xx/lost", values,
+                         "trioshed 0 lost, 0 other 5xx", met, ratios=False,
+                         note=f"trioshed queue {q}"))  # fmt: skip
+
+    for scen in sorted(k for k in results if k.startswith("contention-c")):
+        pt = per(scen)
+        values = {}
+        for t in TARGETS:
+            if t not in pt:
+                continue
+            s = _get(pt, t, "summary") or {}
+            failed = (s.get("n") or 0) - (s.get("ok") or 0)
+            values[t] = f"{failed} failed, {s.get('stalls', 0)} stalls, max {_fmt(s.get('max'), 0)} ms"
+        tri = _get(pt, "trioshed", "summary") or {}
+        met = None if not tri else (tri.get("n") == tri.get("ok"))
+        clients = scen.removeprefix("contention-c")
+        rows.append(_row(f"contention c={clients} (max loaded 1, 3 models)", values,
+                         "trioshed 0 failed", met, ratios=False,
+                         note="direct: three always-loaded servers (no swaps)"))  # fmt: skip
+
+    pt = per("rss")
+    if pt:
+        values = {t: _get(pt, t, "idle_rss_mb_after") for t in ("router", "trioshed") if t in pt}
+        fresh = {t: _get(pt, t, "idle_rss_mb_fresh") for t in ("router", "trioshed") if t in pt}
+        v = values.get("trioshed")
+        rows.append(_row("idle RSS MB of the server process (no children)", values,
+                         "trioshed ≤ 80 MB", None if v is None else v <= 80, ratios=False,
+                         note="fresh: " + ", ".join(f"{t} {x} MB" for t, x in fresh.items())))  # fmt: skip
+    return rows
+
+
+def _outcomes(d: Mapping[str, Any]) -> str:
+    return f"{d.get('answered', 0)}/{d.get('busy_503', 0)}/{d.get('other_5xx', 0)}/{d.get('lost', 0)}"
+
+
+def _fmt(v: Any, digits: int = 2) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+def summary_markdown(doc: Mapping[str, Any]) -> str:
+    """The summary table: one row per figure, each target's value and its ratio to direct."""
+    meta = doc.get("meta", {})
+    lines = [
+        f"trioshed bench ({meta.get('mode')}), {meta.get('started')} on {meta.get('host')} "
+        f"({meta.get('cpu_count')} CPUs, {meta.get('cpu')}), commit {meta.get('commit')}, "
+        f"{meta.get('binary_version') or meta.get('binary')}, "
+        f"flags {meta.get('flags')}",
+        "",
+        "| metric | direct | router | trioshed | router/direct | trioshed/direct | target | met |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- |",
+    ]
+    for row in doc.get("summary", []):
+        v, r = row["values"], row["ratio"]
+        met = {True: "yes", False: "**no**", None: ""}[row["met"]]
+        lines.append(
+            f"| {row['metric']} | {_fmt(v.get('direct'))} | {_fmt(v.get('router'))} | "
+            f"{_fmt(v.get('trioshed'))} | {_fmt(r.get('router'), 3)} | {_fmt(r.get('trioshed'), 3)} | "
+            f"{row['target']} | {met} |"
+        )
+    notes = [f"- {row['metric']}: {row['note']}" for row in doc.get("summary", []) if row.get("note")]
+    if notes:
+        lines += ["", *notes]
+    unavailable = doc.get("unavailable") or {}
+    if unavailable:
+        lines += ["", "Unavailable targets:"]
+        for k, msg in unavailable.items():
+            first = msg.strip().splitlines()[0] if msg.strip() else ""
+            lines.append(f"- {k}: {first}")
+    if meta.get("skipped"):
+        lines += ["", f"Skipped for time: {', '.join(meta['skipped'])}"]
+    lines += ["", f"elapsed {meta.get('elapsed_s')} s; leaked llama-servers: {meta.get('leaked_llama_servers')}"]
+    return "\n".join(lines) + "\n"
+
+
+def markdown(doc: Mapping[str, Any], files: Mapping[str, str]) -> str:
+    meta = doc.get("meta", {})
+    out = ["# trioshed side-by-side benchmark", "", summary_markdown(doc)]
+    out += [
+        "## How to reproduce",
+        "",
+        f"`make bench` (quick) or `make bench-full`; this run: `python -m bench.compare --{meta.get('mode')}`.",
+        "Targets share the binary, models and runner flags; targets are interleaved; ratios are to direct.",
+        "",
+    ]
+    for kind in ("cdf", "ratios"):
+        if kind in files:
+            out.append(f"![{kind}]({files[kind]})")
+    out += ["", "## Per scenario", ""]
+    for scen, data in doc.get("results", {}).items():
+        pt = data.get("per_target", {})
+        out.append(f"### {scen}")
+        out.append("")
+        out.append("| target | n | ok | by status | p50 ms | p90 ms | p99 ms | req/s | tok/s | ttft p50 ms |")
+        out.append("| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for t, d in pt.items():
+            for label, s in _summaries(d):
+                out.append(
+                    f"| {t}{label} | {s.get('n')} | {s.get('ok')} | {s.get('by_status')} | {_fmt(s.get('p50'))} | "
+                    f"{_fmt(s.get('p90'))} | {_fmt(s.get('p99'))} | {_fmt(s.get('req_s'))} | "
+                    f"{_fmt(s.get('tok_s'))} | {_fmt(s.get('ttft_p50'))} |"
+                )
+        out.append("")
+    return "\n".join(out) + "\n"
+
+
+def _summaries(d: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any]]]:
+    out = []
+    for key, label in (("summary", ""), ("alone", " (alone)"), ("with_swaps", " (with swaps)"), ("swaps", " (B swaps)")):
+        if isinstance(d.get(key), Mapping):
+            out.append((label, d[key]))
+    return out
+
+
+def plots(doc: Mapping[str, Any], out_dir: Path, stem: str) -> dict[str, Path]:
+    """Latency CDFs per target (overhead and c=16 throughput) and ratio bars; PNG files."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths: dict[str, Path] = {}
+    records = doc.get("records", [])
+    panels = [s for s in ("overhead-generate", "overhead-chat", "throughput-c16", "streaming") if s in doc.get("results", {})]
+    if panels:
+        fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.6), squeeze=False)
+        for ax, scen in zip(axes[0], panels, strict=True):
+            for t in TARGETS:
+                xs = sorted(r["total"] * 1e3 for r in records
+                            if r.get("scenario") == scen and r["target"] == t and r["status"] == 200
+                            and r.get("error") is None and r.get("total") is not None)  # fmt: skip
+                if xs:
+                    ys = [(i + 1) / len(xs) for i in range(len(xs))]
+                    ax.step(xs, ys, where="post", label=f"{t} (n={len(xs)})")
+            ax.set_title(scen)
+            ax.set_xlabel("latency ms")
+            ax.set_ylabel("fraction")
+            ax.set_xscale("log")
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        paths["cdf"] = out_dir / f"{stem}-latency-cdf.png"
+        fig.savefig(paths["cdf"], dpi=110)
+        plt.close(fig)
+
+    bars = [row for row in doc.get("summary", []) if row.get("ratio")]
+    if bars:
+        fig, ax = plt.subplots(figsize=(9, 0.45 * len(bars) + 1.5))
+        labels = [row["metric"] for row in bars]
+        width = 0.38
+        for k, t in enumerate(("router", "trioshed")):
+            vals = [row["ratio"].get(t) or 0.0 for row in bars]
+            ax.barh([i + (k - 0.5) * width for i in range(len(bars))], vals, height=width, label=t)
+        ax.axvline(1.0, color="black", lw=1)
+        ax.set_yticks(range(len(bars)))
+        ax.set_yticklabels(labels, fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlabel("ratio to direct (1.0 = direct)")
+        ax.legend()
+        fig.tight_layout()
+        paths["ratios"] = out_dir / f"{stem}-ratios.png"
+        fig.savefig(paths["ratios"], dpi=110)
+        plt.close(fig)
+    return paths
