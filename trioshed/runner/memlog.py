@@ -32,8 +32,13 @@ _MODEL = re.compile(r"\b(\S+) model buffer size = +" + _NUM + r" MiB")
 _KV_BUFFER = re.compile(r"\b(\S+) KV buffer size = +" + _NUM + r" MiB")
 _RS_BUFFER = re.compile(r"\b(\S+) RS buffer size = +" + _NUM + r" MiB")
 _KV_SUMMARY = re.compile(
-    r"llama_kv_cache: size = +" + _NUM + r" MiB \(.*?\), K \((\w+)\): +" + _NUM
-    + r" MiB, V \((\w+)\): +" + _NUM + r" MiB"
+    r"llama_kv_cache: size = +"
+    + _NUM
+    + r" MiB \(.*?\), K \((\w+)\): +"
+    + _NUM
+    + r" MiB, V \((\w+)\): +"
+    + _NUM
+    + r" MiB"
 )
 _OUTPUT = re.compile(r"\b(\S+) +output buffer size = +" + _NUM + r" MiB")
 _COMPUTE = re.compile(r"\b(\S+) compute buffer size = +" + _NUM + r" MiB")
@@ -109,6 +114,7 @@ class MemoryLogParser:
             kv_k=self._kv_k,
             kv_v=self._kv_v,
             compute=dict(self._compute),
+            output=dict(self._output),
         )
 
 

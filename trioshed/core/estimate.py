@@ -1,0 +1,271 @@
+"""Predict what llama-server will allocate for a model and a set of runner options.
+
+Pure: takes the parsed GGUF header (:class:`~trioshed.models.gguf_meta.GGUFMetadata`, or anything
+with the same attributes) and :class:`~trioshed.core.model.RunnerOptions`, returns a
+:class:`~trioshed.core.model.MemoryEstimate`. Each term follows what llama.cpp does (b10434), and
+``tests/test_estimate.py`` checks them against its verbose log on real runs:
+
+weights
+    Repeating layers: every ``blk.N.*`` tensor, byte for byte as stored (``layers[i]`` adds layer
+    i's KV cache: the unit that ``-ngl`` moves to a GPU).
+token_embd
+    The input layer (``token_embd``, ``position_embd``, ``token_types``): llama.cpp always keeps it
+    in system memory, whatever ``-ngl`` says.
+output
+    ``output_norm`` + ``output.weight`` + other non-layer tensors. Models with tied embeddings
+    (gemma3) have no ``output.weight``: llama.cpp then loads ``token_embd.weight`` a second time
+    for the output layer. On a GPU that copy costs its full size; on the CPU with mmap it is the
+    same mapped bytes, so ``MemoryEstimate.output_shared`` says how much of ``output`` is free on
+    the CPU.
+kv
+    Per layer: cells x (key_length + value_length) x head_count_kv[layer], in the cache type's
+    bytes per element. The runner's context is ``num_ctx x num_parallel`` cells, padded to 256
+    (per sequence: llama-server gives each slot its own stream). Sliding-window layers (gemma3:
+    five of every six) get their own, smaller cache:
+    ``pad256(min(n_ctx_seq, n_swa + n_ubatch))`` cells per stream.
+    Quantized caches (q8_0, q4_0) need flash attention; without it the runner uses f16 and so
+    does the estimate.
+compute_full / compute_partial
+    The graph buffers (see :func:`compute_buffer`), fitted to llama.cpp's reports.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import gguf
+
+from trioshed.core.model import MemoryEstimate, RunnerOptions
+
+__all__ = [
+    "KV_BYTES",
+    "MetadataLike",
+    "compute_buffer",
+    "estimate",
+    "kv_cells",
+    "kv_layer_bytes",
+    "swa_layers",
+]
+
+#: Default micro-batch of llama-server (``--ubatch-size``); trioshed does not change it.
+N_UBATCH = 512
+#: llama.cpp pads context sizes (and the SWA cache) to multiples of this.
+CTX_PAD = 256
+
+_Q = gguf.GGMLQuantizationType
+#: (block size, bytes per block) of each KV cache type.
+KV_BYTES: dict[str, tuple[int, int]] = {
+    "f32": gguf.GGML_QUANT_SIZES[_Q.F32],
+    "f16": gguf.GGML_QUANT_SIZES[_Q.F16],
+    "bf16": gguf.GGML_QUANT_SIZES[_Q.BF16],
+    "q8_0": gguf.GGML_QUANT_SIZES[_Q.Q8_0],
+    "q4_0": gguf.GGML_QUANT_SIZES[_Q.Q4_0],
+    "q4_1": gguf.GGML_QUANT_SIZES[_Q.Q4_1],
+    "q5_0": gguf.GGML_QUANT_SIZES[_Q.Q5_0],
+    "q5_1": gguf.GGML_QUANT_SIZES[_Q.Q5_1],
+    "iq4_nl": gguf.GGML_QUANT_SIZES[_Q.IQ4_NL],
+}
+
+#: The sliding-window period llama.cpp assumes per architecture when the file has no
+#: ``attention.sliding_window_pattern``: (period n, dense_first). Layer il uses the window unless
+#: il % n == n - 1 (or il % n == 0 when dense_first). From llama.cpp's ``load_swa_pattern`` calls.
+SWA_PATTERNS: dict[str, tuple[int, bool]] = {
+    "gemma2": (2, False),
+    "gemma3": (6, False),
+    "gemma-embedding": (6, False),
+    "gemma3n": (5, False),
+    "cohere2": (4, False),
+    "cohere2moe": (4, True),
+    "exaone4": (4, False),
+    "exaone-moe": (4, False),
+    "gpt-oss": (2, False),
+    "olmo2": (4, False),
+    "afmoe": (4, False),
+    "smallthinker": (4, True),
+    "modern-bert": (3, True),
+    "plamo3": (8, False),
+}
+
+_LAYER = re.compile(r"^blk\.(\d+)\.")
+_INPUT_PREFIXES = ("token_embd.", "position_embd.", "token_types.")
+
+
+class MetadataLike(Protocol):
+    """What :func:`estimate` reads from a GGUF header (``GGUFMetadata`` provides it)."""
+
+    @property
+    def architecture(self) -> str: ...
+    @property
+    def block_count(self) -> int: ...
+    @property
+    def key_length(self) -> int: ...
+    @property
+    def value_length(self) -> int: ...
+    @property
+    def embedding_length(self) -> int: ...
+    @property
+    def head_count(self) -> int | tuple[int, ...]: ...
+    @property
+    def sliding_window(self) -> int | None: ...
+    @property
+    def sliding_window_pattern(self) -> int | tuple[bool, ...] | None: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def tensors(self) -> Sequence[Any]: ...
+
+    def head_count_kv_per_layer(self) -> tuple[int, ...]: ...
+    def arch_get(self, suffix: str, default: Any = None) -> Any: ...
+
+
+def effective_kv_type(opts: RunnerOptions) -> str:
+    """The cache type the runner really uses: quantized caches need flash attention."""
+    kind = opts.kv_cache_type.lower()
+    if kind not in KV_BYTES:
+        raise ValueError(
+            f"unknown KV cache type {opts.kv_cache_type!r}; use one of {sorted(KV_BYTES)}"
+        )
+    if kind not in ("f16", "f32", "bf16") and not opts.flash_attention:
+        return "f16"
+    return kind
+
+
+def _row_bytes(kind: str, n: int) -> int:
+    block, size = KV_BYTES[kind]
+    return -(-n // block) * size
+
+
+def _pad(n: int, to: int = CTX_PAD) -> int:
+    return -(-n // to) * to
+
+
+def swa_layers(meta: MetadataLike) -> tuple[bool, ...]:
+    """Which layers use the sliding window (all False when the model has none)."""
+    n_layer = meta.block_count
+    window = meta.sliding_window
+    if not window:
+        return (False,) * n_layer
+    pattern = meta.sliding_window_pattern
+    if isinstance(pattern, tuple):
+        flags = tuple(bool(x) for x in pattern[:n_layer])
+        return flags + (False,) * (n_layer - len(flags))
+    period, dense_first = SWA_PATTERNS.get(meta.architecture, (0, False))
+    if isinstance(pattern, int):
+        period = pattern
+    if period == 0:
+        return (True,) * n_layer
+    if dense_first:
+        return tuple(il % period != 0 for il in range(n_layer))
+    return tuple(il % period < period - 1 for il in range(n_layer))
+
+
+def kv_cells(meta: MetadataLike, opts: RunnerOptions) -> tuple[int, ...]:
+    """KV cells per layer, as llama.cpp allocates them for ``opts`` (all streams together).
+
+    llama-server (``-c num_ctx*num_parallel -np num_parallel``) gives each slot its own stream of
+    ``pad256(num_ctx)`` cells; sliding-window layers hold ``pad256(min(that, n_swa + n_ubatch))``
+    cells per stream.
+    """
+    n_seq = max(1, opts.num_parallel)
+    n_ctx = _pad(opts.kv_cells)
+    n_ctx_seq = _pad(n_ctx // n_seq) if n_seq > 1 else n_ctx
+    full = n_ctx_seq * n_seq
+    window = meta.sliding_window or 0
+    n_ubatch = min(opts.num_batch, N_UBATCH)
+    swa = _pad(min(n_ctx_seq, window + n_ubatch)) * n_seq
+    return tuple(swa if is_swa else full for is_swa in swa_layers(meta))
+
+
+def kv_layer_bytes(meta: MetadataLike, opts: RunnerOptions) -> tuple[int, ...]:
+    """The KV cache bytes of each layer (K and V together)."""
+    kind = effective_kv_type(opts)
+    heads = meta.head_count_kv_per_layer()
+    k_len, v_len = meta.key_length, meta.value_length
+    return tuple(
+        cells * (_row_bytes(kind, k_len * h) + _row_bytes(kind, v_len * h)) if h else 0
+        for cells, h in zip(kv_cells(meta, opts), heads, strict=True)
+    )
+
+
+def compute_buffer(meta: MetadataLike, opts: RunnerOptions, *, partial: bool = False) -> int:
+    """Bytes of llama.cpp's compute (graph) buffer on the main backend.
+
+    Fitted to what llama.cpp reported on the CPU backend for the tiny models and gemma3-270m
+    (``bench/results/estimate-vs-llamacpp.md``); the terms follow the largest live tensors of the
+    prompt-processing graph at ``n_ubatch`` tokens:
+
+    - without flash attention, the attention scores and their softmax,
+      ``2 x n_kv x n_ubatch x n_head x 4`` bytes, with n_kv the largest layer cache;
+    - the hidden states and feed-forward activations, ``n_ubatch x (4 n_embd + 2 n_ff) x 4``;
+    - the logits, ``n_outputs x n_vocab x 4`` (reserved for one output per sequence).
+
+    ``partial`` (some layers on the CPU) keeps the same graph but copies activations between
+    backends: llama.cpp's reports barely differ, so the same figure plus the hidden-state copy.
+    """
+    n_ubatch = min(opts.num_batch, N_UBATCH)
+    n_seq = max(1, opts.num_parallel)
+    heads = meta.head_count
+    n_head = max(heads) if isinstance(heads, tuple) else heads
+    n_embd = meta.embedding_length
+    n_ff_raw = meta.arch_get("feed_forward_length", 4 * n_embd)
+    n_ff = max(n_ff_raw) if isinstance(n_ff_raw, tuple) else int(n_ff_raw)
+    cells = kv_cells(meta, opts)
+    n_kv = max(cells) // n_seq if cells else 0  # one stream's cells are attended at a time
+    attention = 0 if opts.flash_attention else 2 * n_kv * n_ubatch * n_head * 4
+    activations = n_ubatch * (4 * n_embd + 2 * n_ff) * 4
+    logits = n_seq * meta.vocab_size * 4
+    total = attention + activations + logits
+    if partial:
+        total += n_ubatch * n_embd * 4
+    return total
+
+
+def estimate(
+    meta: MetadataLike,
+    opts: RunnerOptions,
+    *,
+    projector_bytes: int = 0,
+    adapter_bytes: int = 0,
+) -> MemoryEstimate:
+    """What a runner of ``meta`` with ``opts`` needs, split the way placement moves it."""
+    n_layer = meta.block_count
+    layer_weights = [0] * n_layer
+    token_embd = 0
+    output = 0
+    has_output_weight = False
+    embd_weight = 0
+    for t in meta.tensors:
+        m = _LAYER.match(t.name)
+        if m:
+            il = int(m[1])
+            if il < n_layer:
+                layer_weights[il] += t.nbytes
+            else:  # extra layers (e.g. next-token-prediction heads) stay with the output
+                output += t.nbytes
+        elif t.name.startswith(_INPUT_PREFIXES):
+            token_embd += t.nbytes
+            if t.name == "token_embd.weight":
+                embd_weight = t.nbytes
+        else:
+            output += t.nbytes
+            if t.name == "output.weight":
+                has_output_weight = True
+    output_shared = 0
+    if not has_output_weight and embd_weight:
+        output_shared = embd_weight
+        output += embd_weight
+    kv_layers = kv_layer_bytes(meta, opts)
+    return MemoryEstimate(
+        weights=sum(layer_weights),
+        kv=sum(kv_layers),
+        output=output,
+        token_embd=token_embd,
+        compute_full=compute_buffer(meta, opts),
+        compute_partial=compute_buffer(meta, opts, partial=True),
+        layers=tuple(w + kv for w, kv in zip(layer_weights, kv_layers, strict=True)),
+        projector=projector_bytes,
+        adapters=adapter_bytes,
+        output_shared=output_shared,
+    )

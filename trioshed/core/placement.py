@@ -1,0 +1,251 @@
+"""Decide where a runner goes: which GPUs, how many layers, and the bytes on each device.
+
+Pure: a :class:`~trioshed.core.model.MemoryEstimate`, the GPUs' free memory and the system's free
+memory in; a :class:`~trioshed.core.model.Placement` or a
+:class:`~trioshed.core.model.DoesNotFit` out.
+
+Layer counting follows llama.cpp's ``-ngl``: the repeating layers are 0..n_layer-1 and the output
+layer counts as layer ``n_layer``, so ``n_gpu_layers = n_layer + 1`` offloads everything and
+``n_gpu_layers = k <= n_layer`` puts the *last* k repeating layers on the GPUs while the output
+layer stays in system memory. The input layer (``token_embd``) is always in system memory.
+
+With several GPUs llama.cpp assigns offloaded layer r (0-based among the offloaded ones, the
+output layer last) to the first device whose cumulative ``tensor_split`` fraction exceeds
+``r / n_offloaded``; :func:`split_layers` reproduces that rule, so the bytes predicted per device
+are the ones llama.cpp will allocate.
+
+Order of preference (Ollama's): CPU only when asked (``num_gpu=0``) or without GPUs; else one
+GPU that holds everything, the one with the most free memory; else all GPUs of one library with
+layers split in proportion to their free memory; else partial offload, the most layers that fit;
+else the model does not fit. ``spread`` skips the single-GPU step.
+
+"Would it fit if nothing else were loaded?" is :func:`capacity`: ``place()`` over the devices'
+totals.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import replace
+
+from trioshed.core.model import Device, DoesNotFit, MemoryEstimate, Placement
+
+__all__ = ["capacity", "gpu_layer_count", "place", "split_layers"]
+
+
+def gpu_layer_count(est: MemoryEstimate) -> int:
+    """``-ngl`` for full offload: the repeating layers plus the output layer."""
+    return len(est.layers) + 1
+
+
+def split_layers(n_layer: int, n_gpu_layers: int, fractions: Sequence[float]) -> list[list[int]]:
+    """Which layers (output layer = ``n_layer``) llama.cpp puts on each device for ``-ngl``.
+
+    ``fractions`` are ``--tensor-split`` weights (any scale). Mirrors ``llama_model::load_tensors``:
+    offloaded layers are ``[n_layer - ngl, n_layer]`` clipped, and layer il goes to the first
+    device whose cumulative normalised split exceeds ``(il - start) / act``.
+    """
+    n_dev = len(fractions)
+    out: list[list[int]] = [[] for _ in range(n_dev)]
+    total = float(sum(fractions))
+    if n_dev == 0 or total <= 0 or n_gpu_layers <= 0:
+        return out
+    cumulative = []
+    acc = 0.0
+    for f in fractions:
+        acc += f
+        cumulative.append(acc / total)
+    start = max(n_layer - n_gpu_layers, 0)
+    act = min(n_gpu_layers, n_layer + 1)
+    for il in range(start, n_layer + 1):
+        if il - start >= act:
+            break
+        dev = bisect.bisect_right(cumulative, (il - start) / act)
+        out[min(dev, n_dev - 1)].append(il)
+    return out
+
+
+def _layer_bytes(est: MemoryEstimate, il: int) -> int:
+    return est.output if il == len(est.layers) else est.layers[il]
+
+
+def _cpu_ram(est: MemoryEstimate, n_gpu_layers: int) -> int:
+    """System memory with ``n_gpu_layers`` offloaded: input layer, CPU layers, CPU compute."""
+    n_layer = len(est.layers)
+    if n_gpu_layers <= 0:
+        return est.cpu_total
+    on_cpu = max(n_layer - n_gpu_layers, 0)
+    ram = est.token_embd + sum(est.layers[:on_cpu])
+    if n_gpu_layers <= n_layer:  # output layer on the CPU, sharing token_embd if tied
+        ram += est.output - est.output_shared + est.compute_partial
+    return ram
+
+
+def _gpu_vram(
+    est: MemoryEstimate, gpus: Sequence[Device], n_gpu_layers: int, fractions: Sequence[float]
+) -> list[int]:
+    """Bytes on each GPU: its layers, its compute buffer, and projector/adapters on the first."""
+    n_layer = len(est.layers)
+    compute = est.compute_full if n_gpu_layers > n_layer else est.compute_partial
+    assigned = split_layers(n_layer, n_gpu_layers, fractions)
+    vram = []
+    for i, layers in enumerate(assigned):
+        if not layers and i != 0:
+            vram.append(0)
+            continue
+        b = sum(_layer_bytes(est, il) for il in layers) + compute
+        if i == 0:
+            b += est.projector + est.adapters
+        vram.append(b)
+    return vram
+
+
+def _usable(d: Device, overhead: int) -> int:
+    return max(0, d.free - overhead)
+
+
+def _try(
+    est: MemoryEstimate,
+    gpus: Sequence[Device],
+    n_gpu_layers: int,
+    *,
+    system_free: int,
+    overhead: int,
+) -> Placement | None:
+    """``n_gpu_layers`` over ``gpus`` split by usable memory, if every device has room."""
+    if n_gpu_layers <= 0 or not gpus:
+        ram = _cpu_ram(est, 0)
+        return Placement(n_gpu_layers=0, ram=ram) if ram <= system_free else None
+    usable = [_usable(d, overhead) for d in gpus]
+    if len(gpus) > 1:
+        # Proportional to what is left after each device's compute buffer: the bytes the layers
+        # can really use.
+        compute = est.compute_full if n_gpu_layers > len(est.layers) else est.compute_partial
+        fractions = [max(u - compute, 0) for u in usable]
+        if sum(fractions) <= 0:
+            return None
+    else:
+        fractions = [1.0]
+    vram = _gpu_vram(est, gpus, n_gpu_layers, fractions)
+    if any(v > u for v, u in zip(vram, usable, strict=True)):
+        return None
+    ram = _cpu_ram(est, n_gpu_layers)
+    if ram > system_free:
+        return None
+    used = [(d, v) for d, v in zip(gpus, vram, strict=True) if v > 0]
+    multi = len(gpus) > 1
+    total = float(sum(fractions))
+    return Placement(
+        n_gpu_layers=n_gpu_layers,
+        devices=tuple(d.id for d in gpus),
+        tensor_split=tuple(round(f / total, 4) for f in fractions) if multi else None,
+        main_gpu=0 if multi else None,
+        vram=tuple((d.id, v) for d, v in used),
+        ram=ram,
+    )
+
+
+def _libraries(gpus: Sequence[Device]) -> list[list[Device]]:
+    """GPUs grouped by library, each group by index, groups with the most free memory first."""
+    groups: dict[str, list[Device]] = {}
+    for d in gpus:
+        groups.setdefault(d.library, []).append(d)
+    ordered = [sorted(g, key=lambda d: d.index) for g in groups.values()]
+    ordered.sort(key=lambda g: -sum(d.free for d in g))
+    return ordered
+
+
+def place(
+    est: MemoryEstimate,
+    devices: Sequence[Device],
+    *,
+    system_free: int,
+    num_gpu: int = -1,
+    spread: bool = False,
+    overhead: int = 0,
+) -> Placement | DoesNotFit:
+    """Where to run a model needing ``est``.
+
+    ``devices`` are GPUs (CPU entries are ignored) whose ``free`` already excludes the loaded
+    runners; ``overhead`` bytes are kept free on each. ``system_free`` is the system memory
+    available to this runner. ``num_gpu``: -1 automatic, 0 CPU only, N exactly
+    ``min(N, n_layer + 1)`` layers (N counts the output layer as layer ``n_layer``).
+    """
+    gpus = [d for d in devices if not d.is_cpu]
+    n_full = gpu_layer_count(est)
+    if num_gpu == 0 or not gpus:
+        p = _try(est, (), 0, system_free=system_free, overhead=overhead)
+        if p is not None:
+            return p
+        where = "CPU only (num_gpu=0)" if num_gpu == 0 else "no GPU"
+        return DoesNotFit(
+            needed=est.cpu_total,
+            available=system_free,
+            reason=f"{where}: needs {_gib(est.cpu_total)} of system memory, {_gib(system_free)} free",
+        )
+
+    wanted = min(num_gpu, n_full) if num_gpu > 0 else n_full
+    by_free = sorted(gpus, key=lambda d: (-_usable(d, overhead), d.index))
+    if not spread:
+        for d in by_free:
+            p = _try(est, (d,), wanted, system_free=system_free, overhead=overhead)
+            if p is not None:
+                return p
+    groups = _libraries(gpus)
+    for group in groups:
+        if spread or len(group) > 1:
+            p = _try(est, group, wanted, system_free=system_free, overhead=overhead)
+            if p is not None:
+                return p
+    if num_gpu > 0:
+        best_gpu = _usable(by_free[0], overhead)
+        return DoesNotFit(
+            needed=est.total,
+            available=max(best_gpu, sum(_usable(d, overhead) for d in groups[0])),
+            reason=f"num_gpu={num_gpu}: {wanted} layers do not fit on the GPUs "
+            f"(or the rest in {_gib(system_free)} of system memory)",
+        )
+
+    # Partial offload: the most layers that fit, on the library group with the most memory (or
+    # the single best GPU when that holds more layers).
+    candidates: list[Sequence[Device]] = [groups[0], (by_free[0],)]
+    best: Placement | None = None
+    for cand in candidates:
+        for n in range(n_full - 1, -1, -1):
+            p = _try(est, cand, n, system_free=system_free, overhead=overhead)
+            if p is not None:
+                if best is None or p.n_gpu_layers > best.n_gpu_layers:
+                    best = p
+                break
+    if best is not None:
+        return best
+    gpu_room = max(sum(_usable(d, overhead) for d in g) for g in groups)
+    return DoesNotFit(
+        needed=est.total,
+        available=max(gpu_room, system_free),
+        reason=(
+            f"needs {_gib(est.total)}; the GPUs have {_gib(gpu_room)} free and system memory "
+            f"{_gib(system_free)}, and no split of layers between them fits"
+        ),
+    )
+
+
+def capacity(
+    est: MemoryEstimate,
+    devices_total: Sequence[Device],
+    *,
+    system_total: int,
+    num_gpu: int = -1,
+    spread: bool = False,
+    overhead: int = 0,
+) -> Placement | DoesNotFit:
+    """Would ``est`` fit with nothing else loaded? ``place()`` with every device's free = total."""
+    empty = [replace(d, free=d.total) for d in devices_total if not d.is_cpu]
+    return place(
+        est, empty, system_free=system_total, num_gpu=num_gpu, spread=spread, overhead=overhead
+    )
+
+
+def _gib(n: int) -> str:
+    return f"{n / 1024**3:.2f} GiB"
