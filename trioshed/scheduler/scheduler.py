@@ -327,6 +327,14 @@ class Scheduler:
             await self._wait_changed()
         return bool(runners)
 
+    async def wait_statistics(self, predicate: Callable[[SchedulerStatistics], bool]) -> SchedulerStatistics:
+        """Wait until ``predicate(statistics())`` holds (checked after every change); return it."""
+        while True:
+            stats = self.statistics()
+            if predicate(stats):
+                return stats
+            await self._wait_changed()
+
     def statistics(self) -> SchedulerStatistics:
         now, wall = trio.current_time(), time.time()
         runners = []

@@ -1,0 +1,72 @@
+"""Shared fixtures: model files, and the guarantee that no llama-server outlives the session."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.fixtures_models import (  # noqa: F401
+    gemma_model,
+    gemma_model_path,
+    tiny_model,
+    tiny_models,
+    tiny_shapes,
+)
+from trioshed.testing.tiny import write_tiny_model
+
+# Every process started by this session inherits this marker: it finds leaked children even
+# after they were re-parented.
+SESSION_MARK = f"TRIOSHED_TEST_SESSION={uuid.uuid4().hex}"
+os.environ["TRIOSHED_TEST_SESSION"] = SESSION_MARK.partition("=")[2]
+
+
+def session_llama_servers() -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["name", "cmdline"]):
+        try:
+            if "llama-server" not in (proc.info["name"] or "") and not any(
+                "llama-server" in part for part in (proc.info["cmdline"] or [])[:1]
+            ):
+                continue
+            with open(f"/proc/{proc.pid}/environ", "rb") as f:
+                if SESSION_MARK.encode() in f.read().split(b"\0"):
+                    found.append(proc)
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_llama_server_outlives_the_session() -> Iterator[None]:
+    yield
+    left = session_llama_servers()
+    for proc in left:
+        proc.kill()
+    assert not left, f"llama-server processes outlived the test session: {[p.pid for p in left]}"
+
+
+@pytest.fixture
+def no_leaked_runner() -> Iterator[None]:
+    """Per test: every llama-server this test started is gone when it ends."""
+    before = {p.pid for p in session_llama_servers()}
+    yield
+    left = [p for p in session_llama_servers() if p.pid not in before and p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not left, f"llama-server left running by this test: {[p.pid for p in left]}"
+
+
+@pytest.fixture
+def model_store(tmp_path: Path, tiny_model: Path) -> Path:  # noqa: F811
+    """A store folder holding ``tiny.gguf`` (a hard link to the session's tiny model)."""
+    store = tmp_path / "models"
+    store.mkdir()
+    os.link(tiny_model, store / "tiny.gguf")
+    return store
+
+
+def add_tiny(store: Path, name: str, **shape: object) -> Path:
+    return write_tiny_model(store / f"{name}.gguf", **shape)  # type: ignore[arg-type]

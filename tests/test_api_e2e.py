@@ -1,0 +1,140 @@
+"""End to end: a trioshed served in-process, real llama-server children, official clients.
+
+The official ``ollama`` and ``openai`` clients are synchronous here: they run in worker threads
+(``trio.to_thread``) while trioshed serves on the test's Trio loop. Real clock, ``fail_after``
+guards (simulated time would time out the children's start-up).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import ollama
+import openai
+import pytest
+import trio
+
+from trioshed.testing.server import open_test_server
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_leaked_runner")]
+
+FAST = {"num_predict": 8, "temperature": 0, "seed": 1}
+
+
+async def in_thread(fn, *args, **kwargs):  # type: ignore[no-untyped-def]
+    return await trio.to_thread.run_sync(lambda: fn(*args, **kwargs))
+
+
+async def test_official_ollama_client(model_store: Path) -> None:
+    with trio.fail_after(120):
+        async with open_test_server(model_store) as server:
+            client = ollama.Client(host=server.base_url)
+            result = await in_thread(client.generate, model="tiny", prompt="hello", options=FAST, stream=False)
+            assert result.done and result.done_reason in ("stop", "length")
+            assert result.eval_count and result.eval_count > 0 and result.load_duration and result.load_duration > 0
+
+            chunks = await in_thread(lambda: list(client.generate(model="tiny", prompt="hello", options=FAST, stream=True)))
+            assert chunks[-1].done and not any(c.done for c in chunks[:-1])
+            assert "".join(c.response for c in chunks) == result.response  # temperature 0, same seed
+
+            chat = await in_thread(client.chat, model="tiny", messages=[{"role": "user", "content": "hi"}], options=FAST)
+            assert chat.message.role == "assistant" and chat.done
+
+            ps = await in_thread(client.ps)
+            assert [m.model for m in ps.models] == ["tiny:latest"]
+            assert ps.models[0].size > 0 and ps.models[0].expires_at is not None
+
+            listed = await in_thread(client.list)
+            assert [m.model for m in listed.models] == ["tiny:latest"]
+            assert listed.models[0].digest and len(listed.models[0].digest) == 64
+
+
+async def test_official_openai_client(model_store: Path) -> None:
+    with trio.fail_after(120):
+        async with open_test_server(model_store) as server:
+            client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
+            reply = await in_thread(
+                client.chat.completions.create, model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=8
+            )
+            assert reply.model == "tiny" and reply.choices[0].message.role == "assistant"
+            stream = await in_thread(
+                lambda: list(
+                    client.chat.completions.create(
+                        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=8, stream=True
+                    )
+                )
+            )
+            assert stream and stream[-1].choices[0].finish_reason in ("stop", "length")
+            models = await in_thread(client.models.list)
+            assert [m.id for m in models.data] == ["tiny"]
+
+
+async def test_errors_are_json_with_the_right_status(model_store: Path) -> None:
+    with trio.fail_after(60):
+        async with open_test_server(model_store) as server, httpx.AsyncClient(base_url=server.base_url) as http:
+            r = await http.post("/api/generate", json={"model": "nope", "prompt": "x"})
+            assert r.status_code == 404 and r.json() == {"error": "model 'nope' not found"}
+            r = await http.post("/api/generate", content=b'{"model": "tiny", ')
+            assert r.status_code == 400 and "invalid JSON" in r.json()["error"]
+            r = await http.post("/api/chat", json={"model": "../etc/passwd", "messages": []})
+            assert r.status_code == 400 and "invalid model name" in r.json()["error"]
+            r = await http.post("/api/generate", json={"model": "tiny", "prompt": "x", "options": {"temperature": "hot"}})
+            assert r.status_code == 400 and "temperature" in r.json()["error"]
+            r = await http.post("/api/generate", json={"model": "tiny", "prompt": "x", "keep_alive": "soon"})
+            assert r.status_code == 400 and "keep_alive" in r.json()["error"]
+            r = await http.post("/v1/chat/completions", json={"model": "nope", "messages": []})
+            assert r.status_code == 404
+            assert (await http.get("/")).text == "Ollama is running"
+            assert (await http.get("/api/version")).json()["version"]
+
+
+async def test_client_disconnect_mid_stream_releases_the_lease(model_store: Path) -> None:
+    with trio.fail_after(120):
+        async with open_test_server(model_store) as server, httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
+            body = {"model": "tiny", "prompt": "hello", "options": {"num_predict": 2000, "temperature": 1}}
+            async with http.stream("POST", "/api/generate", json=body) as response:
+                assert response.status_code == 200
+                lines = response.aiter_lines()
+                first = json.loads(await lines.__anext__())
+                assert first["done"] is False
+                assert server.scheduler.statistics().leased == 1
+            # the client hung up: the handler is cancelled and the body gives the lease back
+            with trio.fail_after(10):
+                stats = await server.scheduler.wait_statistics(lambda s: s.leased == 0)
+            assert stats.loaded == 1 and stats.runners[0].leases == 0
+            r = await http.post("/api/generate", json={"model": "tiny", "prompt": "again", "stream": False, "options": FAST})
+            assert r.status_code == 200 and r.json()["done"] is True
+            assert server.scheduler.statistics().loads == 1  # the same runner, still usable
+
+
+async def test_empty_prompt_loads_and_keep_alive_zero_unloads(model_store: Path) -> None:
+    with trio.fail_after(60):
+        async with open_test_server(model_store) as server, httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
+            r = await http.post("/api/generate", json={"model": "tiny"})
+            assert r.json()["done_reason"] == "load" and server.scheduler.statistics().loaded == 1
+            r = await http.post("/api/generate", json={"model": "tiny", "keep_alive": 0})
+            assert r.json()["done_reason"] == "unload"
+            assert server.scheduler.statistics().runners == ()
+            r = await http.post("/api/generate", json={"model": "tiny", "prompt": "x", "keep_alive": 0, "stream": False, "options": FAST})
+            assert r.status_code == 200
+            with trio.fail_after(10):
+                await server.scheduler.wait_statistics(lambda s: not s.runners)
+
+
+async def test_gemma_answers_deterministically(gemma_model: Path, tmp_path: Path) -> None:
+    store = tmp_path / "models"
+    store.mkdir()
+    (store / "gemma3-270m.gguf").symlink_to(gemma_model)
+    with trio.fail_after(240):
+        async with open_test_server(store) as server, httpx.AsyncClient(base_url=server.base_url, timeout=120) as http:
+            body = {"model": "gemma3-270m", "prompt": "Name the capital of France.", "stream": False,
+                    "options": {"temperature": 0, "num_predict": 24}}  # fmt: skip
+            first = (await http.post("/api/generate", json=body)).json()
+            second = (await http.post("/api/generate", json=body)).json()
+            assert first["response"].strip(), first
+            assert first["response"] == second["response"]
+            assert first["load_duration"] > 0 and second["load_duration"] == 0
+            assert first["eval_count"] > 0 and first["prompt_eval_count"] > 0 and first["total_duration"] > 0
+            assert "Paris" in first["response"], first["response"]
