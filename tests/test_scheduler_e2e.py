@@ -1,0 +1,138 @@
+"""The scheduler end to end: real llama-server children, a declared device inventory.
+
+Memory pressure uses TRIOSHED_DEVICES-style inventories sized from the models' own estimates:
+the scheduler accounts memory as if the children sat on those devices (they run on the CPU).
+Slots are held by a slow real stream (gemma3-270m, ~20 tokens/s on one thread).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+
+from tests.conftest import add_tiny
+from trioshed.core.model import Device, RunnerOptions
+from trioshed.models.store import ModelStore
+from trioshed.server import estimate_model
+from trioshed.testing.server import open_test_server
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_leaked_runner")]
+
+FAST = {"num_predict": 4, "temperature": 0}
+
+
+async def generate(http: httpx.AsyncClient, model: str, **extra: object) -> httpx.Response:
+    body = {"model": model, "prompt": "hi", "stream": False, "options": FAST, **extra}
+    return await http.post("/api/generate", json=body)
+
+
+async def test_eviction_under_memory_pressure_across_three_models(tmp_path: Path) -> None:
+    store = tmp_path / "models"
+    store.mkdir()
+    for name, seed in (("one", 1), ("two", 2), ("three", 3)):
+        add_tiny(store, name, seed=seed)
+    per_model = max(
+        estimate_model(ModelStore(store).resolve(n), RunnerOptions(num_ctx=4096, num_thread=1)).total
+        for n in ("one", "two", "three")
+    )
+    gpu = Device("cuda:0", "cuda", 0, int(per_model * 2.5), int(per_model * 2.5))  # two fit, not three
+    record: list[tuple[str, str]] = []
+    with trio.fail_after(120):
+        async with open_test_server(store, devices=(gpu,), record=record) as server, httpx.AsyncClient(
+            base_url=server.base_url, timeout=60
+        ) as http:
+            for name in ("one", "two"):
+                assert (await generate(http, name)).status_code == 200
+            assert {r.model for r in server.scheduler.statistics().runners} == {"one:latest", "two:latest"}
+            record.clear()
+            assert (await generate(http, "three")).status_code == 200
+            runners = {r.model: r for r in server.scheduler.statistics().runners}
+            assert set(runners) == {"two:latest", "three:latest"}  # "one" was idle longest
+            assert [e for e in record if e[0] in ("evict", "unloaded", "load")] == [
+                ("evict", "one"), ("unloaded", "one"), ("load", "three"),
+            ]  # fmt: skip
+            ps = (await http.get("/api/ps")).json()["models"]
+            assert all(m["size_vram"] == m["size"] > 0 for m in ps)  # accounted on the declared GPU
+
+
+async def test_kill_9_mid_stream_ends_the_stream_with_an_error_and_reloads(model_store: Path) -> None:
+    with trio.fail_after(120):
+        async with open_test_server(model_store) as server, httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
+            body = {"model": "tiny", "prompt": "hello", "options": {"num_predict": 3000, "temperature": 1}}
+            async with http.stream("POST", "/api/generate", json=body) as response:
+                lines = response.aiter_lines()
+                assert json.loads(await lines.__anext__())["done"] is False
+                pid = server.scheduler.statistics().runners[0].pid
+                assert pid is not None
+                os.kill(pid, signal.SIGKILL)
+                rest = [json.loads(line) async for line in lines if line]
+            assert "error" in rest[-1], rest[-3:]
+            assert "exited unexpectedly" in rest[-1]["error"] and not any(c.get("done") for c in rest)
+            stats = await server.scheduler.wait_statistics(lambda s: s.leased == 0)
+            assert stats.crashes == 1 and stats.runners == ()
+            assert (await generate(http, "tiny")).status_code == 200
+            assert server.scheduler.statistics().loads == 2
+
+
+async def _hold_slot(http: httpx.AsyncClient, started: trio.Event, stop: trio.Event) -> None:
+    """Stream a long gemma answer, holding its only slot until ``stop``, then hang up."""
+    body = {"model": "gemma3-270m", "prompt": "Write a long story about a lighthouse.",
+            "options": {"num_predict": 2000, "temperature": 0.8}}  # fmt: skip
+    async with http.stream("POST", "/api/generate", json=body) as response:
+        assert response.status_code == 200
+        lines = response.aiter_lines()
+        await lines.__anext__()
+        started.set()
+        await stop.wait()
+
+
+@pytest.fixture
+def gemma_store(tmp_path: Path, gemma_model: Path) -> Path:
+    store = tmp_path / "gemma-store"
+    store.mkdir()
+    (store / "gemma3-270m.gguf").symlink_to(gemma_model)
+    return store
+
+
+async def test_queue_full_503_and_a_client_leaving_the_queue(gemma_store: Path) -> None:
+    with trio.fail_after(240):
+        async with open_test_server(gemma_store, max_queue=1) as server, httpx.AsyncClient(
+            base_url=server.base_url, timeout=120
+        ) as http, trio.open_nursery() as nursery:
+            started, stop = trio.Event(), trio.Event()
+            nursery.start_soon(_hold_slot, http, started, stop)
+            await started.wait()
+
+            # A queued client that gives up leaves the queue at once.
+            async def impatient() -> None:
+                with trio.move_on_after(1):
+                    await generate(http, "gemma3-270m")
+
+            nursery.start_soon(impatient)
+            await server.scheduler.wait_statistics(lambda s: s.queued == 1)
+            stats = await server.scheduler.wait_statistics(lambda s: s.queued == 0)
+            assert stats.leased == 1
+
+            # One waits in the queue; the next is refused with 503 and Retry-After.
+            results: list[httpx.Response] = []
+
+            async def patient() -> None:
+                results.append(await generate(http, "gemma3-270m"))
+
+            nursery.start_soon(patient)
+            await server.scheduler.wait_statistics(lambda s: s.queued == 1)
+            refused = await generate(http, "gemma3-270m")
+            assert refused.status_code == 503 and refused.headers["Retry-After"]
+            assert refused.json() == {"error": "server busy, please try again. maximum pending requests exceeded"}
+
+            stop.set()  # the holder hangs up: its lease goes, the queued request runs
+            with trio.fail_after(120):
+                await server.scheduler.wait_statistics(lambda s: s.queued == 0 and s.leased == 0 and bool(results))
+            assert results[0].status_code == 200 and results[0].json()["done"] is True
+            assert server.scheduler.statistics().loads == 1
