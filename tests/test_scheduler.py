@@ -19,6 +19,7 @@ from trioshed.core.model import Device, ModelSpec, RunnerOptions
 from trioshed.devices import DeviceSource
 from trioshed.errors import InsufficientMemory, LoadCooldown, LoadFailed, QueueFull, RunnerCrashed
 from trioshed.scheduler import Lease, Scheduler
+from trioshed.scheduler.scheduler import HEALTH_INTERVAL
 from trioshed.testing.fake import FakeFactory, fixed_estimator, simple_place
 
 GiB = 1024**3
@@ -370,3 +371,13 @@ async def test_statistics_and_no_leak_when_cancelled_at_every_point(autojump_clo
             await trio.testing.wait_all_tasks_blocked()
             stats = h.sched.statistics()
             assert stats.leased == 0 and stats.queued == 0, (delay, stats)
+
+
+async def test_a_hung_runner_failing_health_checks_is_reloaded(autojump_clock: trio.testing.MockClock) -> None:
+    async with running({"a": 1}) as h:
+        await h.once("a", keep_alive=math.inf)
+        h.factory.runner("a").healthy = False
+        await trio.sleep(HEALTH_INTERVAL * 2 + 1)
+        assert h.factory.live == [] and ("unhealthy", "a") in h.record
+        await h.once("a")
+        assert h.factory.started == 2

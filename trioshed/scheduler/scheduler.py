@@ -39,6 +39,7 @@ COOLDOWN_FIRST = 10.0
 COOLDOWN_MAX = 300.0
 VRAM_RECOVERY_TIMEOUT = 5.0
 VRAM_POLL_INTERVAL = 0.25
+HEALTH_INTERVAL = 15.0
 
 
 class RunnerHandle(Protocol):
@@ -53,6 +54,7 @@ class RunnerHandle(Protocol):
     @property
     def measured(self) -> MeasuredMemory | None: ...
     async def wait_exited(self) -> int | None: ...
+    async def health(self) -> bool: ...
 
 
 RunnerFactory = Callable[[ModelSpec, RunnerOptions, Placement], AbstractAsyncContextManager[Any]]
@@ -262,7 +264,7 @@ class Scheduler:
                     self._schedule()
         finally:
             self._closing = True
-            for req in self._waiting:
+            for req in list(self._waiting):
                 self._finish(req, error=ShuttingDown())
 
     @asynccontextmanager
@@ -525,7 +527,10 @@ class Scheduler:
                     async with self._factory(runner.model, runner.options, runner.placement) as handle:
                         self._on_ready(runner, handle)
                         with runner.timer:
-                            await handle.wait_exited()
+                            async with trio.open_nursery() as watchers:
+                                watchers.start_soon(self._monitor_health, runner, handle)
+                                await handle.wait_exited()
+                                watchers.cancel_scope.cancel()
                             self._on_crash(runner)
                             return
                         # Stopped (unload, eviction, keep-alive expiry): the child is still alive here,
@@ -543,6 +548,25 @@ class Scheduler:
         finally:
             self._runners.pop(runner.id, None)
             self._wake()
+
+    async def _monitor_health(self, runner: _Runner, handle: Any) -> None:
+        """Ping ``/health`` every HEALTH_INTERVAL; two failures in a row reload the runner.
+
+        The exit watcher sees a dead child at once; this catches a live but hung one (the
+        reference pings on every reuse instead, adding a round trip to each request).
+        """
+        failures = 0
+        while True:
+            await trio.sleep(HEALTH_INTERVAL)
+            failures = 0 if await handle.health() else failures + 1
+            if failures >= 2:
+                self._note("unhealthy", runner.model)
+                runner.evicting = True
+                runner.unload_reason = "health check failed"
+                if runner.leases == 0:
+                    runner.stop("health check failed")
+                self._wake()
+                return
 
     def _on_ready(self, runner: _Runner, handle: Any) -> None:
         runner.handle = handle

@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import trio
+import trio.lowlevel
 
 from trioshed.core.model import (
     Device,
@@ -35,7 +36,12 @@ class FakeRunner:
     returncode: int | None = None
     measured: None = None
     base_url: str = "http://fake.invalid"
+    healthy: bool = True
     _exited: trio.Event = field(default_factory=trio.Event)
+
+    async def health(self) -> bool:
+        await trio.lowlevel.checkpoint()
+        return self.healthy and not self.exited
 
     @property
     def exited(self) -> bool:
