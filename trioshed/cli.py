@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             overrides["host"], overrides["port"] = parse_host(args.host)
         if getattr(args, "models", None):
             overrides["models"] = Path(args.models).expanduser()
-        settings = Settings.from_env(**overrides)
+        settings = Settings.from_env(None, **overrides)
     except ValueError as exc:
         print(f"trioshed: {exc}", file=sys.stderr)
         return 2

@@ -13,7 +13,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Mapping
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Literal
 
 import trio
 from quart import Blueprint, Response, current_app, request
@@ -112,13 +112,13 @@ async def _serve(kind: translate.Kind) -> Response:
     options = st.runner_options(model, runner_overrides)
 
     if translate.is_load_only(kind, body):
+        reason: Literal["load", "unload"] = "load"
         if keep_alive == 0:
             await st.scheduler.unload(model)
             reason = "unload"
         else:
             async with st.scheduler.acquire(model, options, keep_alive):
                 pass
-            reason = "load"
         return Response(
             json.dumps(translate.load_response(kind, model.name, done_reason=reason, created_at=translate.now_rfc3339())),
             content_type="application/json",

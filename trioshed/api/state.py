@@ -35,7 +35,7 @@ class AppState:
         merged = {k: v for k, v in model.defaults if k in _RUNNER_FIELDS}
         merged.update({k: v for k, v in overrides.items() if k in _RUNNER_FIELDS and v is not None})
         try:
-            options = replace(options, **merged)
+            options = replace(options, **merged)  # type: ignore[arg-type]
         except TypeError as exc:
             raise BadRequest(f"invalid runner option: {exc}") from None
         if options.num_ctx < 4:

@@ -258,9 +258,9 @@ def plan(
         if usable:
             ready = [r for r in usable if r.state is RunnerState.READY and r.leases < r.slots]
             if ready:
-                chosen = min(ready, key=lambda r: (r.leases, r.id))
-                actions.append(Dispatch(req.id, chosen.id))
-                set_runner(replace(chosen, leases=chosen.leases + 1, last_used=now))
+                target = min(ready, key=lambda r: (r.leases, r.id))
+                actions.append(Dispatch(req.id, target.id))
+                set_runner(replace(target, leases=target.leases + 1, last_used=now))
             continue  # otherwise: joins the load, or waits for a free slot
         if same_model:
             # An incompatible runner of this model (other options, adapters): reload it once its
