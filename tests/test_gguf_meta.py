@@ -10,7 +10,6 @@ from typing import Any
 import gguf
 import numpy as np
 import pytest
-from fixtures_models import gemma_model, tiny_models  # noqa: F401 (fixtures)
 
 from trioshed.models import gguf_meta
 from trioshed.models.gguf_meta import SMALL_ARRAY, ArrayInfo, GGUFError, parse_file, read_metadata
@@ -53,11 +52,11 @@ def assert_same_as_reader(path: Path) -> None:
 
 
 @pytest.mark.parametrize("shape", tiny_model_shapes(), ids=lambda s: s.name)
-def test_matches_gguf_reader_on_tiny_models(shape, tiny_models) -> None:  # noqa: F811
+def test_matches_gguf_reader_on_tiny_models(shape, tiny_models) -> None:
     assert_same_as_reader(tiny_models[shape.name])
 
 
-def test_properties_of_a_tiny_gqa_model(tiny_models) -> None:  # noqa: F811
+def test_properties_of_a_tiny_gqa_model(tiny_models) -> None:
     meta = read_metadata(tiny_models["tiny-gqa"])
     assert meta.architecture == "llama"
     assert meta.name == "tiny-gqa"
@@ -78,7 +77,7 @@ def test_properties_of_a_tiny_gqa_model(tiny_models) -> None:  # noqa: F811
     assert meta.get("no.such.key", 7) == 7
 
 
-def test_quantization_names(tiny_models) -> None:  # noqa: F811
+def test_quantization_names(tiny_models) -> None:
     assert read_metadata(tiny_models["tiny-deep-f16"]).quantization == "F16"
     assert read_metadata(tiny_models["tiny-q8-tied"]).quantization == "Q8_0"
 
@@ -165,7 +164,7 @@ def test_bad_files_raise_gguf_error_naming_the_path(
 
 
 @pytest.mark.parametrize("cut", [30, 200, 3000, 6000, -10])
-def test_truncated_files_raise_gguf_error(tmp_path: Path, tiny_models, cut: int) -> None:  # noqa: F811
+def test_truncated_files_raise_gguf_error(tmp_path: Path, tiny_models, cut: int) -> None:
     data = tiny_models["tiny"].read_bytes()
     path = tmp_path / "cut.gguf"
     path.write_bytes(data[:cut])
@@ -187,7 +186,7 @@ def test_missing_file_is_an_os_error(tmp_path: Path) -> None:
         read_metadata(tmp_path / "absent.gguf")
 
 
-def test_gemma3_fields(gemma_model) -> None:  # noqa: F811
+def test_gemma3_fields(gemma_model) -> None:
     parse_file(str(gemma_model))  # warm the page cache
     started = time.perf_counter()
     meta = parse_file(str(gemma_model))
@@ -210,7 +209,7 @@ def test_gemma3_fields(gemma_model) -> None:  # noqa: F811
     assert 260e6 < meta.parameter_count < 280e6
 
 
-def test_vector_skip_agrees_with_the_loop(gemma_model, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+def test_vector_skip_agrees_with_the_loop(gemma_model, monkeypatch: pytest.MonkeyPatch) -> None:
     fast = parse_file(str(gemma_model))
     monkeypatch.setattr(gguf_meta, "_VECTOR_MIN", 10**12)
     slow = parse_file(str(gemma_model))

@@ -399,17 +399,19 @@ class _Parser:
         None and the loop does the work.
         """
         start = self.pos
-        window = n * 24
+        window = n * 20
         for _attempt in range(3):
             self.grow(min(self.size, start + window + 16))
             avail = len(self.buf) - start
             a = np.frombuffer(self.buf, np.uint8, count=min(avail, window + 16), offset=start)
             if len(a) < 16:
                 return None
+            size = len(a) - 8
             zero = a == 0
-            m = a[8:] != 0
-            for k in range(2, 8):
-                m &= zero[k : len(zero) - 8 + k]
+            z2 = zero[:-1] & zero[1:]  # z2[i]: bytes i, i+1 are zero
+            z4 = z2[:-2] & z2[2:]  # z4[i]: bytes i..i+3
+            m = z4[2 : 2 + size] & z2[6 : 6 + size]  # m[p]: bytes p+2..p+7
+            m &= a[8:] != 0
             starts = np.flatnonzero(m)[:n]
             if len(starts) == n and starts[0] == 0:
                 nxt = (

