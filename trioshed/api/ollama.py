@@ -144,8 +144,14 @@ async def _serve(kind: translate.Kind) -> Response:
         return Response(json.dumps(result, ensure_ascii=False), content_type="application/json")
 
     lease = await st.scheduler.wait_for_lease(model, options, keep_alive)
-    response = Response(LeasedBody(lease, _ollama_stream(lease, upstream, translator, started)), content_type=NDJSON)
-    response.timeout = None  # Quart's RESPONSE_TIMEOUT would cut long token streams
+    try:
+        response = Response(
+            LeasedBody(lease, _ollama_stream(lease, upstream, translator, started)), content_type=NDJSON
+        )
+        response.timeout = None  # Quart's RESPONSE_TIMEOUT would cut long token streams
+    except BaseException:
+        lease.release()
+        raise
     return response
 
 

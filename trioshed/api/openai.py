@@ -71,9 +71,13 @@ async def _proxy(path: str) -> Response:
             data = openai_model_rewrite(data, name)
         return Response(json.dumps(data), status=response.status_code, content_type="application/json")
     lease = await st.scheduler.wait_for_lease(model, options, keep_alive)
-    resp = Response(LeasedBody(lease, _relay(lease, path, body, name)), content_type="text/event-stream")
-    resp.headers["Cache-Control"] = "no-cache"
-    resp.timeout = None
+    try:
+        resp = Response(LeasedBody(lease, _relay(lease, path, body, name)), content_type="text/event-stream")
+        resp.headers["Cache-Control"] = "no-cache"
+        resp.timeout = None  # Quart's RESPONSE_TIMEOUT would cut long token streams
+    except BaseException:
+        lease.release()
+        raise
     return resp
 
 
