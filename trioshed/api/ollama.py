@@ -21,7 +21,7 @@ from quart import Blueprint, Response, current_app, request
 from trioshed import __version__
 from trioshed.api import translate
 from trioshed.api.state import AppState
-from trioshed.api.upstream import LeasedBody, upstream_events
+from trioshed.api.upstream import LeasedBody, open_upstream
 from trioshed.config import parse_duration
 from trioshed.core.model import ModelSpec
 from trioshed.errors import BadRequest, TrioshedError
@@ -74,12 +74,13 @@ async def _ollama_stream(
     lease: Lease, upstream: translate.Upstream, stream: translate.OllamaStream, started: float
 ) -> AsyncIterator[bytes]:
     try:
-        async for line in upstream_events(lease, upstream.path, upstream.body):
-            event = translate.parse_sse_line(line)
-            if event is None:
-                continue
-            for chunk in stream.feed(event):
-                yield ndjson(chunk)
+        async with open_upstream(lease, upstream.path, upstream.body) as lines:
+            async for line in lines:
+                event = translate.parse_sse_line(line)
+                if event is None:
+                    continue
+                for chunk in stream.feed(event):
+                    yield ndjson(chunk)
         if not stream.finished:
             raise await _truncated(lease)
         yield ndjson(stream.finish(load_duration_ns=_ns(lease.load_duration), total_duration_ns=_ns(time.monotonic() - started)))
@@ -124,6 +125,14 @@ async def _serve(kind: translate.Kind) -> Response:
             content_type="application/json",
         )
 
+    if kind == "generate" and not body.get("raw") and not await has_chat_template(model):
+        # Like Ollama's default template ("{{ .Prompt }}") for a model that brings none: the
+        # prompt goes to the model as it is (llama-server would otherwise apply chatml).
+        system = body.get("system")
+        prompt = body.get("prompt")
+        if isinstance(system, str) and system and isinstance(prompt, str):
+            prompt = f"{system}\n\n{prompt}"
+        body = {**body, "raw": True, "prompt": prompt}
     upstream = translate.generate_upstream(body) if kind == "generate" else translate.chat_upstream(body)
     if defaults:
         sampling_defaults, _ = translate.split_options(defaults)
@@ -132,10 +141,11 @@ async def _serve(kind: translate.Kind) -> Response:
 
     if body.get("stream", True) is False:
         async with st.scheduler.acquire(model, options, keep_alive) as lease:
-            async for line in upstream_events(lease, upstream.path, upstream.body):
-                event = translate.parse_sse_line(line)
-                if event is not None:
-                    translator.feed(event)
+            async with open_upstream(lease, upstream.path, upstream.body) as lines:
+                async for line in lines:
+                    event = translate.parse_sse_line(line)
+                    if event is not None:
+                        translator.feed(event)
             if not translator.finished:
                 raise await _truncated(lease)
             result = translator.aggregate(
@@ -163,6 +173,16 @@ async def generate() -> Response:
 @bp.post("/api/chat")
 async def chat() -> Response:
     return await _serve("chat")
+
+
+async def has_chat_template(spec: ModelSpec) -> bool:
+    from trioshed.models.gguf_meta import read_metadata
+
+    try:
+        meta = await trio.to_thread.run_sync(read_metadata, spec.path)
+    except Exception:
+        return True  # let llama-server decide
+    return bool(meta.chat_template)
 
 
 async def details(spec: ModelSpec) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from quart import Blueprint, Response
 
 from trioshed.api.ollama import json_body, keep_alive_of, state
 from trioshed.api.translate import openai_model_rewrite, parse_sse_line, split_options
-from trioshed.api.upstream import LeasedBody, crash_or, upstream_events
+from trioshed.api.upstream import LeasedBody, crash_or, open_upstream
 from trioshed.errors import BadRequest, TrioshedError
 from trioshed.scheduler import Lease
 
@@ -28,15 +28,14 @@ _OLLAMA_STYLE = {"max_tokens": "num_predict"}
 
 async def _relay(lease: Lease, path: str, body: dict[str, Any], model: str) -> AsyncIterator[bytes]:
     try:
-        async for line in upstream_events(lease, path, body):
-            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
-                if line.strip():
-                    yield line + b"\n\n"
-                continue
-            event = parse_sse_line(line)
-            if event is None:
-                continue
-            yield b"data: " + json.dumps(openai_model_rewrite(event, model)).encode() + b"\n\n"
+        async with open_upstream(lease, path, body) as lines:
+            async for line in lines:
+                event = parse_sse_line(line) if line.startswith("data: ") else None
+                if event is None:  # "[DONE]", comments (keep-alive pings): passed on as they are
+                    if line.strip():
+                        yield line.encode() + b"\n\n"
+                    continue
+                yield b"data: " + json.dumps(openai_model_rewrite(event, model)).encode() + b"\n\n"
     except TrioshedError as exc:
         yield b"data: " + json.dumps({"error": {"message": exc.message, "type": "server_error", "code": exc.status}}).encode() + b"\n\n"
 

@@ -35,7 +35,7 @@ import json
 import logging
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any, Literal
 
@@ -212,6 +212,13 @@ class Upstream:
     path: str
     body: dict[str, Any]
     runner_options: dict[str, Any] = field(default_factory=dict)
+    #: The content of a final assistant message that llama-server continues; it echoes that
+    #: text at the start of its stream, and ``OllamaStream(prefill=...)`` strips it again.
+    prefill: str = ""
+
+    def with_defaults(self, sampling: Mapping[str, Any]) -> Upstream:
+        """This request with ``sampling`` parameters (a model's defaults) under the request's own."""
+        return replace(self, body={**sampling, **self.body})
 
 
 _ROLES = frozenset({"system", "user", "assistant", "tool"})
@@ -473,7 +480,11 @@ def chat_upstream(req: Mapping[str, Any]) -> Upstream:
     body = _chat_body(messages, sampling, req)
     if tools:
         body["tools"] = _tools_upstream(tools)
-    return Upstream("/v1/chat/completions", body, runner)
+    last = messages[-1]
+    prefill = (
+        last["content"] if last["role"] == "assistant" and isinstance(last["content"], str) else ""
+    )
+    return Upstream("/v1/chat/completions", body, runner, prefill)
 
 
 def is_load_only(kind: Kind, req: Mapping[str, Any]) -> bool:
@@ -585,6 +596,7 @@ class OllamaStream:
         model: str,
         *,
         created_at_fn: Callable[[], str] = now_rfc3339,
+        prefill: str = "",
     ) -> None:
         if kind not in ("generate", "chat"):
             raise ValueError(f"kind must be 'generate' or 'chat', not {kind!r}")
@@ -601,6 +613,7 @@ class OllamaStream:
         self._prompt_tokens: int | None = None
         self._completion_tokens: int | None = None
         self._pieces = 0
+        self._echo = prefill  # what is left to strip of llama-server's echo of the prefill
 
     @property
     def finished(self) -> bool:
@@ -656,7 +669,7 @@ class OllamaStream:
             if not isinstance(choice, Mapping):
                 continue
             delta = choice.get("delta") or choice.get("message") or {}
-            content = delta.get("content") or choice.get("text") or ""
+            content = self._strip_echo(delta.get("content") or choice.get("text") or "")
             thinking = delta.get("reasoning_content") or ""
             for call in delta.get("tool_calls") or []:
                 self._add_tool_call_delta(call)
@@ -674,6 +687,23 @@ class OllamaStream:
                 if self._tool_calls and not self._tool_calls_sent:
                     out.append(self._tool_call_chunk())
         return out
+
+    def _strip_echo(self, content: str) -> str:
+        """``content`` less llama-server's echo of a continued assistant message.
+
+        Continuing a final assistant message, llama-server's first content delta repeats that
+        message (``"1, 2, 3,"`` continued gives ``"1, 2, 3, "``, ``"4"``, ...); Ollama sends only
+        the new text. Stripping stops at the first piece that does not match.
+        """
+        if not self._echo or not content:
+            return content
+        if content.startswith(self._echo):
+            content, self._echo = content[len(self._echo) :], ""
+        elif self._echo.startswith(content):
+            content, self._echo = "", self._echo[len(content) :]
+        else:
+            self._echo = ""
+        return content
 
     def _add_tool_call_delta(self, call: Mapping[str, Any]) -> None:
         index = call.get("index", len(self._tool_calls))

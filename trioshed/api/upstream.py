@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
@@ -41,11 +42,12 @@ async def crash_or(lease: Lease, exc: Exception) -> TrioshedError:
     return UpstreamError(f"connection to llama-server for '{lease.model.name}' failed: {exc}")
 
 
-async def upstream_events(lease: Lease, path: str, body: dict[str, Any]) -> AsyncIterator[bytes]:
-    """POST ``body`` to the runner and yield the raw lines of its streamed answer.
+@asynccontextmanager
+async def open_upstream(lease: Lease, path: str, body: dict[str, Any]) -> AsyncIterator[AsyncIterator[str]]:
+    """POST ``body`` to the runner; yield the lines of its streamed answer.
 
-    Raises UpstreamError (with llama-server's own message) for a non-200 answer, the runner's
-    crash error when the connection breaks because the child died.
+    Raises UpstreamError (with llama-server's own message) for a non-200 answer, and the runner's
+    crash error when the connection breaks because the child died (also mid-iteration).
     """
     http: httpx.AsyncClient = lease.handle.http
     try:
@@ -53,8 +55,7 @@ async def upstream_events(lease: Lease, path: str, body: dict[str, Any]) -> Asyn
             if response.status_code != 200:
                 raw = await response.aread()
                 raise UpstreamError(upstream_message(raw, response.status_code), status=response.status_code)
-            async for line in response.aiter_lines():
-                yield line.encode() if isinstance(line, str) else line
+            yield response.aiter_lines()
     except httpx.HTTPError as exc:
         raise await crash_or(lease, exc) from None
 
