@@ -146,3 +146,12 @@ def test_cpu_only_is_limited_by_system_memory_and_max_loaded() -> None:
 
 def test_default_max_loaded() -> None:
     assert default_max_loaded(0, 0) == 3 and default_max_loaded(0, 2) == 6 and default_max_loaded(5, 2) == 5
+
+
+def test_with_others_loaded_a_model_makes_room_rather_than_spill_to_cpu() -> None:
+    # 24 GiB GPU holds a (16); b (16) would fit in system memory, but alone it fits the GPU.
+    m = machine(24, system=64)
+    assert run([req(9, "b", 16)], [runner(1, "a", 16)], m) == [Evict(1, "make room for b:latest")]
+    # Nothing in the way: CPU is used when the GPU cannot hold it even alone.
+    actions = run([req(9, "big", 40)], [], m)
+    assert isinstance(actions[0], Load) and actions[0].placement.on_cpu_only

@@ -37,11 +37,18 @@ async def test_eviction_under_memory_pressure_across_three_models(tmp_path: Path
     store.mkdir()
     for name, seed in (("one", 1), ("two", 2), ("three", 3)):
         add_tiny(store, name, seed=seed)
-    per_model = max(
+    estimated = max(
         estimate_model(ModelStore(store).resolve(n), RunnerOptions(num_ctx=4096, num_thread=1)).total
         for n in ("one", "two", "three")
     )
-    gpu = Device("cuda:0", "cuda", 0, int(per_model * 2.5), int(per_model * 2.5))  # two fit, not three
+    # Once loaded, a runner counts with what llama.cpp reported (measured), not the estimate:
+    # learn that size first, then declare a GPU where two fit and the third does not.
+    async with open_test_server(store) as probe, httpx.AsyncClient(base_url=probe.base_url, timeout=60) as http:
+        assert (await generate(http, "one")).status_code == 200
+        measured = probe.scheduler.statistics().runners[0].size
+    assert 0 < measured <= estimated
+    total = estimated + measured + measured // 2
+    gpu = Device("cuda:0", "cuda", 0, total, total)
     record: list[tuple[str, str]] = []
     with trio.fail_after(120):
         async with open_test_server(store, devices=(gpu,), record=record) as server, httpx.AsyncClient(
@@ -58,7 +65,8 @@ async def test_eviction_under_memory_pressure_across_three_models(tmp_path: Path
                 ("evict", "one"), ("unloaded", "one"), ("load", "three"),
             ]  # fmt: skip
             ps = (await http.get("/api/ps")).json()["models"]
-            assert all(m["size_vram"] == m["size"] > 0 for m in ps)  # accounted on the declared GPU
+            # accounted on the declared GPU (token embeddings stay in system memory, as in llama.cpp)
+            assert all(0.9 * m["size"] <= m["size_vram"] <= m["size"] for m in ps), ps
 
 
 async def test_kill_9_mid_stream_ends_the_stream_with_an_error_and_reloads(model_store: Path) -> None:

@@ -189,14 +189,21 @@ class _Sim:
             overhead=self.machine.overhead,
         )
 
-    def fits_after(self, place: Placer, req: RequestView, victims: Sequence[RunnerView]) -> Placement | None:
-        """Where ``req`` would go once pending evictions and ``victims`` are gone, if anywhere."""
+    def fits_after(
+        self, place: Placer, req: RequestView, victims: Sequence[RunnerView], min_layers: int = 0
+    ) -> Placement | None:
+        """Where ``req`` would go once pending evictions and ``victims`` are gone, with at least
+        ``min_layers`` layers on GPUs, if anywhere."""
         ids = {v.id for v in victims}
         saved = self.runners
         self.runners = [replace(r, evicting=True) if r.id in ids else r for r in saved]
         try:
             result = self.place(place, req, projected=True)
-            ok = isinstance(result, Placement) and self.count(projected=True) < self.machine.max_loaded
+            ok = (
+                isinstance(result, Placement)
+                and result.n_gpu_layers >= min_layers
+                and self.count(projected=True) < self.machine.max_loaded
+            )
         finally:
             self.runners = saved
         return result if ok and isinstance(result, Placement) else None
@@ -283,8 +290,15 @@ def plan(
                 )
             )
             continue
+        # As in the reference: with other runners in the way, a model that would get fewer layers
+        # on GPUs than it could alone makes room instead of spilling to the CPU.
+        best_layers = capacity.n_gpu_layers
         fit_now = sim.place(place, req, projected=False)
-        if isinstance(fit_now, Placement) and sim.count(projected=False) < machine.max_loaded:
+        if (
+            isinstance(fit_now, Placement)
+            and fit_now.n_gpu_layers >= best_layers
+            and sim.count(projected=False) < machine.max_loaded
+        ):
             actions.append(Load(req.id, fit_now))
             sim.runners.append(
                 RunnerView(
@@ -305,22 +319,22 @@ def plan(
             key=victim_order,
         )
         chosen: list[RunnerView] = []
-        fit = sim.fits_after(place, req, chosen)
+        fit = sim.fits_after(place, req, chosen, best_layers)
         for victim in candidates:
             if fit is not None:
                 break
             chosen.append(victim)
-            fit = sim.fits_after(place, req, chosen)
+            fit = sim.fits_after(place, req, chosen, best_layers)
         if fit is not None:
             for victim in reversed(list(chosen)):
                 without = [v for v in chosen if v is not victim]
-                if sim.fits_after(place, req, without) is not None:
+                if sim.fits_after(place, req, without, best_layers) is not None:
                     chosen = without
         for victim in chosen:
             actions.append(Evict(victim.id, f"make room for {req.model.name}"))
             set_runner(replace(victim, evicting=True))
         if fit is not None:
-            sim.reserved[req.model.path] = usage_of(sim.fits_after(place, req, []) or fit)
+            sim.reserved[req.model.path] = usage_of(sim.fits_after(place, req, [], best_layers) or fit)
         # else: only loading runners are left to evict: wait for them, then decide again
     return actions
 
