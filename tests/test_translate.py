@@ -248,8 +248,12 @@ def test_generate_think_and_logprobs() -> None:
         generate_upstream({"model": "m", "prompt": "x", "think": "high"}).body["reasoning_effort"]
         == "high"
     )
+    # llama-server gives no logprobs when asked for 0 alternatives (checked on the real server)
+    plain = generate_upstream({"model": "m", "prompt": "x", "logprobs": True})
+    assert plain.body["top_logprobs"] == 1
     raw = generate_upstream({"model": "m", "prompt": "x", "raw": True, "logprobs": True})
     assert raw.body["n_probs"] == 1
+    assert "logprobs" not in generate_upstream({"model": "m", "prompt": "x"}).body
 
 
 @pytest.mark.parametrize(
@@ -1070,3 +1074,19 @@ def test_generate_thinking_field() -> None:
 def test_stream_kind_is_checked() -> None:
     with pytest.raises(ValueError):
         OllamaStream("embed", "m")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("req", "prompt"),
+    [
+        ({"prompt": "Why?"}, "Why?"),
+        ({"prompt": "Why?", "system": "Be brief."}, "Be brief.\n\nWhy?"),
+        ({"prompt": "Why?", "system": "Be brief.", "raw": True}, "Why?"),
+    ],
+)
+def test_generate_without_chat_template_sends_prompt_as_is(
+    req: dict[str, Any], prompt: str
+) -> None:
+    up = generate_upstream({"model": "m", **req}, chat_template=False)
+    assert up.path == "/completion"
+    assert up.body["prompt"] == prompt

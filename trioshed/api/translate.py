@@ -316,8 +316,9 @@ def _logprob_params(req: Mapping[str, Any], *, chat: bool) -> dict[str, Any]:
         if top:
             raise BadRequest('"top_logprobs" requires "logprobs": true')
         return {}
+    # llama-server reports no logprobs at all when asked for 0 alternatives: ask for at least 1
     if chat:
-        return {"logprobs": True, "top_logprobs": top or 0}
+        return {"logprobs": True, "top_logprobs": max(top or 0, 1)}
     return {"n_probs": max(top or 0, 1), "post_sampling_probs": False}
 
 
@@ -337,11 +338,14 @@ def _chat_body(
     return body
 
 
-def generate_upstream(req: Mapping[str, Any]) -> Upstream:
+def generate_upstream(req: Mapping[str, Any], *, chat_template: bool = True) -> Upstream:
     """The llama-server request for an Ollama ``/api/generate`` body.
 
     * ``raw: true``: ``POST /completion`` with the prompt as is (``context`` tokens, if any,
       before it) and ``cache_prompt``.
+    * a model without a chat template (``chat_template=False``): the same, with ``system``
+      and a blank line before the prompt, like Ollama's default template (llama-server would
+      otherwise apply ChatML).
     * a ``suffix``: ``POST /infill`` (fill-in-the-middle; llama-server refuses models without
       FIM tokens, and the route reports its error).
     * otherwise: ``POST /v1/chat/completions`` with ``[system?, user: prompt]``, so that
@@ -365,6 +369,9 @@ def generate_upstream(req: Mapping[str, Any]) -> Upstream:
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in context):
         raise BadRequest('"context" must be a list of token ids (integers)')
     sampling, runner = split_options(req.get("options"))
+    if not raw and not suffix and not chat_template:
+        raw = True
+        prompt = f"{system}\n\n{prompt}" if system else prompt
 
     if suffix or raw:
         if images:
