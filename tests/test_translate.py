@@ -16,6 +16,7 @@ from ollama._types import ChatResponse, GenerateResponse
 
 from trioshed.api.translate import (
     RUNNER_OPTION_KEYS,
+    Kind,
     OllamaStream,
     Upstream,
     chat_upstream,
@@ -1108,7 +1109,7 @@ def ollama_client_with(sample: str, seen: list[dict[str, Any]]) -> Any:
 
     def handle(request: httpx.Request) -> httpx.Response:
         req = json.loads(request.content)
-        kind = "chat" if request.url.path == "/api/chat" else "generate"
+        kind: Kind = "chat" if request.url.path == "/api/chat" else "generate"
         up = chat_upstream(req) if kind == "chat" else generate_upstream(req)
         seen.append({"path": up.path, "body": up.body})
         stream = OllamaStream(kind, req["model"], prefill=up.prefill)

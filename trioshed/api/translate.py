@@ -45,6 +45,7 @@ __all__ = [
     "IGNORED_OPTION_KEYS",
     "RUNNER_OPTION_KEYS",
     "SAMPLING_OPTION_NAMES",
+    "Kind",
     "OllamaStream",
     "Upstream",
     "chat_upstream",
