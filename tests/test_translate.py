@@ -242,6 +242,24 @@ def test_generate_images_become_image_parts() -> None:
     ]
 
 
+def test_images_wrapped_base64_and_data_urls() -> None:
+    png = base64.encodebytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 64).decode()  # wrapped at 76
+    assert "\n" in png
+    up = chat_upstream(
+        {
+            "model": "m",
+            "messages": [
+                {"role": "user", "content": "a", "images": [png, "data:image/webp;base64,UklG"]}
+            ],
+        }
+    )
+    urls = [p["image_url"]["url"] for p in up.body["messages"][0]["content"][:2]]
+    assert urls == [
+        "data:image/png;base64," + "".join(png.split()),
+        "data:image/webp;base64,UklG",
+    ]
+
+
 def test_generate_think_and_logprobs() -> None:
     up = generate_upstream(
         {"model": "m", "prompt": "x", "think": False, "logprobs": True, "top_logprobs": 3}

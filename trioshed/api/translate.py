@@ -264,6 +264,7 @@ def _image_part(image: object, where: str) -> dict[str, Any]:
         raise BadRequest(f"{where} must be base64-encoded strings, got {_json_type(image)}")
     if image.startswith("data:"):
         return {"type": "image_url", "image_url": {"url": image}}
+    image = "".join(image.split())  # base64 wrapped over lines
     try:
         head = base64.b64decode(image[:64] + "=" * (-len(image[:64]) % 4), validate=True)
     except (binascii.Error, ValueError):
