@@ -62,10 +62,10 @@ def test_properties_of_a_tiny_gqa_model(tiny_models) -> None:
     assert meta.name == "tiny-gqa"
     assert meta.block_count == 4
     assert meta.embedding_length == 128
-    assert meta.head_count == 8
+    assert meta.head_count == 4
     assert meta.head_count_kv == 2
     assert meta.head_count_kv_per_layer() == (2, 2, 2, 2)
-    assert meta.key_length == meta.value_length == 16  # n_embd / n_head
+    assert meta.key_length == meta.value_length == 32  # n_embd / n_head
     assert meta.context_length == 2048
     assert meta.sliding_window is None
     assert meta.quantization == "F32"

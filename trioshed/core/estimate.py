@@ -53,6 +53,8 @@ __all__ = [
 N_UBATCH = 512
 #: llama.cpp pads context sizes (and the SWA cache) to multiples of this.
 CTX_PAD = 256
+#: Small graph tensors (positions, indices, norms) not worth modelling one by one.
+GRAPH_SLACK = 64 * 1024
 
 _Q = gguf.GGMLQuantizationType
 #: (block size, bytes per block) of each KV cache type.
@@ -88,6 +90,10 @@ SWA_PATTERNS: dict[str, tuple[int, bool]] = {
     "plamo3": (8, False),
 }
 
+#: Weight types the CPU backend copies into a repacked layout (``CPU_REPACK`` buffer) for faster
+#: matrix products on x86 (AVX2): the copy is extra system memory while the layer is on the CPU.
+REPACKED_TYPES = frozenset({_Q.Q4_0, _Q.Q4_K, _Q.IQ4_NL})
+
 _LAYER = re.compile(r"^blk\.(\d+)\.")
 _INPUT_PREFIXES = ("token_embd.", "position_embd.", "token_types.")
 
@@ -120,15 +126,26 @@ class MetadataLike(Protocol):
     def arch_get(self, suffix: str, default: Any = None) -> Any: ...
 
 
-def effective_kv_type(opts: RunnerOptions) -> str:
-    """The cache type the runner really uses: quantized caches need flash attention."""
+def effective_kv_type(opts: RunnerOptions, meta: MetadataLike | None = None) -> str:
+    """The cache type the runner really uses (pass it to ``--cache-type-k/-v``).
+
+    Quantized caches need flash attention, and llama.cpp refuses a cache type whose block size
+    does not divide the per-head key/value width (``K cache type q8_0 with block size 32 does
+    not divide n_embd_head_k=16``): both fall back to f16.
+    """
     kind = opts.kv_cache_type.lower()
     if kind not in KV_BYTES:
         raise ValueError(
             f"unknown KV cache type {opts.kv_cache_type!r}; use one of {sorted(KV_BYTES)}"
         )
-    if kind not in ("f16", "f32", "bf16") and not opts.flash_attention:
+    if kind in ("f16", "f32", "bf16"):
+        return kind
+    if not opts.flash_attention:
         return "f16"
+    if meta is not None:
+        block = KV_BYTES[kind][0]
+        if meta.key_length % block or meta.value_length % block:
+            return "f16"
     return kind
 
 
@@ -180,7 +197,7 @@ def kv_cells(meta: MetadataLike, opts: RunnerOptions) -> tuple[int, ...]:
 
 def kv_layer_bytes(meta: MetadataLike, opts: RunnerOptions) -> tuple[int, ...]:
     """The KV cache bytes of each layer (K and V together)."""
-    kind = effective_kv_type(opts)
+    kind = effective_kv_type(opts, meta)
     heads = meta.head_count_kv_per_layer()
     k_len, v_len = meta.key_length, meta.value_length
     return tuple(
@@ -189,37 +206,56 @@ def kv_layer_bytes(meta: MetadataLike, opts: RunnerOptions) -> tuple[int, ...]:
     )
 
 
+def _int(value: Any, default: int) -> int:
+    if isinstance(value, tuple):
+        return max(int(v) for v in value) if value else default
+    return default if value is None else int(value)
+
+
 def compute_buffer(meta: MetadataLike, opts: RunnerOptions, *, partial: bool = False) -> int:
-    """Bytes of llama.cpp's compute (graph) buffer on the main backend.
+    """Bytes of llama.cpp's compute (graph) buffer plus its logits output buffer.
 
-    Fitted to what llama.cpp reported on the CPU backend for the tiny models and gemma3-270m
-    (``bench/results/estimate-vs-llamacpp.md``); the terms follow the largest live tensors of the
-    prompt-processing graph at ``n_ubatch`` tokens:
+    Derived from the CPU backend's reports over tiny models of different widths and gemma3-270m
+    (``bench/results/estimate-vs-llamacpp.md``). llama.cpp reserves the prompt graph at
+    ``n_ubatch`` tokens; ggml-alloc reuses memory between ops, so the buffer is the attention
+    masks (inputs, alive throughout) plus the largest phase, per token, in f32:
 
-    - without flash attention, the attention scores and their softmax,
-      ``2 x n_kv x n_ubatch x n_head x 4`` bytes, with n_kv the largest layer cache;
-    - the hidden states and feed-forward activations, ``n_ubatch x (4 n_embd + 2 n_ff) x 4``;
-    - the logits, ``n_outputs x n_vocab x 4`` (reserved for one output per sequence).
+    - attention without flash attention: the scores ``n_head x n_kv`` plus
+      ``n_embd + 5 q + 2 kv`` (q = n_head x key_length, kv = n_head_kv x key_length);
+    - attention with flash attention: ``n_embd + 4 q + 2 kv`` (no score matrix);
+    - feed-forward: ``2 n_embd + 4 n_ff``;
+    - output: ``n_embd``, plus ``n_seq x n_vocab`` logits.
 
-    ``partial`` (some layers on the CPU) keeps the same graph but copies activations between
-    backends: llama.cpp's reports barely differ, so the same figure plus the hidden-state copy.
+    Masks are ``n_kv x n_ubatch`` per distinct cache (full and sliding window), f32 without flash
+    attention and f16 with it; n_kv counts one stream's cells (each slot attends its own).
+    Flash attention adds a copy of Q converted to the cache's type (``q`` per token). The output
+    buffer llama-server keeps for logits is ``n_seq x n_vocab x 4``. These are the CPU backend's
+    numbers; GPU backends allocate differently (not measurable on these machines).
+
+    ``partial`` (layers split between backends) adds the copy of the hidden state between them.
     """
     n_ubatch = min(opts.num_batch, N_UBATCH)
     n_seq = max(1, opts.num_parallel)
-    heads = meta.head_count
-    n_head = max(heads) if isinstance(heads, tuple) else heads
+    n_head = _int(meta.head_count, 0)
+    n_head_kv = max(meta.head_count_kv_per_layer(), default=0)
     n_embd = meta.embedding_length
-    n_ff_raw = meta.arch_get("feed_forward_length", 4 * n_embd)
-    n_ff = max(n_ff_raw) if isinstance(n_ff_raw, tuple) else int(n_ff_raw)
+    n_ff = _int(meta.arch_get("feed_forward_length"), 4 * n_embd)
+    q = n_head * meta.key_length
+    kv = n_head_kv * max(meta.key_length, meta.value_length)
+    fa = opts.flash_attention
     cells = kv_cells(meta, opts)
-    n_kv = max(cells) // n_seq if cells else 0  # one stream's cells are attended at a time
-    attention = 0 if opts.flash_attention else 2 * n_kv * n_ubatch * n_head * 4
-    activations = n_ubatch * (4 * n_embd + 2 * n_ff) * 4
-    logits = n_seq * meta.vocab_size * 4
-    total = attention + activations + logits
+    per_stream = sorted({c // n_seq for c in cells})  # one mask per distinct cache size
+    n_kv = per_stream[-1] if per_stream else 0
+    mask = sum(per_stream) * n_ubatch * (2 if fa else 4)
+    attention = (n_embd + 4 * q + 2 * kv) if fa else (n_head * n_kv + n_embd + 5 * q + 2 * kv)
+    feed_forward = 2 * n_embd + 4 * n_ff
+    output = n_embd + (n_seq * meta.vocab_size + n_ubatch - 1) // n_ubatch
+    graph = mask + n_ubatch * 4 * max(attention, feed_forward, output) + GRAPH_SLACK
+    if fa:  # Q converted to the cache's dot-product type
+        graph += n_ubatch * 4 * q
     if partial:
-        total += n_ubatch * n_embd * 4
-    return total
+        graph += n_ubatch * 4 * n_embd
+    return graph + n_seq * meta.vocab_size * 4
 
 
 def estimate(
@@ -236,7 +272,11 @@ def estimate(
     output = 0
     has_output_weight = False
     embd_weight = 0
+    repack = 0
     for t in meta.tensors:
+        if t.ggml_type in REPACKED_TYPES and len(t.shape) == 2 and t.shape[1] % 8 == 0:
+            if not t.name.startswith(_INPUT_PREFIXES):  # looked up by row, never multiplied
+                repack += t.nbytes
         m = _LAYER.match(t.name)
         if m:
             il = int(m[1])
@@ -268,4 +308,5 @@ def estimate(
         projector=projector_bytes,
         adapters=adapter_bytes,
         output_shared=output_shared,
+        cpu_repack=repack,
     )

@@ -82,6 +82,9 @@ class MemoryEstimate:
     #: tied embeddings (no ``output.weight``, e.g. gemma3) llama.cpp reuses ``token_embd.weight``,
     #: a second copy only on a GPU. Added by trioshed.core.estimate.
     output_shared: int = 0
+    #: Extra system memory when every layer runs on the CPU: llama.cpp's CPU backend keeps a
+    #: repacked copy of some quantized weights (``CPU_REPACK`` buffer; Q4_0/Q4_K/IQ4_NL on x86).
+    cpu_repack: int = 0
 
     @property
     def total(self) -> int:
@@ -97,8 +100,9 @@ class MemoryEstimate:
 
     @property
     def cpu_total(self) -> int:
-        """Everything in system memory (``-ngl 0``): ``total`` less the tied output copy."""
-        return self.total - self.output_shared
+        """Everything in system memory (``-ngl 0``): ``total`` less the tied output copy, plus
+        the CPU backend's repacked weights."""
+        return self.total - self.output_shared + self.cpu_repack
 
 
 @dataclass(frozen=True)
@@ -142,7 +146,9 @@ class DoesNotFit:
 class MeasuredMemory:
     """Buffer sizes llama.cpp reported for a running model (parsed from its verbose log), bytes."""
 
-    model: dict[str, int] = field(default_factory=dict)  # buffer name ("CPU_Mapped", "CUDA0") -> bytes
+    model: dict[str, int] = field(
+        default_factory=dict
+    )  # buffer name ("CPU_Mapped", "CUDA0") -> bytes
     kv: int = 0
     kv_k: int = 0
     kv_v: int = 0

@@ -77,6 +77,8 @@ def _cpu_ram(est: MemoryEstimate, n_gpu_layers: int) -> int:
         return est.cpu_total
     on_cpu = max(n_layer - n_gpu_layers, 0)
     ram = est.token_embd + sum(est.layers[:on_cpu])
+    if n_layer:
+        ram += est.cpu_repack * on_cpu // n_layer
     if n_gpu_layers <= n_layer:  # output layer on the CPU, sharing token_embd if tied
         ram += est.output - est.output_shared + est.compute_partial
     return ram
