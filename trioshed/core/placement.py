@@ -124,7 +124,7 @@ def _try(
         # Proportional to what is left after each device's compute buffer: the bytes the layers
         # can really use.
         compute = est.compute_full if n_gpu_layers > len(est.layers) else est.compute_partial
-        fractions = [max(u - compute, 0) for u in usable]
+        fractions: list[float] = [float(max(u - compute, 0)) for u in usable]
         if sum(fractions) <= 0:
             return None
     else:

@@ -5,6 +5,7 @@ The binary is resolved exactly as the server resolves it (``trioshed.runner.bina
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -12,8 +13,9 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import IO
 
 from trioshed.core.model import MeasuredMemory
 from trioshed.runner.binary import BinaryNotFound, find_llama_server
@@ -49,22 +51,42 @@ class LoadReport:
     load_seconds: float
 
 
-def measure_load(
+@dataclass
+class RunningServer:
+    """A ``llama-server`` child started by :func:`running_llama_server`."""
+
+    argv: list[str]
+    url: str
+    process: subprocess.Popen[bytes]
+    ready_after: float
+    _log: IO[bytes]
+    #: The whole log, set once the child has exited (after the ``with`` block).
+    final_log: str | None = None
+
+    def log_text(self) -> str:
+        """Everything the child wrote so far (stdout and stderr together)."""
+        if self.final_log is not None:
+            return self.final_log
+        self._log.flush()
+        self._log.seek(0)
+        return self._log.read().decode("utf-8", errors="replace")
+
+
+@contextlib.contextmanager
+def running_llama_server(
     model: str | os.PathLike[str],
     args: Sequence[str] = (),
     *,
     timeout: float = 60.0,
     binary: tuple[str, dict[str, str]] | None = None,
-) -> LoadReport:
-    """Start ``llama-server -v`` on ``model`` with ``args``, wait for ``/health``, stop and reap it.
+) -> Iterator[RunningServer]:
+    """Start ``llama-server -v`` on ``model`` with ``args`` and yield once ``/health`` answers 200.
 
-    Blocking on purpose (tests of the pure estimate and benchmarks call it from plain code). The
-    child never outlives the call: it is terminated, then killed after 5 s, and always waited for.
+    Blocking on purpose (tests of pure code and benchmarks call it from plain code). The child
+    never outlives the block: it is terminated, then killed after 5 s, and always waited for.
     Raises ``RuntimeError`` with the log's tail when the child exits early or is not ready within
     ``timeout`` seconds.
     """
-    from trioshed.runner.memlog import MemoryLogParser
-
     path, env = binary or llama_server_binary()
     port = free_port()
     argv = [path, "-m", str(model), "-v", "--host", "127.0.0.1", "--port", str(port), *args]
@@ -73,8 +95,8 @@ def measure_load(
         proc = subprocess.Popen(
             argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
         )
-        ready_after = None
         try:
+            ready_after = None
             while time.monotonic() - started < timeout:
                 if proc.poll() is not None:
                     break
@@ -86,6 +108,16 @@ def measure_load(
                 except (OSError, urllib.error.URLError):
                     pass
                 time.sleep(0.02)
+            if ready_after is None:
+                if proc.poll() is None:
+                    why = f"was not ready within {timeout} s"
+                else:
+                    why = f"exited with code {proc.returncode} before it was ready"
+                log.seek(0)
+                tail = "\n".join(log.read().decode("utf-8", "replace").splitlines()[-15:])
+                raise RuntimeError(f"llama-server {why}: {argv}\n{tail}")
+            server = RunningServer(argv, f"http://127.0.0.1:{port}", proc, ready_after, log)
+            yield server
         finally:
             if proc.poll() is None:
                 proc.terminate()
@@ -95,12 +127,26 @@ def measure_load(
                     proc.kill()
             proc.wait()
         log.seek(0)
-        text = log.read().decode("utf-8", errors="replace")
-    if ready_after is None:
-        tail = "\n".join(text.splitlines()[-15:])
-        why = f"exited with code {proc.returncode}" if proc.returncode is not None else "timed out"
-        raise RuntimeError(f"llama-server {why} before it was ready: {argv}\n{tail}")
+        server.final_log = log.read().decode("utf-8", errors="replace")
+
+
+def measure_load(
+    model: str | os.PathLike[str],
+    args: Sequence[str] = (),
+    *,
+    timeout: float = 60.0,
+    binary: tuple[str, dict[str, str]] | None = None,
+) -> LoadReport:
+    """Start ``llama-server -v`` on ``model``, wait until it is ready, stop it, parse its buffers.
+
+    See :func:`running_llama_server` for the child's lifetime and errors.
+    """
+    from trioshed.runner.memlog import MemoryLogParser
+
+    with running_llama_server(model, args, timeout=timeout, binary=binary) as server:
+        pass
+    text = server.log_text()
     parser = MemoryLogParser()
     for line in text.splitlines():
         parser.feed(line)
-    return LoadReport(argv, text, parser.result(), parser.output_buffers, ready_after)
+    return LoadReport(server.argv, text, parser.result(), parser.output_buffers, server.ready_after)
