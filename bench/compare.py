@@ -39,7 +39,7 @@ from typing import Any
 
 import trio
 
-from bench import report, scenarios
+from bench import procs, report, scenarios
 from bench.load import Target, open_client
 from bench.models import GEMMA, TINY_SIZES, prepare_models
 from bench.plan import API_BY_FAMILY, PLANS, TARGETS, Plan
@@ -50,7 +50,6 @@ from bench.procs import (
     open_direct,
     open_router,
     open_trioshed,
-    running_llama_servers,
 )
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -231,7 +230,6 @@ async def compare(plan: Plan, *, wanted: Sequence[str], groups: Sequence[str], w
         "plan": asdict(plan),
         "targets": list(wanted),
     }
-    before = set(running_llama_servers())
     meta["models"] = {m: str(p) for m, p in models.items()}
     unavailable: dict[str, str] = {}
     async with open_client(max_connections=max(256, plan.overload_clients * 2)) as client:
@@ -251,7 +249,7 @@ async def compare(plan: Plan, *, wanted: Sequence[str], groups: Sequence[str], w
                     await group_swap(run, models, wanted, unavailable)
                 elif group == "hol":
                     await group_hol(run, models, wanted, unavailable)
-    leaked = sorted(set(running_llama_servers()) - before)
+    leaked = list(procs.LEAKED)
     meta["elapsed_s"] = round(time.time() - started, 1)
     meta["leaked_llama_servers"] = leaked
     return {

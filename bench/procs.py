@@ -31,6 +31,8 @@ import trio
 
 #: Process groups started here and not yet stopped; the atexit hook kills them.
 _LIVE_GROUPS: set[int] = set()
+#: Processes of ours (roots and their descendants) still alive after their tree was stopped.
+LEAKED: list[str] = []
 STOP_GRACE = 5.0
 LOG_TAIL_BYTES = 4000
 
@@ -167,6 +169,10 @@ async def stop_tree(process: trio.Process, *, grace: float = STOP_GRACE) -> None
         while any(_alive(p) for p in descendants):  # noqa: ASYNC110 - not our children: no event to wait on
             await trio.sleep(0.05)
     _LIVE_GROUPS.discard(pgid)
+    for p in descendants:
+        if _alive(p):
+            with contextlib.suppress(psutil.Error):
+                LEAKED.append(f"{p.pid} {' '.join(p.cmdline())[:200]}")
 
 
 def _alive(p: psutil.Process) -> bool:
@@ -312,15 +318,3 @@ async def open_trioshed(
         ready_timeout=ready_timeout,
     ) as server:  # fmt: skip
         yield server
-
-
-def running_llama_servers() -> list[int]:
-    """PIDs of every ``llama-server`` process on the machine (for leak checks)."""
-    out = []
-    for p in psutil.process_iter(["name", "exe", "status"]):
-        with contextlib.suppress(psutil.Error):
-            if p.info["status"] == psutil.STATUS_ZOMBIE:
-                continue
-            if "llama-server" in (p.info["name"] or "") or "llama-server" in (p.info["exe"] or ""):
-                out.append(p.pid)
-    return out

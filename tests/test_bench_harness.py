@@ -16,7 +16,7 @@ import trio
 
 from bench import report
 from bench.load import Scenario, Target, blocks_table, load_scenarios, parse_target
-from bench.procs import RunnerFlags, ServerFailed, open_direct
+from bench.procs import RunnerFlags, open_trioshed
 from bench.protocol import parse_full_body, parse_stream_line, request_body
 from bench.stats import RequestRecord, paired_deltas, percentile, summarize
 
@@ -194,22 +194,14 @@ def test_blocks_table_has_a_row_per_block() -> None:
 
 @pytest.fixture
 async def server(tmp_path: Path) -> AsyncIterator[Target]:
-    """A real server over one tiny model: trioshed once it serves, until then a direct llama-server.
-
-    Skipped only when the llama-server binary cannot run on this CPU at all (SIGILL): that is
-    the binary's problem, reported by the runner's own tests, not the harness's.
-    """
+    """``python -m trioshed serve`` over one tiny model, spoken to with Ollama's /api/generate."""
     from trioshed.testing.tiny import write_tiny_model
 
-    path = write_tiny_model(tmp_path / "models" / "tiny.gguf", name="tiny")
+    models = tmp_path / "models"
+    write_tiny_model(models / "tiny.gguf", name="tiny")
     flags = RunnerFlags(threads=1, parallel=2, ctx_per_slot=256)
-    try:
-        async with open_direct("tiny", path, flags, tmp_path / "logs", ready_timeout=20.0) as srv:
-            yield Target("direct", srv.base_url, "native")
-    except ServerFailed as exc:
-        if "code -4 " in str(exc) or "code 132 " in str(exc):
-            pytest.skip(f"llama-server cannot run on this CPU (illegal instruction): {exc}"[:300])
-        raise
+    async with open_trioshed(models, flags, tmp_path / "logs", max_loaded=1, ready_timeout=20.0) as srv:
+        yield Target("trioshed", srv.base_url, "ollama-generate")
 
 
 @pytest.mark.slow
@@ -234,7 +226,7 @@ async def test_load_cli_runs_a_tiny_scenario_and_writes_json(server: Target, tmp
         assert rec["status"] == 200 and rec["error"] is None
         assert rec["tokens"] == 8  # tiny models never emit </s>: every answer runs to its limit
         assert 0 < rec["ttfb"] <= rec["ttft"] <= rec["total"]
-    assert "| load | direct |" in proc.stdout.decode() or f"| load | {server.name} |" in proc.stdout.decode()
+    assert "| load | trioshed | 0 | 6 | 6 | 0 |" in proc.stdout.decode()
 
 
 @pytest.mark.slow
@@ -248,3 +240,30 @@ async def test_timed_block_stops_on_time_and_records_everything(server: Target) 
             block = await run_block(client, server, sc, t0=trio.current_time(), progress=False)
     assert 0.5 <= block.wall < 5.0
     assert 0 < block.summary.n == block.summary.ok < 10_000
+
+
+@pytest.mark.slow
+async def test_compare_smoke_writes_results_with_ratios(tmp_path: Path) -> None:
+    """``bench.compare`` end to end on the smallest plan: direct and trioshed, overhead and
+    throughput only; the JSON carries per-target summaries and ratio rows, and no llama-server
+    is left behind."""
+    argv = [
+        sys.executable, "-m", "bench.compare", "--smoke", "--targets", "direct,trioshed",
+        "--groups", "steady", "--out", str(tmp_path),
+    ]  # fmt: skip
+    with trio.fail_after(60):
+        proc = await trio.run_process(argv, cwd=REPO, capture_stdout=True, capture_stderr=True, check=False)
+    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    (path,) = [p for p in tmp_path.iterdir() if p.name.endswith("-smoke.json")]  # noqa: ASYNC240
+    doc = json.loads(path.read_text())
+    assert doc["meta"]["leaked_llama_servers"] == []
+    assert doc["unavailable"] == {}
+    over = doc["results"]["overhead-generate"]["per_target"]
+    assert set(over) == {"direct", "trioshed"}
+    assert over["trioshed"]["summary"]["ok"] == over["trioshed"]["summary"]["n"] == 5
+    assert over["trioshed"]["paired_delta_ms"]["n"] == 5
+    rows = {r["metric"]: r for r in doc["summary"]}
+    assert rows["req/s c=4"]["ratio"]["trioshed"] > 0
+    assert {r["scenario"] for r in doc["records"]} >= {"overhead-generate", "overhead-chat", "throughput-c4"}
+    assert (tmp_path / path.name.replace(".json", ".md")).is_file()
+    assert (tmp_path / path.name.replace(".json", "-ratios.png")).is_file()
