@@ -114,6 +114,8 @@ class MetadataLike(Protocol):
     @property
     def head_count(self) -> int | tuple[int, ...]: ...
     @property
+    def context_length(self) -> int: ...
+    @property
     def sliding_window(self) -> int | None: ...
     @property
     def sliding_window_pattern(self) -> int | tuple[bool, ...] | None: ...
@@ -186,7 +188,8 @@ def kv_cells(meta: MetadataLike, opts: RunnerOptions) -> tuple[int, ...]:
     cells per stream.
     """
     n_seq = max(1, opts.num_parallel)
-    n_ctx = _pad(opts.kv_cells)
+    # ``-c 0`` (num_ctx 0) makes llama.cpp use the training context for all slots together.
+    n_ctx = _pad(opts.kv_cells if opts.kv_cells > 0 else meta.context_length)
     n_ctx_seq = _pad(n_ctx // n_seq) if n_seq > 1 else n_ctx
     full = n_ctx_seq * n_seq
     window = meta.sliding_window or 0
