@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from trioshed.core.model import Device, DoesNotFit, GiB, MemoryEstimate, Placement
 from trioshed.core.placement import capacity, gpu_layer_count, place, split_layers
@@ -280,3 +282,47 @@ def test_full_offload_keeps_the_input_layer_in_system_memory() -> None:
     assert p.ram == TIED.token_embd
     # the tied output copy is real on the GPU
     assert dict(p.vram)["cuda:0"] == 10 * GiB + 1 * GiB + 1 * GiB
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    layers=st.lists(st.integers(1, 4 * GiB), min_size=1, max_size=40),
+    output=st.integers(0, 2 * GiB),
+    token_embd=st.integers(0, 2 * GiB),
+    compute=st.integers(0, 2 * GiB),
+    frees=st.lists(st.integers(0, 80 * GiB), min_size=0, max_size=4),
+    system_free=st.integers(0, 128 * GiB),
+    overhead=st.integers(0, 2 * GiB),
+    num_gpu=st.integers(-1, 45),
+    spread=st.booleans(),
+)
+def test_place_never_overcommits(
+    layers, output, token_embd, compute, frees, system_free, overhead, num_gpu, spread
+) -> None:
+    est = MemoryEstimate(
+        weights=sum(layers),
+        kv=0,
+        output=output,
+        token_embd=token_embd,
+        compute_full=compute,
+        compute_partial=compute,
+        layers=tuple(layers),
+    )
+    gpus = [Device(f"cuda:{i}", "cuda", i, 80 * GiB, f) for i, f in enumerate(frees)]
+    result = place(
+        est, gpus, system_free=system_free, num_gpu=num_gpu, spread=spread, overhead=overhead
+    )
+    if isinstance(result, DoesNotFit):
+        assert result.needed > 0 and result.reason
+        return
+    assert 0 <= result.n_gpu_layers <= len(layers) + 1
+    if num_gpu > 0 and gpus:
+        assert result.n_gpu_layers == min(num_gpu, len(layers) + 1)
+    if num_gpu == 0 or not gpus:
+        assert result.on_cpu_only and result.ram == est.cpu_total
+    assert result.ram <= system_free
+    free = {d.id: d.free - overhead for d in gpus}
+    for dev_id, b in result.vram:
+        assert b <= free[dev_id]
+    # Every byte is somewhere: the devices and system memory hold at least the model.
+    assert result.total >= est.weights + est.output + est.token_embd - est.output_shared
