@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
 import signal
 import socket
 import subprocess
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from functools import partial
 
 import httpx
 import trio
@@ -72,15 +72,71 @@ class OutputTail:
         return "\n".join((interesting or list(self._lines))[-lines:])
 
 
-def _terminate_after(grace: float) -> Callable[[trio.Process], object]:
-    async def deliver_cancel(process: trio.Process) -> None:
-        process.terminate()
-        with trio.move_on_after(grace) as scope:
-            await process.wait()
-        if scope.cancelled_caught:
-            process.kill()
+class ChildProcess:
+    """A spawned child watched through a pidfd (Linux): ``await wait()`` without a thread."""
 
-    return deliver_cancel
+    def __init__(self, popen: subprocess.Popen[bytes]) -> None:
+        self._popen = popen
+        self._pidfd: int | None = os.pidfd_open(popen.pid)
+
+    @property
+    def pid(self) -> int:
+        return self._popen.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._popen.returncode
+
+    async def wait(self) -> int:
+        if self._pidfd is not None:
+            try:
+                await trio.lowlevel.wait_readable(self._pidfd)
+            finally:
+                if self._popen.poll() is not None:
+                    fd, self._pidfd = self._pidfd, None
+                    trio.lowlevel.notify_closing(fd)
+                    os.close(fd)
+        return self._popen.wait()
+
+    def send_signal(self, signum: int) -> None:
+        if self._popen.poll() is None:
+            self._popen.send_signal(signum)
+
+    async def stop(self, grace: float) -> None:
+        """SIGTERM, up to ``grace`` seconds, then SIGKILL; always reaped."""
+        self.send_signal(signal.SIGTERM)
+        with trio.move_on_after(grace):
+            await self.wait()
+            return
+        self.send_signal(signal.SIGKILL)
+        await self.wait()
+
+
+def _spawn(argv: list[str], env: dict[str, str] | None) -> tuple[ChildProcess, trio.lowlevel.FdStream]:
+    """Start the child from *this* (the Trio) thread, output merged into one pipe.
+
+    ``trio.run_process`` forks from a worker thread, and ``PR_SET_PDEATHSIG`` fires when the
+    forking *thread* exits: Trio retires idle workers after 10 s, which killed every runner
+    10 s after its load (seen: exit code 0 mid-stream). Forking from the thread that runs Trio
+    ties the signal to trioshed's own life. The fork costs a few milliseconds of the loop.
+    """
+    read_fd, write_fd = os.pipe()
+    try:
+        popen = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=write_fd,
+            stderr=write_fd,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_set_parent_death_signal,
+        )
+    except BaseException:
+        os.close(read_fd)
+        raise
+    finally:
+        os.close(write_fd)
+    return ChildProcess(popen), trio.lowlevel.FdStream(read_fd)
 
 
 class LlamaServer:
@@ -93,7 +149,7 @@ class LlamaServer:
         self.port = port
         self.base_url = f"http://127.0.0.1:{port}"
         self.tail = OutputTail()
-        self.process: trio.Process | None = None
+        self.process: ChildProcess | None = None
         self._exited = trio.Event()
         self._memlog = MemoryLogParser() if MemoryLogParser is not None else None
         self._progress: trio.CancelScope | None = None
@@ -179,28 +235,20 @@ class LlamaServer:
         )
 
     async def _supervise(self, argv: list[str], config: LaunchConfig, *, task_status: trio.TaskStatus[None]) -> None:
+        """Own the child from spawn to reaping; cancellation stops it (SIGTERM, grace, SIGKILL)."""
         try:
-            async with trio.open_nursery() as nursery:
-                try:
-                    self.process = await nursery.start(
-                        partial(
-                            trio.run_process,
-                            argv,
-                            stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT,
-                            check=False,
-                            env=dict(config.env) if config.env else None,
-                            start_new_session=True,
-                            preexec_fn=_set_parent_death_signal,
-                            deliver_cancel=_terminate_after(config.stop_grace),
-                        )
-                    )
-                except OSError as exc:
-                    raise LoadFailed(f"cannot start llama-server {argv[0]!r}: {exc}") from None
-                assert self.process is not None and self.process.stdout is not None
-                task_status.started()
-                await self._drain(self.process.stdout)
+            try:
+                self.process, output = _spawn(argv, dict(config.env) if config.env else None)
+            except OSError as exc:
+                raise LoadFailed(f"cannot start llama-server {argv[0]!r}: {exc}") from None
+            task_status.started()
+            try:
+                await self._drain(output)
+                await self.process.wait()
+            except BaseException:
+                with trio.CancelScope(shield=True):
+                    await self.process.stop(config.stop_grace)
+                raise
         finally:
             self._exited.set()
 

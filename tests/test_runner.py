@@ -1,0 +1,86 @@
+"""The supervised llama-server child: readiness, failure messages, stopping and reaping."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import psutil
+import pytest
+import trio
+import trio._core._thread_cache as thread_cache
+
+from trioshed.core.model import ModelSpec, Placement, RunnerOptions
+from trioshed.errors import LoadFailed
+from trioshed.runner.binary import find_llama_server
+from trioshed.runner.command import LaunchConfig
+from trioshed.runner.process import open_llama_server
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_leaked_runner")]
+
+
+def config(**kw: object) -> LaunchConfig:
+    binary = find_llama_server()
+    return LaunchConfig(binary=binary.path, env=tuple(binary.env.items()), **kw)  # type: ignore[arg-type]
+
+
+OPTIONS = RunnerOptions(num_ctx=512, num_thread=1)
+
+
+async def test_ready_runner_answers_and_is_reaped_on_exit(tiny_model: Path) -> None:
+    with trio.fail_after(60):
+        async with open_llama_server(ModelSpec("tiny:latest", str(tiny_model)), OPTIONS, Placement(0), config()) as server:
+            assert await server.health()
+            pid = server.pid
+            assert pid is not None and psutil.pid_exists(pid)
+            assert server.measured is not None and server.measured.total > 0  # verbose log parsed
+        assert server.exited and not psutil.pid_exists(pid)
+
+
+async def test_runner_outlives_idle_trio_worker_threads(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # PR_SET_PDEATHSIG fires when the *thread* that forked the child exits; Trio retires idle
+    # worker threads (after 10 s; here 50 ms). The child must be tied to trioshed, not a worker.
+    monkeypatch.setattr(thread_cache, "IDLE_TIMEOUT", 0.05)
+    with trio.fail_after(60):
+        async with open_llama_server(ModelSpec("tiny:latest", str(tiny_model)), OPTIONS, Placement(0), config()) as server:
+            await trio.to_thread.run_sync(lambda: None)  # let a worker thread start, then retire
+            await trio.sleep(1)
+            assert not server.exited and await server.health()
+
+
+async def test_load_failure_carries_exit_code_and_output(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 64)
+    with trio.fail_after(60), pytest.raises(LoadFailed) as excinfo:
+        async with open_llama_server(ModelSpec("bad:latest", str(bad)), OPTIONS, Placement(0), config()):
+            pass
+    assert excinfo.value.returncode not in (None, 0)
+    assert "before it was ready" in excinfo.value.message and "last output" in excinfo.value.message
+
+
+async def test_missing_binary_is_a_load_failure(tiny_model: Path) -> None:
+    with trio.fail_after(10), pytest.raises(LoadFailed, match="cannot start llama-server"):
+        async with open_llama_server(
+            ModelSpec("tiny:latest", str(tiny_model)), OPTIONS, Placement(0), LaunchConfig(binary="/nonexistent/llama-server")
+        ):
+            pass
+
+
+async def test_stop_escalates_to_sigkill_when_sigterm_is_ignored(tiny_model: Path) -> None:
+    with trio.fail_after(60):
+        async with open_llama_server(
+            ModelSpec("tiny:latest", str(tiny_model)), OPTIONS, Placement(0), config(stop_grace=0.5)
+        ) as server:
+            pid = server.pid
+            assert pid is not None
+            os.kill(pid, signal.SIGSTOP)  # a stopped process cannot act on SIGTERM
+        assert server.returncode == -signal.SIGKILL
+
+
+async def test_exit_is_seen_at_once(tiny_model: Path) -> None:
+    with trio.fail_after(60):
+        async with open_llama_server(ModelSpec("tiny:latest", str(tiny_model)), OPTIONS, Placement(0), config()) as server:
+            assert server.pid is not None
+            os.kill(server.pid, signal.SIGKILL)
+            assert await server.wait_exited() == -signal.SIGKILL
