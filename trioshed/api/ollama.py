@@ -125,19 +125,15 @@ async def _serve(kind: translate.Kind) -> Response:
             content_type="application/json",
         )
 
-    if kind == "generate" and not body.get("raw") and not await has_chat_template(model):
-        # Like Ollama's default template ("{{ .Prompt }}") for a model that brings none: the
-        # prompt goes to the model as it is (llama-server would otherwise apply chatml).
-        system = body.get("system")
-        prompt = body.get("prompt")
-        if isinstance(system, str) and system and isinstance(prompt, str):
-            prompt = f"{system}\n\n{prompt}"
-        body = {**body, "raw": True, "prompt": prompt}
-    upstream = translate.generate_upstream(body) if kind == "generate" else translate.chat_upstream(body)
+    if kind == "generate":
+        # A model without a chat template gets the prompt as it is (Ollama's default template
+        # "{{ .Prompt }}"); llama-server would otherwise wrap it in ChatML.
+        upstream = translate.generate_upstream(body, chat_template=await has_chat_template(model))
+    else:
+        upstream = translate.chat_upstream(body)
     if defaults:
-        sampling_defaults, _ = translate.split_options(defaults)
-        upstream = translate.Upstream(upstream.path, {**sampling_defaults, **upstream.body})
-    translator = translate.OllamaStream(kind, model.name)
+        upstream = upstream.with_defaults(translate.split_options(defaults)[0])
+    translator = translate.OllamaStream(kind, model.name, prefill=upstream.prefill)
 
     if body.get("stream", True) is False:
         async with st.scheduler.acquire(model, options, keep_alive) as lease:
