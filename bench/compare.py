@@ -13,6 +13,7 @@ Groups of servers, each started for its scenarios and stopped after them:
 | overload | tiny-s | ``--models-max 4`` | max loaded 4, queue 8 | overload |
 | swap | cold starts / 3 servers | ``--models-max 1`` | max loaded 1 | swap, contention |
 | hol | tiny-s + cold starts | ``--models-max 2`` | max loaded 2 | head-of-line |
+| sched | - | - | ``core.sched.plan`` in-process | scheduler scale (no processes) |
 
 A target that fails to start (trioshed while it is being written) is reported as unavailable
 with the tail of its log, and the run goes on without it.
@@ -39,7 +40,7 @@ from typing import Any
 
 import trio
 
-from bench import procs, report, scenarios
+from bench import procs, report, scenarios, sched_scale
 from bench.load import Target, open_client
 from bench.models import GEMMA, TINY_SIZES, prepare_models
 from bench.plan import API_BY_FAMILY, PLANS, TARGETS, Plan
@@ -205,7 +206,7 @@ def binary_version(binary: str, env: dict[str, str]) -> str:
         return ""
 
 
-GROUPS = ("steady", "overload", "swap", "hol")
+GROUPS = ("steady", "overload", "swap", "hol", "sched")
 
 
 async def compare(plan: Plan, *, wanted: Sequence[str], groups: Sequence[str], work: Path,
@@ -249,6 +250,11 @@ async def compare(plan: Plan, *, wanted: Sequence[str], groups: Sequence[str], w
                     await group_swap(run, models, wanted, unavailable)
                 elif group == "hol":
                     await group_hol(run, models, wanted, unavailable)
+                elif group == "sched":
+                    run.say("scheduler scale: trioshed.core.sched.plan in-process (no processes)")
+                    run.results["sched-scale"] = await trio.to_thread.run_sync(
+                        lambda: sched_scale.run(**sched_scale.SIZES[plan.mode])
+                    )
     leaked = list(procs.LEAKED)
     meta["elapsed_s"] = round(time.time() - started, 1)
     meta["leaked_llama_servers"] = leaked

@@ -21,16 +21,16 @@ class Plan:
     mode: str
     flags: RunnerFlags = field(default_factory=RunnerFlags)  # -t 1, 4 slots, 1024 ctx per slot
     # (a) overhead: paired requests at c=1, per API family
-    overhead_pairs: int = 150
+    overhead_pairs: int = 300
     overhead_n_predict: int = 8
     # (b) throughput: (concurrency, requests) blocks, rounds interleaved
     throughput: tuple[tuple[int, int], ...] = ((4, 64), (16, 128))
-    throughput_rounds: int = 2
+    throughput_rounds: int = 3
     # (c) streaming: gemma3-270m, paired requests at c=1
     stream_pairs: int = 3
     stream_n_predict: int = 128
     # (d) swap: max loaded 1, the three tiny models in turn
-    swap_cycles: int = 2
+    swap_cycles: int = 5
     # (e) head-of-line: model A hot at c=4, alone then with B swapping every few seconds
     hol_seconds: float = 6.0
     hol_swap_every: float = 1.5
@@ -38,7 +38,7 @@ class Plan:
     overload_clients: int = 48
     overload_queue: int = 8
     overload_n_predict: int = 32
-    overload_rounds: int = 1
+    overload_rounds: int = 2
     # (g) contention: max loaded 1, clients round-robin over three models
     contention_clients: tuple[int, ...] = (3, 8)
     contention_requests: int = 30
@@ -52,14 +52,14 @@ class Plan:
 QUICK = Plan(mode="quick")
 FULL = Plan(
     mode="full",
-    overhead_pairs=600,
+    overhead_pairs=1000,
     throughput=((4, 200), (16, 400)),
-    throughput_rounds=3,
+    throughput_rounds=4,
     stream_pairs=8,
-    swap_cycles=5,
+    swap_cycles=10,
     hol_seconds=20.0,
     overload_clients=96,
-    overload_rounds=3,
+    overload_rounds=4,
     contention_requests=90,
     scenario_seconds=600.0,
     total_seconds=3000.0,
@@ -78,6 +78,7 @@ SMOKE = Plan(
     overload_queue=2,
     contention_clients=(3,),
     contention_requests=6,
+    overload_rounds=1,
     scenario_seconds=30.0,
     total_seconds=60.0,
     with_gemma=False,

@@ -60,7 +60,7 @@ def summary_rows(results: Mapping[str, Any]) -> list[Row]:
         rows.append(_row(f"overhead c=1 p50 ms ({family})", values,
                          "trioshed ≤ direct +1 ms and < router", met, note=f"paired Δ p50: {note}"))  # fmt: skip
 
-    for scen in sorted(k for k in results if k.startswith("throughput-c")):
+    for scen in sorted((k for k in results if k.startswith("throughput-c")), key=lambda k: int(k[12:])):
         pt = per(scen)
         conc = scen.removeprefix("throughput-c")
         values = {t: _get(pt, t, "summary", "req_s") for t in TARGETS if t in pt}
@@ -115,7 +115,7 @@ def summary_rows(results: Mapping[str, Any]) -> list[Row]:
                          "trioshed 0 lost, 0 other 5xx", met, ratios=False,
                          note=f"trioshed queue {q}"))  # fmt: skip
 
-    for scen in sorted(k for k in results if k.startswith("contention-c")):
+    for scen in sorted((k for k in results if k.startswith("contention-c")), key=lambda k: int(k[12:])):
         pt = per(scen)
         values = {}
         for t in TARGETS:
@@ -130,6 +130,21 @@ def summary_rows(results: Mapping[str, Any]) -> list[Row]:
         rows.append(_row(f"contention c={clients} (max loaded 1, 3 models)", values,
                          "trioshed 0 failed", met, ratios=False,
                          note="direct: three always-loaded servers (no swaps)"))  # fmt: skip
+
+    sched = _get(results, "sched-scale", "points")
+    if sched:
+        biggest = max(sched, key=lambda p: (p["models"], p["queued"]))
+        at = [p for p in sched if (p["models"], p["queued"]) == (biggest["models"], biggest["queued"])]
+        worst = max(at, key=lambda p: p["per_request_us"])
+        slopes = _get(results, "sched-scale", "queue_growth_exponent") or {}
+        top = [v for k, v in slopes.items() if k.endswith(f"/{biggest['models']}") and v is not None]
+        met = worst["per_request_us"] <= 50 and all(v <= 1.15 for v in top)
+        note = "; ".join(f"{p['shape']} {p['per_call_us'] / 1e3:.1f} ms/call" for p in at)
+        rows.append(_row(
+            f"scheduler plan() us per queued request at {biggest['models']} models, {biggest['queued']} queued (in-process)",
+            {"trioshed": worst["per_request_us"]}, "≤ 50 us, growth ≤ linear in queue", met, ratios=False,
+            note=f"{note}; queue growth exponents {', '.join(f'{k} {v}' for k, v in slopes.items())}",
+        ))  # fmt: skip
 
     pt = per("rss")
     if pt:
@@ -204,6 +219,13 @@ def markdown(doc: Mapping[str, Any], files: Mapping[str, str]) -> str:
             out.append(f"![{kind}]({files[kind]})")
     out += ["", "## Per scenario", ""]
     for scen, data in doc.get("results", {}).items():
+        if scen == "sched-scale":
+            from bench.sched_scale import markdown as sched_markdown
+
+            out += [f"### {scen}", "", sched_markdown(data)]
+            if "sched" in files:
+                out += [f"![sched]({files['sched']})", ""]
+            continue
         pt = data.get("per_target", {})
         out.append(f"### {scen}")
         out.append("")
@@ -234,6 +256,7 @@ def plots(doc: Mapping[str, Any], out_dir: Path, stem: str) -> dict[str, Path]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     paths: dict[str, Path] = {}
     records = doc.get("records", [])
@@ -252,6 +275,7 @@ def plots(doc: Mapping[str, Any], out_dir: Path, stem: str) -> dict[str, Path]:
             ax.set_xlabel("latency ms")
             ax.set_ylabel("fraction")
             ax.set_xscale("log")
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=8)
         fig.tight_layout()
@@ -277,4 +301,11 @@ def plots(doc: Mapping[str, Any], out_dir: Path, stem: str) -> dict[str, Path]:
         paths["ratios"] = out_dir / f"{stem}-ratios.png"
         fig.savefig(paths["ratios"], dpi=110)
         plt.close(fig)
+
+    sched = doc.get("results", {}).get("sched-scale")
+    if sched and sched.get("points"):
+        from bench.sched_scale import plot as sched_plot
+
+        paths["sched"] = out_dir / f"{stem}-sched-scale.png"
+        sched_plot(sched, paths["sched"])
     return paths

@@ -37,6 +37,15 @@ from typing import Any
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 GiB = 1024**3
+SHAPES = ("busy", "dispatch", "swap")
+_GRID = {"models": (10, 100, 1000), "queued": (100, 1000, 10000), "shapes": SHAPES}
+#: Keyword arguments of :func:`run` per plan mode.
+SIZES: dict[str, dict[str, Any]] = {
+    "quick": {**_GRID, "budget": 0.3, "max_calls": 20, "max_seconds": 120.0},
+    "full": {**_GRID, "budget": 2.0, "max_calls": 200, "max_seconds": 900.0},
+    "smoke": {"models": (10, 100), "queued": (100, 1000), "shapes": SHAPES, "budget": 0.05,
+              "max_calls": 3, "max_seconds": 10.0},
+}
 
 
 @dataclass(frozen=True)
@@ -122,7 +131,7 @@ def growth_exponent(points: Sequence[Point]) -> float | None:
     return round(sum((x - mx) * (y - my) for x, y in pts) / sxx, 3)
 
 
-def run(models: Sequence[int], queued: Sequence[int], shapes: Sequence[str], *, budget: float,
+def run(*, models: Sequence[int], queued: Sequence[int], shapes: Sequence[str], budget: float,
         max_calls: int, max_seconds: float) -> dict[str, Any]:  # fmt: skip
     points: list[Point] = []
     started = time.perf_counter()
@@ -196,11 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
     p.add_argument("--no-plot", action="store_true")
     args = p.parse_args(argv)
-    if args.full:
-        models, queued, budget, max_calls, max_s = (10, 100, 1000), (100, 1000, 10000), 2.0, 200, 900.0
-    else:
-        models, queued, budget, max_calls, max_s = (10, 100, 1000), (100, 1000, 10000), 0.3, 20, 120.0
-    doc = run(models, queued, ("busy", "dispatch", "swap"), budget=budget, max_calls=max_calls, max_seconds=max_s)
+    doc = run(**SIZES["full" if args.full else "quick"])
     doc["meta"] = {
         "tool": "bench.sched_scale",
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
