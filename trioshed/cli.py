@@ -161,5 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     except httpx.ConnectError:
         print(f"trioshed: no server at {settings.host}:{settings.port}; start one with `trioshed serve`", file=sys.stderr)
         return 1
+    except httpx.HTTPError as exc:
+        print(f"\ntrioshed: connection to the server failed: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
