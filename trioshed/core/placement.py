@@ -124,9 +124,12 @@ def _try(
         # Proportional to what is left after each device's compute buffer: the bytes the layers
         # can really use.
         compute = est.compute_full if n_gpu_layers > len(est.layers) else est.compute_partial
-        fractions: list[float] = [float(max(u - compute, 0)) for u in usable]
-        if sum(fractions) <= 0:
+        room = [max(u - compute, 0) for u in usable]
+        if sum(room) <= 0:
             return None
+        # The split is computed from the rounded fractions that go on the command line, so the
+        # layers predicted per device are the ones llama.cpp will assign.
+        fractions: list[float] = [round(r / sum(room), 4) for r in room]
     else:
         fractions = [1.0]
     vram = _gpu_vram(est, gpus, n_gpu_layers, fractions)
@@ -137,11 +140,10 @@ def _try(
         return None
     used = [(d, v) for d, v in zip(gpus, vram, strict=True) if v > 0]
     multi = len(gpus) > 1
-    total = float(sum(fractions))
     return Placement(
         n_gpu_layers=n_gpu_layers,
         devices=tuple(d.id for d in gpus),
-        tensor_split=tuple(round(f / total, 4) for f in fractions) if multi else None,
+        tensor_split=tuple(fractions) if multi else None,
         main_gpu=0 if multi else None,
         vram=tuple((d.id, v) for d, v in used),
         ram=ram,
