@@ -146,12 +146,13 @@ def first_mtime_plus(path: Path) -> int:
         (b"GGML" + bytes(100), "not a GGUF file"),
         (b"GGUF", "truncated"),
         (b"GGUF\x01\x00\x00\x00" + bytes(16), "unsupported GGUF version 1"),
+        (b"GGUF\x00\x00\x00\x03" + bytes(16), "big-endian"),
         (
             b"GGUF\x03\x00\x00\x00" + (5).to_bytes(8, "little") + (1000).to_bytes(8, "little"),
             "corrupt",
         ),
     ],
-    ids=["empty", "wrong-magic", "header-cut", "version-1", "absurd-counts"],
+    ids=["empty", "wrong-magic", "header-cut", "version-1", "big-endian", "absurd-counts"],
 )
 def test_bad_files_raise_gguf_error_naming_the_path(
     tmp_path: Path, content: bytes, message: str

@@ -430,6 +430,8 @@ class _Parser:
         self.pos = 4
         version = self.u32()
         if version not in (2, 3):
+            if int.from_bytes(version.to_bytes(4, "little"), "big") in (2, 3):
+                raise self.fail("big-endian GGUF file: only little-endian files are supported")
             raise self.fail(f"unsupported GGUF version {version} (this reader handles 2 and 3)")
         n_tensors = self.u64()
         n_kv = self.u64()
