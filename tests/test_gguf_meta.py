@@ -219,12 +219,12 @@ def test_vector_skip_agrees_with_the_loop(gemma_model, monkeypatch: pytest.Monke
 
 
 @pytest.mark.parametrize("first_read", [24, 100, 4096])
-def test_small_first_read_grows_the_buffer(
+def test_small_reads_move_the_window(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, first_read: int
 ) -> None:
     path = write_with_arrays(tmp_path / "s.gguf", [f"token{i}" for i in range(5000)])
     expected = parse_file(str(path))
-    monkeypatch.setattr(gguf_meta, "_FIRST_READ", first_read)
+    monkeypatch.setattr(gguf_meta, "_CHUNK", first_read)
     for vector_min in (2048, 10**12):  # the numpy path and the loop
         monkeypatch.setattr(gguf_meta, "_VECTOR_MIN", vector_min)
         got = parse_file(str(path))

@@ -17,6 +17,7 @@ u64 dims, u32 ggml type, u64 offset relative to the data section), padding to ``
 from __future__ import annotations
 
 import functools
+import mmap
 import os
 import struct
 from collections.abc import Mapping
@@ -264,7 +265,7 @@ def parse_file(path: str, size: int | None = None) -> GGUFMetadata:
     with open(path, "rb") as f:
         if size is None:
             size = os.fstat(f.fileno()).st_size
-        head = f.read(min(size, _FIRST_READ))
+        head = f.read(min(size, _CHUNK))
         if head[:4] != _GGUF_MAGIC:
             raise GGUFError(f"{path}: not a GGUF file (starts with {head[:4]!r}, expected b'GGUF')")
         return _Parser(path, f, head, size).parse()
@@ -272,66 +273,71 @@ def parse_file(path: str, size: int | None = None) -> GGUFMetadata:
 
 #: String arrays at least this long are stepped over with numpy (see ``vector_skip_strings``).
 _VECTOR_MIN = 2048
-#: Bytes read before parsing starts; the header of a 262k-token vocabulary is about 6 MB.
-_FIRST_READ = 8 * 1024 * 1024
+#: ``_chain_end``'s answer for "the window holds too few records": look further.
+_MORE = -1
+#: Bytes read at a time; most headers (all but long vocabularies) fit in the first read.
+_CHUNK = 1024 * 1024
 
 
 class _Parser:
     """A cursor over the file's header; every read checks bounds so truncation is a GGUFError.
 
-    The header is read into one ``bytes`` object (grown by doubling when the parse runs past it):
-    ``struct.unpack_from`` on ``bytes`` is twice as fast as on an ``mmap``, and the string-array
-    skip loop is the cost of the whole module.
+    ``buf`` holds the bytes ``[base, base + len(buf))`` of the file; when the parse runs past
+    them the window moves forward (the parse never goes back). ``struct.unpack_from`` on
+    ``bytes`` is twice as fast as on an ``mmap``; long string arrays are scanned by numpy over an
+    ``mmap`` instead, so their megabytes are never copied.
     """
 
     def __init__(self, path: str, f: BinaryIO, head: bytes, size: int) -> None:
         self.path = path
         self.f = f
         self.buf = head
+        self.base = 0
         self.size = size
         self.pos = 0
 
-    def grow(self, upto: int) -> None:
-        """Make ``self.buf`` hold at least bytes ``[0, upto)`` (or the whole file)."""
-        want = min(self.size, max(upto, 2 * len(self.buf)))
-        if want > len(self.buf):
-            self.f.seek(len(self.buf))
-            self.buf += self.f.read(want - len(self.buf))
+    def refill(self, n: int) -> None:
+        """Move the window to start at ``pos`` and hold at least ``n`` bytes (or up to EOF)."""
+        self.f.seek(self.pos)
+        self.buf = self.f.read(min(self.size - self.pos, max(n, _CHUNK)))
+        self.base = self.pos
 
     def fail(self, what: str) -> GGUFError:
         return GGUFError(f"{self.path}: {what} at byte {self.pos} of {self.size}")
 
-    def need(self, n: int) -> None:
+    def need(self, n: int) -> int:
+        """Check that ``n`` bytes follow ``pos``; return ``pos``'s offset in ``buf``."""
         end = self.pos + n
-        if end > len(self.buf):
+        if end > self.base + len(self.buf):
             if end > self.size:
                 raise self.fail(f"truncated GGUF file: {n} more bytes needed")
-            self.grow(end)
+            self.refill(n)
+        return self.pos - self.base
 
     def u32(self) -> int:
-        self.need(4)
-        (v,) = _U32.unpack_from(self.buf, self.pos)
+        at = self.need(4)  # first: it may move the window
+        (v,) = _U32.unpack_from(self.buf, at)
         self.pos += 4
         return int(v)
 
     def u64(self) -> int:
-        self.need(8)
-        (v,) = _U64.unpack_from(self.buf, self.pos)
+        at = self.need(8)
+        (v,) = _U64.unpack_from(self.buf, at)
         self.pos += 8
         return int(v)
 
     def string(self) -> str:
         n = self.u64()
-        self.need(n)
-        raw = self.buf[self.pos : self.pos + n]
+        at = self.need(n)
+        raw = self.buf[at : at + n]
         self.pos += n
         return raw.decode("utf-8", errors="replace")
 
     def value(self, vtype: int) -> Any:
         st = _SCALARS.get(vtype)
         if st is not None:
-            self.need(st.size)
-            (v,) = st.unpack_from(self.buf, self.pos)
+            at = self.need(st.size)
+            (v,) = st.unpack_from(self.buf, at)
             self.pos += st.size
             return v
         if vtype == _VT.STRING:
@@ -351,7 +357,8 @@ class _Parser:
     def skip_array(self, etype: int, n: int) -> None:
         st = _SCALARS.get(etype)
         if st is not None:
-            self.need(st.size * n)
+            if self.pos + st.size * n > self.size:
+                raise self.fail(f"truncated GGUF file: array of {n} elements")
             self.pos += st.size * n
         elif etype == _VT.STRING:
             self.skip_strings(n)
@@ -367,25 +374,20 @@ class _Parser:
                 self.pos = end
                 return
         unpack = _U64.unpack_from
-        pos = self.pos
         done = 0
         while done < n:
-            buf = self.buf
+            at = self.need(8)
+            buf, base = self.buf, self.base
             i = done
             try:
                 for i in range(done, n):  # noqa: B007 (i is read when a prefix is past the buffer)
-                    pos += 8 + unpack(buf, pos)[0]
+                    at += 8 + unpack(buf, at)[0]
                 done = n
             except struct.error:
-                done = i
-                # The length prefix at ``pos`` lies past the bytes read so far.
-                self.pos = pos
-                if pos + 8 > self.size:
-                    raise self.fail("truncated GGUF file inside a string array") from None
-                self.grow(pos + 8)
-        if pos > self.size:
-            raise self.fail("truncated GGUF file inside a string array")
-        self.pos = pos
+                done = i  # the length prefix at ``at`` lies past the window: move it
+            self.pos = base + at
+            if self.pos > self.size:
+                raise self.fail("truncated GGUF file inside a string array")
 
     def vector_skip_strings(self, n: int) -> int | None:
         """Find the end of ``n`` strings with numpy, or None to fall back to the exact loop.
@@ -395,36 +397,29 @@ class _Parser:
         a non-zero first text byte (the byte just before a start also shows six zeros after it,
         but its eighth byte is zero). If the first ``n`` guesses chain exactly (each start plus 8
         plus its length is the next guess), they *are* the record starts, by induction from the
-        known first one; any other outcome (a NUL in a token, a long string, a short read) returns
-        None and the loop does the work.
+        known first one; any other outcome (a NUL in a token, a long string, a short file)
+        returns None and the loop does the work.
         """
         start = self.pos
         window = n * 20
-        for _attempt in range(3):
-            self.grow(min(self.size, start + window + 16))
-            avail = len(self.buf) - start
-            a = np.frombuffer(self.buf, np.uint8, count=min(avail, window + 16), offset=start)
-            if len(a) < 16:
-                return None
-            size = len(a) - 8
-            zero = a == 0
-            z2 = zero[:-1] & zero[1:]  # z2[i]: bytes i, i+1 are zero
-            z4 = z2[:-2] & z2[2:]  # z4[i]: bytes i..i+3
-            m = z4[2 : 2 + size] & z2[6 : 6 + size]  # m[p]: bytes p+2..p+7
-            m &= a[8:] != 0
-            starts = np.flatnonzero(m)[:n]
-            if len(starts) == n and starts[0] == 0:
-                nxt = (
-                    starts + 8 + a[starts].astype(np.int64) + (a[starts + 1].astype(np.int64) << 8)
-                )
-                if np.array_equal(nxt[:-1], starts[1:]):
-                    end = start + int(nxt[-1])
-                    return end if end <= self.size else None
-                return None
-            if start + window >= self.size or (len(starts) and starts[0] != 0):
-                return None
-            window *= 4
-        return None
+        try:
+            mm = mmap.mmap(self.f.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError):
+            return None
+        try:
+            for _attempt in range(3):
+                count = min(self.size - start, window + 16)
+                if count < 16:
+                    return None
+                end = _chain_end(mm, start, count, n)
+                if end != _MORE:
+                    return end if end is not None and end <= self.size else None
+                if start + window >= self.size:
+                    return None
+                window *= 4
+            return None
+        finally:
+            mm.close()
 
     def parse(self) -> GGUFMetadata:
         self.pos = 4
@@ -478,6 +473,33 @@ class _Parser:
             file_size=self.size,
             data_offset=data_offset,
         )
+
+
+def _chain_end(buf: Any, start: int, count: int, n: int) -> int | None:
+    """The end of ``n`` chained records from ``start`` if the guesses chain (see above).
+
+    Returns None when they do not (fall back to the loop) and :data:`_MORE` when ``count`` bytes
+    hold fewer than ``n`` guesses (look further). No reference to ``buf`` survives the call (the
+    caller closes its mmap).
+    """
+    a = np.frombuffer(buf, np.uint8, count=count, offset=start)
+    size = len(a) - 8
+    zero = a == 0
+    z2 = zero[:-1] & zero[1:]  # z2[i]: bytes i, i+1 are zero
+    z4 = z2[:-2] & z2[2:]  # z4[i]: bytes i..i+3
+    m = z4[2 : 2 + size] & z2[6 : 6 + size]  # m[p]: bytes p+2..p+7
+    m &= a[8:] != 0
+    starts = np.flatnonzero(m)[:n]
+    if len(starts) == 0 or starts[0] != 0:
+        return None
+    if len(starts) < n:
+        return _MORE
+    lengths = a[starts].astype(np.int64) + (a[starts + 1].astype(np.int64) << 8)
+    nxt = starts + 8 + lengths
+    del a, zero, z2, z4, m
+    if not np.array_equal(nxt[:-1], starts[1:]):
+        return None
+    return start + int(nxt[-1])
 
 
 def _tensor_nbytes(ggml_type: int, shape: tuple[int, ...]) -> int | None:
