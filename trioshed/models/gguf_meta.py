@@ -17,13 +17,13 @@ u64 dims, u32 ggml type, u64 offset relative to the data section), padding to ``
 from __future__ import annotations
 
 import functools
-import mmap
+import io
 import os
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, BinaryIO
+from typing import Any
 
 import gguf
 import numpy as np
@@ -284,11 +284,11 @@ class _Parser:
 
     ``buf`` holds the bytes ``[base, base + len(buf))`` of the file; when the parse runs past
     them the window moves forward (the parse never goes back). ``struct.unpack_from`` on
-    ``bytes`` is twice as fast as on an ``mmap``; long string arrays are scanned by numpy over an
-    ``mmap`` instead, so their megabytes are never copied.
+    ``bytes`` is twice as fast as on an ``mmap``; long string arrays are read straight into a
+    numpy array and scanned there.
     """
 
-    def __init__(self, path: str, f: BinaryIO, head: bytes, size: int) -> None:
+    def __init__(self, path: str, f: io.BufferedReader, head: bytes, size: int) -> None:
         self.path = path
         self.f = f
         self.buf = head
@@ -402,24 +402,23 @@ class _Parser:
         """
         start = self.pos
         window = n * 20
-        try:
-            mm = mmap.mmap(self.f.fileno(), 0, access=mmap.ACCESS_READ)
-        except (OSError, ValueError):
-            return None
-        try:
-            for _attempt in range(3):
-                count = min(self.size - start, window + 16)
-                if count < 16:
-                    return None
-                end = _chain_end(mm, start, count, n)
-                if end != _MORE:
-                    return end if end is not None and end <= self.size else None
-                if start + window >= self.size:
-                    return None
-                window *= 4
-            return None
-        finally:
-            mm.close()
+        for _attempt in range(3):
+            count = min(self.size - start, window + 16)
+            if count < 16:
+                return None
+            # Read into numpy directly (one copy). Not an mmap: a file truncated under a mapping
+            # (``cp`` over a model while it is listed) would kill the server with SIGBUS.
+            region = np.empty(count, np.uint8)
+            self.f.seek(start)
+            if self.f.readinto(region.data) != count:
+                return None
+            end = _chain_end(region, n)
+            if end != _MORE:
+                return start + end if end is not None and start + end <= self.size else None
+            if start + window >= self.size:
+                return None
+            window *= 4
+        return None
 
     def parse(self) -> GGUFMetadata:
         self.pos = 4
@@ -475,14 +474,12 @@ class _Parser:
         )
 
 
-def _chain_end(buf: Any, start: int, count: int, n: int) -> int | None:
-    """The end of ``n`` chained records from ``start`` if the guesses chain (see above).
+def _chain_end(a: np.ndarray[Any, np.dtype[np.uint8]], n: int) -> int | None:
+    """Where ``n`` chained records starting at ``a[0]`` end, if the guesses chain (see above).
 
-    Returns None when they do not (fall back to the loop) and :data:`_MORE` when ``count`` bytes
-    hold fewer than ``n`` guesses (look further). No reference to ``buf`` survives the call (the
-    caller closes its mmap).
+    Returns the end as an offset into ``a``, None when the guesses do not chain (fall back to
+    the loop), or :data:`_MORE` when ``a`` holds fewer than ``n`` guesses (look further).
     """
-    a = np.frombuffer(buf, np.uint8, count=count, offset=start)
     size = len(a) - 8
     zero = a == 0
     z2 = zero[:-1] & zero[1:]  # z2[i]: bytes i, i+1 are zero
@@ -496,10 +493,9 @@ def _chain_end(buf: Any, start: int, count: int, n: int) -> int | None:
         return _MORE
     lengths = a[starts].astype(np.int64) + (a[starts + 1].astype(np.int64) << 8)
     nxt = starts + 8 + lengths
-    del a, zero, z2, z4, m
     if not np.array_equal(nxt[:-1], starts[1:]):
         return None
-    return start + int(nxt[-1])
+    return int(nxt[-1])
 
 
 def _tensor_nbytes(ggml_type: int, shape: tuple[int, ...]) -> int | None:
