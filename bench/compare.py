@@ -282,7 +282,7 @@ def write_outputs(doc: dict[str, Any], out_dir: Path, *, plots: bool = True) -> 
     stem = f"{meta['started'][:10]}-{meta['host']}-{meta['mode']}"
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"json": out_dir / f"{stem}.json", "md": out_dir / f"{stem}.md"}
-    paths["json"].write_text(json.dumps(doc, indent=1))
+    paths["json"].write_text(json.dumps(doc, separators=(",", ":")))
     if plots:
         paths.update(report.plots(doc, out_dir, stem))
     paths["md"].write_text(report.markdown(doc, {k: p.name for k, p in paths.items()}))

@@ -196,8 +196,9 @@ def summary_markdown(doc: Mapping[str, Any]) -> str:
     if unavailable:
         lines += ["", "Unavailable targets:"]
         for k, msg in unavailable.items():
-            first = msg.strip().splitlines()[0] if msg.strip() else ""
-            lines.append(f"- {k}: {first}")
+            text = [line for line in msg.strip().splitlines() if line.strip()]
+            first, last = (text[0], text[-1]) if text else ("", "")
+            lines.append(f"- {k}: {first} {last if last != first else ''}".rstrip())
     if meta.get("skipped"):
         lines += ["", f"Skipped for time: {', '.join(meta['skipped'])}"]
     lines += ["", f"elapsed {meta.get('elapsed_s')} s; leaked llama-servers: {meta.get('leaked_llama_servers')}"]

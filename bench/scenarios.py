@@ -183,6 +183,9 @@ async def streaming(run: Run, targets: Mapping[str, Target], model: str) -> None
         name, models=(model,), n_predict=run.plan.stream_n_predict,
         prompt="Write a long story about a fox who learns to sail across the sea.",
     )  # fmt: skip
+    # one short request with the same prompt first, so every target's prompt cache starts alike
+    for target in targets.values():
+        await single(run, target, replace(sc, n_predict=4), model, tag="warmup")
     recs = await paired(run, targets, sc, model, pairs)
     _store_paired(run, name, recs, model=model, n_predict=sc.n_predict)
 
