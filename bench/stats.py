@@ -41,7 +41,11 @@ class RequestRecord:
         return self.status == 200 and self.error is None
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        for key in ("start", "ttfb", "ttft", "total"):
+            if d[key] is not None:
+                d[key] = round(d[key], 6)  # microseconds are plenty, and halve the file
+        return d
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
