@@ -146,6 +146,17 @@ def summary_rows(results: Mapping[str, Any]) -> list[Row]:
             note=f"{note}; queue growth exponents {', '.join(f'{k} {v}' for k, v in slopes.items())}",
         ))  # fmt: skip
 
+    loop = [p for p in (_get(results, "sched-scale", "loop") or []) if not p.get("skipped")]
+    if loop:
+        big = max(loop, key=lambda p: (p["models"], p["queued"]))
+        done = "" if big["finished"] else f", only {big['served']} served in {big['seconds']} s"
+        rows.append(_row(
+            f"scheduler loop, fake runners: us per request, {big['models']} models, {big['queued']} queued at once",
+            {"trioshed": big["us_per_request"]}, "", None, ratios=False,
+            note="in-process, no processes: " + ", ".join(
+                f"{p['models']}/{p['queued']}: {p['us_per_request']} us" for p in loop) + done,
+        ))  # fmt: skip
+
     pt = per("rss")
     if pt:
         values = {t: _get(pt, t, "idle_rss_mb_after") for t in ("router", "trioshed") if t in pt}

@@ -18,6 +18,12 @@ Per call we report the time, and per queued request the time divided by the queu
 log-log plot shows growth against the queue (the target: <= 50 us per decision at 1,000 models
 and 10,000 queued, growing no faster than linearly in the queue).
 
+A second table drives the whole Trio scheduler loop (``trioshed.scheduler.Scheduler``) with
+the in-process fake runner factory of ``trioshed.testing.fake`` (load time 0, **no processes**):
+every model loaded first, then ``queued`` requests submitted at once, each acquiring and
+releasing a lease; the figure is the wall time per request until the queue is drained (or the
+point's time budget runs out).
+
 Run: ``python -m bench.sched_scale [--quick|--full] [--out bench/results]``.
 """
 
@@ -32,19 +38,24 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 GiB = 1024**3
+#: Loading every model one by one through the loop before a point is timed is bounded by this.
+PRELOAD_SECONDS = 60.0
 SHAPES = ("busy", "dispatch", "swap")
 _GRID = {"models": (10, 100, 1000), "queued": (100, 1000, 10000), "shapes": SHAPES}
 #: Keyword arguments of :func:`run` per plan mode.
 SIZES: dict[str, dict[str, Any]] = {
-    "quick": {**_GRID, "budget": 0.3, "max_calls": 20, "max_seconds": 120.0},
-    "full": {**_GRID, "budget": 2.0, "max_calls": 200, "max_seconds": 900.0},
+    "quick": {**_GRID, "budget": 0.3, "max_calls": 20, "max_seconds": 120.0, "loop_budget": 8.0,
+              "loop_models": (10, 100)},
+    "full": {**_GRID, "budget": 2.0, "max_calls": 200, "max_seconds": 900.0, "loop_budget": 60.0,
+             "loop_models": (10, 100, 1000)},
     "smoke": {"models": (10, 100), "queued": (100, 1000), "shapes": SHAPES, "budget": 0.05,
-              "max_calls": 3, "max_seconds": 10.0},
+              "max_calls": 3, "max_seconds": 10.0, "loop_budget": 2.0, "loop_models": (10,)},
 }
 
 
@@ -131,8 +142,85 @@ def growth_exponent(points: Sequence[Point]) -> float | None:
     return round(sum((x - mx) * (y - my) for x, y in pts) / sxx, 3)
 
 
+async def drain_through_loop(n_models: int, n_queued: int, *, budget: float) -> dict[str, Any]:
+    """The Trio scheduler with fake runners: load every model, then ``n_queued`` requests at
+    once; wall time per request until all are served or ``budget`` seconds pass."""
+    import trio
+    import trio.lowlevel
+
+    from trioshed.core.model import Device, ModelSpec, RunnerOptions
+    from trioshed.devices import DeviceSource
+    from trioshed.scheduler import Scheduler
+    from trioshed.testing.fake import FakeFactory, fixed_estimator, simple_place
+
+    specs = [ModelSpec(f"m{i}:latest", f"/models/m{i}.gguf") for i in range(n_models)]
+    opts = RunnerOptions(num_ctx=1024, num_parallel=4, num_gpu=0)
+    cpu = Device("cpu", "cpu", 0, 1024 * GiB, 1024 * GiB)
+    scheduler = Scheduler(
+        devices=DeviceSource((), "cpu", fixed_system=cpu),
+        factory=FakeFactory(load_time=0.0),
+        estimator=fixed_estimator({f"m{i}": 10**6 for i in range(n_models)}),
+        place=simple_place,
+        max_queue=n_queued + n_models,
+        max_loaded_models=n_models,
+        default_keep_alive=math.inf,
+    )
+    served = 0
+
+    async def user(i: int) -> None:
+        nonlocal served
+        async with scheduler.acquire(specs[i % n_models], opts):
+            await trio.lowlevel.checkpoint()
+        served += 1
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(scheduler.run)
+        t_load = time.perf_counter()
+        with trio.move_on_after(PRELOAD_SECONDS):
+            for spec in specs:
+                async with scheduler.acquire(spec, opts):
+                    pass
+        load_s = time.perf_counter() - t_load
+        loaded = scheduler.statistics().loaded
+        t0 = time.perf_counter()
+        with trio.move_on_after(budget):
+            async with trio.open_nursery() as users:
+                for i in range(n_queued):
+                    users.start_soon(user, i)
+        elapsed = time.perf_counter() - t0
+        nursery.cancel_scope.cancel(reason="scale point done")
+    return {
+        "models": n_models,
+        "queued": n_queued,
+        "served": served,
+        "finished": served == n_queued,
+        "seconds": round(elapsed, 4),
+        "us_per_request": round(elapsed * 1e6 / max(served, 1), 2),
+        "preload_seconds": round(load_s, 3),
+        "loaded": loaded,
+    }
+
+
+def run_loop(models: Sequence[int], queued: Sequence[int], *, budget: float, max_seconds: float) -> list[dict[str, Any]]:
+    import trio
+
+    out: list[dict[str, Any]] = []
+    started = time.perf_counter()
+    for m in models:
+        for q in queued:
+            if time.perf_counter() - started > max_seconds:
+                out.append({"models": m, "queued": q, "skipped": True})
+                continue
+            point = trio.run(partial(drain_through_loop, m, q, budget=budget))
+            out.append(point)
+            print(f"    loop models={m:>5} queued={q:>6}: {point['us_per_request']:>10.1f} us/request, "
+                  f"served {point['served']}/{q} in {point['seconds']} s", file=sys.stderr)  # fmt: skip
+    return out
+
+
 def run(*, models: Sequence[int], queued: Sequence[int], shapes: Sequence[str], budget: float,
-        max_calls: int, max_seconds: float) -> dict[str, Any]:  # fmt: skip
+        max_calls: int, max_seconds: float, loop_budget: float | None = None,
+        loop_models: Sequence[int] = ()) -> dict[str, Any]:  # fmt: skip
     points: list[Point] = []
     started = time.perf_counter()
     skipped: list[str] = []
@@ -151,7 +239,9 @@ def run(*, models: Sequence[int], queued: Sequence[int], shapes: Sequence[str], 
         for shape in shapes
         for m in models
     }
-    return {"points": [p.__dict__ for p in points], "queue_growth_exponent": slopes, "skipped": skipped}
+    loop = [] if loop_budget is None else run_loop(loop_models, queued, budget=loop_budget, max_seconds=max_seconds)
+    return {"points": [p.__dict__ for p in points], "queue_growth_exponent": slopes, "skipped": skipped,
+            "loop": loop}  # fmt: skip
 
 
 def markdown(doc: dict[str, Any]) -> str:
@@ -169,6 +259,21 @@ def markdown(doc: dict[str, Any]) -> str:
         lines.append(f"- {k}: {v}")
     if doc.get("skipped"):
         lines += ["", f"Skipped for time: {', '.join(doc['skipped'])}"]
+    if doc.get("loop"):
+        lines += [
+            "",
+            "The Trio scheduler loop with in-process fake runners (no processes): all models loaded, "
+            "then the queue submitted at once and drained",
+            "",
+            "| models (loaded) | queued | served | seconds | us per request |",
+            "| ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for p in doc["loop"]:
+            if p.get("skipped"):
+                lines.append(f"| {p['models']} | {p['queued']} | skipped (time) | | |")
+            else:
+                lines.append(f"| {p['models']} ({p['loaded']}) | {p['queued']} | {p['served']} | {p['seconds']} | "
+                             f"{p['us_per_request']} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
