@@ -155,3 +155,16 @@ def test_with_others_loaded_a_model_makes_room_rather_than_spill_to_cpu() -> Non
     # Nothing in the way: CPU is used when the GPU cannot hold it even alone.
     actions = run([req(9, "big", 40)], [], m)
     assert isinstance(actions[0], Load) and actions[0].placement.on_cpu_only
+
+
+def test_memory_taken_by_other_programs_fails_at_once_or_spills() -> None:
+    busy_gpu = Machine(
+        gpus=(Device("cuda:0", "cuda", 0, 24 * GiB, 4 * GiB),),  # NVML: 20 GiB used by others
+        system=Device("cpu", "cpu", 0, 8 * GiB, 8 * GiB),
+        max_loaded=3,
+    )
+    actions = run([req(1, "a", 16)], [], busy_gpu)
+    assert isinstance(actions[0], Fail) and isinstance(actions[0].error, InsufficientMemory)
+    assert "other programs" in actions[0].error.message
+    actions = run([req(1, "a", 6)], [], busy_gpu)  # fits in system memory meanwhile
+    assert isinstance(actions[0], Load) and actions[0].placement.on_cpu_only

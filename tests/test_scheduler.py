@@ -381,3 +381,63 @@ async def test_a_hung_runner_failing_health_checks_is_reloaded(autojump_clock: t
         assert h.factory.live == [] and ("unhealthy", "a") in h.record
         await h.once("a")
         assert h.factory.started == 2
+
+
+class LaggingGpu(DeviceSource):
+    """An NVML-like source reporting ``held`` bytes in use until the test clears it."""
+
+    def __init__(self, total: float) -> None:
+        super().__init__(
+            (Device("cuda:0", "cuda", 0, int(total * GiB), int(total * GiB)),),
+            "nvml",
+            fixed_system=Device("cpu", "cpu", 0, 4 * GiB, 4 * GiB),
+        )
+        self.held = 0
+
+    def poll(self) -> tuple[Device, ...]:
+        return tuple(Device(d.id, d.library, d.index, d.total, d.total - self.held) for d in self.gpus)
+
+
+@asynccontextmanager
+async def lagging(total: float, sizes: dict[str, float], system: float = 4) -> AsyncIterator[tuple[Harness, LaggingGpu]]:
+    record: list[tuple[str, str]] = []
+    factory = FakeFactory(load_time=1, record=record)
+    gpu = LaggingGpu(total)
+    gpu.fixed_system = Device("cpu", "cpu", 0, int(system * GiB), int(system * GiB))
+    sched = Scheduler(
+        devices=gpu, factory=factory, estimator=fixed_estimator({k: int(v * GiB) for k, v in sizes.items()}),
+        place=simple_place, record=record,
+    )  # fmt: skip
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sched.run)
+        yield Harness(sched, factory, record, nursery), gpu
+        nursery.cancel_scope.cancel()
+
+
+async def test_next_load_waits_for_freed_vram_to_show(autojump_clock: trio.testing.MockClock) -> None:
+    async with lagging(24, {"a": 16, "b": 16}) as (h, gpu):
+        await h.once("a")
+        gpu.held = 16 * GiB  # what the GPU reports in use while "a" lives, and a while after
+        start = trio.current_time()
+
+        async def free_later() -> None:
+            await trio.sleep(2.0)
+            gpu.held = 0
+
+        h.nursery.start_soon(free_later)
+        await h.once("b")  # load time 1 s
+        assert h.events("stop", "start")[-2:] == [("stop", "a"), ("start", "b")]
+        # not before the memory showed as free, and soon after (250 ms polls)
+        assert 2.0 <= trio.current_time() - start - 1.0 < 2.3
+
+
+async def test_vram_recovery_gives_up_after_five_seconds(autojump_clock: trio.testing.MockClock) -> None:
+    async with lagging(24, {"a": 16, "b": 16}, system=64) as (h, gpu):
+        await h.once("a")
+        gpu.held = 16 * GiB  # never shows as freed (another program took it, say)
+        start = trio.current_time()
+        lease = await h.once("b")
+        # the recovery wait ended at its 5 s limit; with nothing of ours left to evict, b takes
+        # the best placement there is now: system memory
+        assert 5.0 <= trio.current_time() - start - 1.0 < 5.5
+        assert h.sched.statistics().runners[0].placement.on_cpu_only and lease.model.short_name == "b"

@@ -335,7 +335,20 @@ def plan(
             set_runner(replace(victim, evicting=True))
         if fit is not None:
             sim.reserved[req.model.path] = usage_of(sim.fits_after(place, req, [], best_layers) or fit)
-        # else: only loading runners are left to evict: wait for them, then decide again
+            continue
+        if any(r.state is not RunnerState.READY or r.evicting for r in sim.runners) or sim.reserved:
+            continue  # runners still loading or leaving: decide again once they have
+        # Nothing of ours is left to make room: the memory is taken by something else. Take the
+        # best placement there is now (partly or wholly on the CPU), or say why not.
+        if isinstance(fit_now, Placement) and sim.count(projected=False) < machine.max_loaded:
+            actions.append(Load(req.id, fit_now))
+            sim.runners.append(
+                RunnerView(new_id, req.model, req.options, RunnerState.LOADING, usage=usage_of(fit_now), last_used=now)
+            )
+            new_id -= 1
+        elif isinstance(fit_now, DoesNotFit):
+            reason = "the rest of the memory is in use by other programs"
+            actions.append(Fail(req.id, InsufficientMemory(req.model.name, fit_now.needed, fit_now.available, reason)))
     return actions
 
 

@@ -536,7 +536,7 @@ class Scheduler:
                         # Stopped (unload, eviction, keep-alive expiry): the child is still alive here,
                         # so this is the moment to read the GPUs' free memory before it goes.
                         runner.state = RunnerState.UNLOADING
-                        baseline = await self._vram_baseline(runner)
+                        baseline = self._vram_baseline(runner)
                     self._counters["unloads"] += 1
                     self._note("unloaded", runner.model)
                     if baseline is not None:
@@ -598,13 +598,11 @@ class Scheduler:
         self._runners.pop(runner.id, None)
         self._fail_waiters(runner, exc)
 
-    async def _vram_baseline(self, runner: _Runner) -> int | None:
+    def _vram_baseline(self, runner: _Runner) -> int | None:
         if not (runner.placement.devices and self._devices.recovers_vram):
             return None
         ids = set(runner.placement.devices)
-        with trio.CancelScope(shield=True):
-            polled = await trio.to_thread.run_sync(self._devices.poll)
-        return sum(d.free for d in polled if d.id in ids)
+        return sum(d.free for d in self._devices.poll() if d.id in ids)
 
     async def _wait_for_vram_recovery(self, runner: _Runner, baseline: int) -> None:
         """Free GPU memory lags behind a child's exit: wait until ~80% of its use is back."""
@@ -612,8 +610,8 @@ class Scheduler:
         ids = set(runner.placement.devices)
         with trio.move_on_after(VRAM_RECOVERY_TIMEOUT) as scope:
             while True:
-                polled = await trio.to_thread.run_sync(self._devices.poll)
-                if sum(d.free for d in polled if d.id in ids) - baseline >= 0.8 * expected:
+                # NVML's memory query takes microseconds: called inline, like the planner's
+                if sum(d.free for d in self._devices.poll() if d.id in ids) - baseline >= 0.8 * expected:
                     break
                 await trio.sleep(VRAM_POLL_INTERVAL)
         if scope.cancelled_caught:
