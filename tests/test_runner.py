@@ -49,14 +49,27 @@ async def test_runner_outlives_idle_trio_worker_threads(tiny_model: Path, monkey
             assert not server.exited and await server.health()
 
 
-async def test_load_failure_carries_exit_code_and_output(tmp_path: Path) -> None:
-    bad = tmp_path / "bad.gguf"
-    bad.write_bytes(b"GGUF" + b"\0" * 64)
+async def test_load_failure_carries_exit_code_and_output(tmp_path: Path, tiny_model: Path) -> None:
+    # a well-formed file of an architecture llama.cpp does not know: only llama-server finds out
+    data = tiny_model.read_bytes()
+    at = data.index(b"general.architecture") + len(b"general.architecture") + 4 + 8
+    assert data[at : at + 5] == b"llama"
+    bad = tmp_path / "unknown-arch.gguf"
+    bad.write_bytes(data[:at] + b"llamb" + data[at + 5 :])
     with trio.fail_after(60), pytest.raises(LoadFailed) as excinfo:
         async with open_llama_server(ModelSpec("bad:latest", str(bad)), OPTIONS, Placement(0), config()):
             pass
     assert excinfo.value.returncode not in (None, 0)
     assert "before it was ready" in excinfo.value.message and "last output" in excinfo.value.message
+    assert "llamb" in excinfo.value.message  # llama-server's own words
+
+
+async def test_not_a_gguf_fails_before_spawning(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a model at all")
+    with trio.fail_after(10), pytest.raises(LoadFailed, match="cannot read"):
+        async with open_llama_server(ModelSpec("bad:latest", str(bad)), OPTIONS, Placement(0), config()):
+            pass
 
 
 async def test_missing_binary_is_a_load_failure(tiny_model: Path) -> None:

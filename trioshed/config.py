@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from trioshed.core.model import Device
+from trioshed.core.model import KV_CACHE_TYPES, Device
 
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
 _UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -127,6 +127,8 @@ class Settings:
     gpu_overhead: int = 0
     context_length: int = 4096
     num_thread: int = 0
+    kv_cache_type: str = "f16"
+    flash_attention: bool = False
     llama_server: str | None = None
     devices: tuple[Device, ...] | None = None
     origins: tuple[str, ...] = ()
@@ -155,6 +157,8 @@ class Settings:
             "GPU_OVERHEAD": parse_bytes,
             "CONTEXT_LENGTH": int,
             "NUM_THREAD": int,
+            "KV_CACHE_TYPE": _kv_cache_type,
+            "FLASH_ATTENTION": _bool,
             "LLAMA_SERVER": str,
             "DEVICES": parse_devices,
             "ORIGINS": lambda v: tuple(o.strip() for o in v.split(",") if o.strip()),
@@ -186,6 +190,13 @@ class Settings:
 
     def with_(self, **changes: object) -> Settings:
         return replace(self, **changes)  # type: ignore[arg-type]
+
+
+def _kv_cache_type(value: str) -> str:
+    value = value.strip().lower()
+    if value not in KV_CACHE_TYPES:
+        raise ValueError(f"use one of {', '.join(KV_CACHE_TYPES)}")
+    return value
 
 
 def _positive_timeout(seconds: float) -> float:

@@ -31,6 +31,8 @@ class AppState:
             num_ctx=s.context_length,
             num_parallel=s.num_parallel,
             num_thread=s.num_thread,
+            kv_cache_type=s.kv_cache_type,
+            flash_attention=s.flash_attention,
         )
         merged = {k: v for k, v in model.defaults if k in _RUNNER_FIELDS}
         merged.update({k: v for k, v in overrides.items() if k in _RUNNER_FIELDS and v is not None})

@@ -36,11 +36,14 @@ def build_command(
     port: int,
     verbose: bool = True,
     accounting_only: bool = False,
+    kv_cache_type: str | None = None,
 ) -> list[str]:
     """llama-server argv. trioshed decides placement itself, so ``--fit off`` with explicit ``-ngl``.
 
     ``accounting_only`` (a declared inventory, no real GPU): the scheduler accounts memory as if
     the runner sat on ``placement.devices`` while the child itself runs on the CPU.
+    ``kv_cache_type`` is the type the model really supports (``core.estimate.effective_kv_type``);
+    it defaults to the requested one.
     """
     ngl = 0 if accounting_only else placement.n_gpu_layers
     argv = [
@@ -67,10 +70,11 @@ def build_command(
             argv += ["--main-gpu", str(placement.main_gpu)]
     else:
         argv += ["--device", "none"]
+    cache_type = kv_cache_type or options.kv_cache_type
     if options.flash_attention:
         argv += ["--flash-attn", "on"]
-        if options.kv_cache_type != "f16":
-            argv += ["--cache-type-k", options.kv_cache_type, "--cache-type-v", options.kv_cache_type]
+        if cache_type != "f16":
+            argv += ["--cache-type-k", cache_type, "--cache-type-v", cache_type]
     else:
         argv += ["--flash-attn", "off"]
     if options.use_mmap is False:

@@ -26,8 +26,10 @@ import httpx
 import trio
 
 from trioshed._util import single_error
+from trioshed.core.estimate import effective_kv_type
 from trioshed.core.model import MeasuredMemory, ModelSpec, Placement, RunnerOptions
 from trioshed.errors import LoadFailed
+from trioshed.models.gguf_meta import read_metadata
 from trioshed.runner.command import LaunchConfig, build_command
 
 try:
@@ -264,9 +266,13 @@ async def open_llama_server(
     """
     port = free_port()
     server = LlamaServer(model, options, placement, port)
+    try:
+        kv_type = effective_kv_type(options, read_metadata(model.path))
+    except (OSError, ValueError) as exc:
+        raise LoadFailed(f"cannot read {model.path}: {exc}") from None
     argv = build_command(
         config.binary, model, options, placement, port=port,
-        verbose=config.verbose, accounting_only=config.accounting_only,
+        verbose=config.verbose, accounting_only=config.accounting_only, kv_cache_type=kv_type,
     )  # fmt: skip
     try:
         with single_error(LoadFailed):
