@@ -7,6 +7,7 @@ then the scheduler stops and reaps every runner.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -36,10 +37,22 @@ log = logging.getLogger(__name__)
 
 
 def estimate_model(spec: ModelSpec, options: RunnerOptions) -> MemoryEstimate:
-    """Read the GGUF header (cached) and estimate; adapters and projector by file size."""
-    meta = read_metadata(spec.path)
-    adapters = sum(os.path.getsize(a) for a in spec.adapters)
-    projector = os.path.getsize(spec.projector) if spec.projector else 0
+    """Read the GGUF header (cached) and estimate; adapters and projector by file size.
+
+    Called for every request: cached by the files' identity (path, mtime, size) and the options.
+    """
+    files = (spec.path, *spec.adapters, *((spec.projector,) if spec.projector else ()))
+    stats = tuple((f, os.stat(f).st_mtime_ns, os.stat(f).st_size) for f in files)
+    return _estimate_cached(stats, len(spec.adapters), options)
+
+
+@functools.lru_cache(maxsize=256)
+def _estimate_cached(
+    files: tuple[tuple[str, int, int], ...], n_adapters: int, options: RunnerOptions
+) -> MemoryEstimate:
+    meta = read_metadata(files[0][0])
+    adapters = sum(size for _, _, size in files[1 : 1 + n_adapters])
+    projector = sum(size for _, _, size in files[1 + n_adapters :])
     return estimate(meta, options, projector_bytes=projector, adapter_bytes=adapters)
 
 
@@ -107,6 +120,7 @@ async def serve(
 ) -> None:
     """Serve until cancelled (or SIGINT/SIGTERM when ``handle_signals``)."""
     binary = binary or find_llama_server(settings.llama_server)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream request otherwise
     devices = discover(settings.devices)
     scheduler = build_scheduler(settings, devices, binary, record)
     state = AppState(settings=settings, store=ModelStore(settings.models), scheduler=scheduler)

@@ -21,7 +21,7 @@ from quart import Blueprint, Response, current_app, request
 from trioshed import __version__
 from trioshed.api import translate
 from trioshed.api.state import AppState
-from trioshed.api.upstream import LeasedBody, open_upstream
+from trioshed.api.upstream import LeasedBody, open_upstream, post_upstream
 from trioshed.config import parse_duration
 from trioshed.core.model import ModelSpec
 from trioshed.errors import BadRequest, TrioshedError
@@ -136,12 +136,10 @@ async def _serve(kind: translate.Kind) -> Response:
     translator = translate.OllamaStream(kind, model.name, prefill=upstream.prefill)
 
     if body.get("stream", True) is False:
+        # One JSON answer upstream too: llama-server sends no per-token events to parse.
+        whole = {k: v for k, v in upstream.body.items() if k != "stream_options"} | {"stream": False}
         async with st.scheduler.acquire(model, options, keep_alive) as lease:
-            async with open_upstream(lease, upstream.path, upstream.body) as lines:
-                async for line in lines:
-                    event = translate.parse_sse_line(line)
-                    if event is not None:
-                        translator.feed(event)
+            translator.feed(await post_upstream(lease, upstream.path, whole))
             if not translator.finished:
                 raise await _truncated(lease)
             result = translator.aggregate(
@@ -172,10 +170,8 @@ async def chat() -> Response:
 
 
 async def has_chat_template(spec: ModelSpec) -> bool:
-    from trioshed.models.gguf_meta import read_metadata
-
     try:
-        meta = await trio.to_thread.run_sync(read_metadata, spec.path)
+        meta = await state().metadata(spec)
     except Exception:
         return True  # let llama-server decide
     return bool(meta.chat_template)

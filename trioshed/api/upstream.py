@@ -60,6 +60,24 @@ async def open_upstream(lease: Lease, path: str, body: dict[str, Any]) -> AsyncI
         raise await crash_or(lease, exc) from None
 
 
+async def post_upstream(lease: Lease, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """POST ``body`` to the runner and return its JSON answer (errors as in :func:`open_upstream`)."""
+    http: httpx.AsyncClient = lease.handle.http
+    try:
+        response = await http.post(path, json=body)
+    except httpx.HTTPError as exc:
+        raise await crash_or(lease, exc) from None
+    if response.status_code != 200:
+        raise UpstreamError(upstream_message(response.content, response.status_code), status=response.status_code)
+    try:
+        data = response.json()
+    except ValueError:
+        raise UpstreamError(f"llama-server answered with invalid JSON: {response.text[:200]!r}") from None
+    if not isinstance(data, dict):
+        raise UpstreamError("llama-server answered with something other than a JSON object")
+    return data
+
+
 def upstream_message(raw: bytes, status: int) -> str:
     try:
         data = json.loads(raw)

@@ -253,7 +253,26 @@ def read_metadata(path: str | os.PathLike[str]) -> GGUFMetadata:
     """
     real = os.path.realpath(path)
     st = os.stat(real)
-    return _read_cached(real, st.st_mtime_ns, st.st_size)
+    key = (real, st.st_mtime_ns, st.st_size)
+    meta = _read_cached(*key)
+    if len(_known) >= CACHE_SIZE:
+        _known.clear()
+    _known[key] = meta
+    return meta
+
+
+_known: dict[tuple[str, int, int], GGUFMetadata] = {}
+
+
+def cached_metadata(path: str | os.PathLike[str]) -> GGUFMetadata | None:
+    """The header if :func:`read_metadata` already holds it for the file as it is now (a stat,
+    no read): lets async callers skip the worker thread on the hot path."""
+    real = os.path.realpath(path)
+    try:
+        st = os.stat(real)
+    except OSError:
+        return None
+    return _known.get((real, st.st_mtime_ns, st.st_size))
 
 
 @functools.lru_cache(maxsize=CACHE_SIZE)

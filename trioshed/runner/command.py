@@ -84,5 +84,7 @@ def build_command(
     if model.projector:
         argv += ["--mmproj", model.projector]
     if verbose:
-        argv += ["--verbose"]
+        # Level 4 (trace) prints the buffer sizes the memory log needs; --verbose would also
+        # log every token (~300 lines per 16-token request against ~20 here).
+        argv += ["--log-verbosity", "4"]
     return argv

@@ -191,10 +191,10 @@ class LlamaServer:
 
     def _on_line(self, line: str) -> None:
         self.tail.append(line)
-        if self._memlog is not None:
-            self._memlog.feed(line)
-        if self._progress is not None:  # output is progress: a load that prints isn't stuck
+        if self._progress is not None:  # loading: output is progress, and holds the buffer sizes
             self._progress.deadline = trio.current_time() + self._load_timeout
+            if self._memlog is not None:
+                self._memlog.feed(line)
 
     async def _drain(self, stream: trio.abc.ReceiveStream) -> None:
         buffer = b""
@@ -209,19 +209,21 @@ class LlamaServer:
 
     async def _wait_ready(self, load_timeout: float) -> None:
         self._load_timeout = load_timeout
-        with trio.CancelScope(deadline=trio.current_time() + load_timeout) as self._progress:
-            delay = 0.01
-            while not self.exited:
-                try:
-                    response = await self.http.get("/health", timeout=5.0)
-                    if response.status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass
-                with trio.move_on_after(delay):
-                    await self._exited.wait()
-                delay = min(delay * 1.5, 0.25)
-        self._progress = None
+        try:
+            with trio.CancelScope(deadline=trio.current_time() + load_timeout) as self._progress:
+                delay = 0.01
+                while not self.exited:
+                    try:
+                        response = await self.http.get("/health", timeout=5.0)
+                        if response.status_code == 200:
+                            return
+                    except httpx.HTTPError:
+                        pass
+                    with trio.move_on_after(delay):
+                        await self._exited.wait()
+                    delay = min(delay * 1.5, 0.25)
+        finally:
+            self._progress = None
         if self.exited:
             raise LoadFailed(
                 f"llama-server exited with code {self.returncode} before it was ready; "

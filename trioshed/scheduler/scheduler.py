@@ -294,6 +294,13 @@ class Scheduler:
             estimate=estimate,
             enqueued=trio.current_time(),
         )
+        runner = self._free_slot_now(req) if not self._queued_count() else None
+        if runner is not None:
+            # Fast path, FIFO-safe because nothing waits: a ready runner has a free slot.
+            await trio.lowlevel.checkpoint_if_cancelled()
+            self._dispatch(req, runner)
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return Lease(self, runner, req.load_duration)
         self.submit_nowait(req)
         try:
             await req.done.wait()
@@ -305,8 +312,24 @@ class Scheduler:
         assert req.runner is not None
         return Lease(self, req.runner, req.load_duration)
 
+    def _queued_count(self) -> int:
+        return len(self._waiting) + self._pending_send.statistics().current_buffer_used
+
+    def _free_slot_now(self, req: _Request) -> _Runner | None:
+        for runner in self._runners.values():
+            if (
+                runner.model.path == req.model.path
+                and runner.state is RunnerState.READY
+                and not runner.evicting
+                and not runner.stopping
+                and runner.leases < runner.options.num_parallel
+                and sched.can_serve(runner.view(), req.model, req.options)
+            ):
+                return runner
+        return None
+
     def submit_nowait(self, req: _Request) -> None:
-        if len(self._waiting) + self._pending_send.statistics().current_buffer_used >= self.max_queue:
+        if self._queued_count() >= self.max_queue:
             self._counters["rejected"] += 1
             raise QueueFull()
         try:
@@ -373,7 +396,7 @@ class Scheduler:
             )
         states = [r.view().state for r in self._runners.values()]
         return SchedulerStatistics(
-            queued=len(self._waiting) + self._pending_send.statistics().current_buffer_used,
+            queued=self._queued_count(),
             leased=sum(r.leases for r in self._runners.values()),
             loaded=states.count(RunnerState.READY),
             loading=states.count(RunnerState.LOADING),
@@ -399,7 +422,7 @@ class Scheduler:
         await self._changed_event().wait()
 
     def _note(self, event: str, model: ModelSpec) -> None:
-        log.info("%s %s", event, model.name)
+        log.log(logging.DEBUG if event == "dispatch" else logging.INFO, "%s %s", event, model.name)
         if self.record is not None:
             self.record.append((event, model.short_name))
 
