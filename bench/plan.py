@@ -9,9 +9,11 @@ from bench.procs import RunnerFlags
 TARGETS = ("direct", "router", "trioshed")
 
 #: The API each target is spoken to with, per request family. "generate" is each server's own
-#: completion route (trioshed's is Ollama's); "chat" is the OpenAI route all three share.
+#: completion route for a raw prompt (trioshed: Ollama's /api/generate with "raw": true, which it
+#: sends to llama-server's /completion, the same work direct does); "chat" is the OpenAI route
+#: all three share (templated). A non-raw /api/generate is templated and goes upstream as chat.
 API_BY_FAMILY = {
-    "generate": {"direct": "native", "router": "native", "trioshed": "ollama-generate"},
+    "generate": {"direct": "native", "router": "native", "trioshed": "ollama-raw"},
     "chat": {"direct": "openai-chat", "router": "openai-chat", "trioshed": "openai-chat"},
 }
 

@@ -3,6 +3,7 @@
 | api | route | stream format |
 | --- | --- | --- |
 | ``ollama-generate`` | ``POST /api/generate`` | NDJSON, final line ``"done": true`` with ``eval_count`` |
+| ``ollama-raw`` | ``POST /api/generate`` with ``"raw": true`` (no chat template) | as above |
 | ``ollama-chat`` | ``POST /api/chat`` | NDJSON, as above |
 | ``openai-chat`` | ``POST /v1/chat/completions`` | SSE ``data:`` lines, ``usage`` chunk, ``[DONE]`` |
 | ``native`` | ``POST /completion`` (llama-server's own) | SSE, final chunk ``"stop": true`` with ``timings`` |
@@ -17,10 +18,11 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-APIS = ("ollama-generate", "ollama-chat", "openai-chat", "native")
+APIS = ("ollama-generate", "ollama-raw", "ollama-chat", "openai-chat", "native")
 
 PATHS = {
     "ollama-generate": "/api/generate",
+    "ollama-raw": "/api/generate",
     "ollama-chat": "/api/chat",
     "openai-chat": "/v1/chat/completions",
     "native": "/completion",
@@ -29,13 +31,17 @@ PATHS = {
 
 def request_body(api: str, model: str, prompt: str, n_predict: int, stream: bool) -> dict[str, Any]:
     """The JSON body of one generation request."""
-    if api == "ollama-generate":
-        return {
+    body: dict[str, Any]
+    if api in ("ollama-generate", "ollama-raw"):
+        body = {
             "model": model,
             "prompt": prompt,
             "stream": stream,
             "options": {"num_predict": n_predict, "temperature": 0},
         }
+        if api == "ollama-raw":
+            body["raw"] = True
+        return body
     if api == "ollama-chat":
         return {
             "model": model,
@@ -44,7 +50,7 @@ def request_body(api: str, model: str, prompt: str, n_predict: int, stream: bool
             "options": {"num_predict": n_predict, "temperature": 0},
         }
     if api == "openai-chat":
-        body: dict[str, Any] = {
+        body = {
             "model": model,
             "messages": [{"role": "user", "content": prompt}],
             "max_tokens": n_predict,
@@ -105,7 +111,7 @@ def parse_stream_line(api: str, line: bytes | str) -> Chunk | None:
         return Chunk(error=f"unexpected chunk: {text[:80]}")
     if "error" in obj:
         return Chunk(error=_error_text(obj["error"]), final=True)
-    if api in ("ollama-generate", "ollama-chat"):
+    if api.startswith("ollama-"):
         if obj.get("done"):
             count = obj.get("eval_count")
             return Chunk(final=True, tokens=count if isinstance(count, int) else None)
@@ -147,7 +153,7 @@ def parse_full_body(api: str, body: bytes) -> tuple[int | None, str | None]:
         return None, "unexpected body"
     if "error" in obj:
         return None, _error_text(obj["error"])
-    if api in ("ollama-generate", "ollama-chat"):
+    if api.startswith("ollama-"):
         n = obj.get("eval_count")
         return (n if isinstance(n, int) else None), None
     if api == "native":

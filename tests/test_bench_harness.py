@@ -267,3 +267,11 @@ async def test_compare_smoke_writes_results_with_ratios(tmp_path: Path) -> None:
     assert {r["scenario"] for r in doc["records"]} >= {"overhead-generate", "overhead-chat", "throughput-c4"}
     assert (tmp_path / path.name.replace(".json", ".md")).is_file()
     assert (tmp_path / path.name.replace(".json", "-ratios.png")).is_file()
+
+
+def test_ollama_raw_is_generate_without_a_template() -> None:
+    body = request_body("ollama-raw", "m", "hi", 8, True)
+    assert body["raw"] is True and body["options"]["num_predict"] == 8
+    assert "raw" not in request_body("ollama-generate", "m", "hi", 8, True)
+    done = parse_stream_line("ollama-raw", b'{"done":true,"eval_count":8}')
+    assert done is not None and done.final and done.tokens == 8
