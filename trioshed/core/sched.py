@@ -17,9 +17,11 @@ whole queue while one request waits for memory, ``plan()`` looks at every waitin
 from __future__ import annotations
 
 import enum
+import functools
 import math
+from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from trioshed.core.model import (
     Device,
@@ -67,6 +69,11 @@ class RequestView:
     model: ModelSpec
     options: RunnerOptions
     estimate: MemoryEstimate
+
+    @functools.cached_property
+    def key(self) -> tuple[object, ...]:
+        """What makes two requests interchangeable for the planner (same runner would serve)."""
+        return (self.model.path, self.model.adapters, self.model.projector, self.options)
 
 
 @dataclass(frozen=True)
@@ -139,47 +146,77 @@ def victim_order(runner: RunnerView) -> tuple[bool, float, float, int]:
     return (runner.leases > 0, runner.keep_alive, runner.last_used, runner.id)
 
 
-@dataclass
+def _leaving(r: RunnerView) -> bool:
+    return r.evicting or r.state is RunnerState.UNLOADING
+
+
 class _Sim:
-    """The machine as this planning pass has committed it so far."""
+    """The machine as this planning pass has committed it so far.
 
-    machine: Machine
-    runners: list[RunnerView]
-    reserved: dict[str, tuple[tuple[str, int], ...]] = field(default_factory=dict)  # model path -> usage
+    Bookkeeping is incremental (usage per device, runners per model file, counts), so that one
+    pass costs about O(requests + runners) rather than their product.
+    """
 
-    def _used(self, device: str, *, including_evicting: bool) -> int:
-        total = 0
-        for r in self.runners:
-            if r.evicting or r.state is RunnerState.UNLOADING:
-                if not including_evicting:
-                    continue
-            total += dict(r.usage).get(device, 0)
-        for usage in self.reserved.values():
-            total += dict(usage).get(device, 0)
-        return total
+    def __init__(self, machine: Machine, runners: Sequence[RunnerView]) -> None:
+        self.machine = machine
+        self.runners: dict[int, RunnerView] = {}
+        self.by_path: dict[str, list[int]] = defaultdict(list)
+        self.used_all: Counter[str] = Counter()  # every runner of ours, leaving ones included
+        self.used_kept: Counter[str] = Counter()  # the ones that stay
+        self.kept = 0
+        self.unsettled = 0  # loading, leaving or being evicted
+        self.reserved: dict[str, tuple[tuple[str, int], ...]] = {}  # model path -> usage waited for
+        self.reserved_usage: Counter[str] = Counter()
+        self.touched: set[int] = set()  # runners given a lease in this pass
+        self._order: list[int] | None = None
+        for r in runners:
+            self.add(r)
 
-    def _devices(self, *, projected: bool) -> tuple[tuple[Device, ...], int]:
-        """GPUs and system memory free for a new runner, now or once evictions complete."""
-        gpus = []
-        for d in self.machine.gpus:
-            ours = self._used(d.id, including_evicting=not projected)
-            released = 0 if not projected else self._used(d.id, including_evicting=True) - ours
-            free = min(d.free + released, d.total - ours)
-            gpus.append(replace(d, free=max(0, free)))
-        s = self.machine.system
-        ours = self._used(CPU_ID, including_evicting=not projected)
-        released = 0 if not projected else self._used(CPU_ID, including_evicting=True) - ours
-        system_free = max(0, min(s.free + released, s.total - ours))
-        return tuple(gpus), system_free
+    def _account(self, r: RunnerView, sign: int) -> None:
+        for dev, b in r.usage:
+            self.used_all[dev] += sign * b
+            if not _leaving(r):
+                self.used_kept[dev] += sign * b
+        if not _leaving(r):
+            self.kept += sign
+        if _leaving(r) or r.state is not RunnerState.READY:
+            self.unsettled += sign
 
-    def count(self, *, projected: bool) -> int:
-        present = [
-            r for r in self.runners if not (projected and (r.evicting or r.state is RunnerState.UNLOADING))
-        ]
-        return len(present) + len(self.reserved)
+    def add(self, r: RunnerView) -> None:
+        self.runners[r.id] = r
+        self.by_path[r.model.path].append(r.id)
+        self._account(r, +1)
 
-    def place(self, place: Placer, req: RequestView, *, projected: bool) -> Placement | DoesNotFit:
-        gpus, system_free = self._devices(projected=projected)
+    def set(self, r: RunnerView) -> None:
+        self._account(self.runners[r.id], -1)
+        self.runners[r.id] = r
+        self._account(r, +1)
+
+    def same_model(self, path: str) -> list[RunnerView]:
+        return [self.runners[i] for i in self.by_path.get(path, ())]
+
+    def reserve(self, path: str, usage: tuple[tuple[str, int], ...]) -> None:
+        self.reserved[path] = usage
+        self.reserved_usage.update(dict(usage))
+
+    def _devices(self, *, projected: bool, extra: Counter[str] | None = None) -> tuple[tuple[Device, ...], int]:
+        """GPUs and system memory free for a new runner, now or once evictions (and the
+        ``extra`` usage of would-be victims) are gone."""
+
+        def free(d: Device) -> int:
+            ours_now = self.used_all[d.id] + self.reserved_usage[d.id]
+            if not projected:
+                return max(0, min(d.free, d.total - ours_now))
+            ours = self.used_kept[d.id] - (extra[d.id] if extra else 0) + self.reserved_usage[d.id]
+            return max(0, min(d.free + (ours_now - ours), d.total - ours))
+
+        gpus = tuple(replace(d, free=free(d)) for d in self.machine.gpus)
+        return gpus, free(self.machine.system)
+
+    def count(self, *, projected: bool, extra: int = 0) -> int:
+        return (self.kept - extra if projected else len(self.runners)) + len(self.reserved)
+
+    def _place(self, place: Placer, req: RequestView, gpus: tuple[Device, ...], system_free: int) -> Placement | DoesNotFit:
         return place(
             req.estimate,
             gpus,
@@ -189,35 +226,33 @@ class _Sim:
             overhead=self.machine.overhead,
         )
 
+    def place(self, place: Placer, req: RequestView, *, projected: bool) -> Placement | DoesNotFit:
+        return self._place(place, req, *self._devices(projected=projected))
+
     def fits_after(
         self, place: Placer, req: RequestView, victims: Sequence[RunnerView], min_layers: int = 0
     ) -> Placement | None:
         """Where ``req`` would go once pending evictions and ``victims`` are gone, with at least
         ``min_layers`` layers on GPUs, if anywhere."""
-        ids = {v.id for v in victims}
-        saved = self.runners
-        self.runners = [replace(r, evicting=True) if r.id in ids else r for r in saved]
-        try:
-            result = self.place(place, req, projected=True)
-            ok = (
-                isinstance(result, Placement)
-                and result.n_gpu_layers >= min_layers
-                and self.count(projected=True) < self.machine.max_loaded
-            )
-        finally:
-            self.runners = saved
-        return result if ok and isinstance(result, Placement) else None
+        extra: Counter[str] = Counter()
+        for v in victims:
+            extra.update(dict(v.usage))
+        if self.count(projected=True, extra=len(victims)) >= self.machine.max_loaded:
+            return None
+        result = self._place(place, req, *self._devices(projected=True, extra=extra))
+        return result if isinstance(result, Placement) and result.n_gpu_layers >= min_layers else None
 
     def capacity(self, place: Placer, req: RequestView, system_capacity: int) -> Placement | DoesNotFit:
         gpus = tuple(replace(d, free=d.total) for d in self.machine.gpus)
-        return place(
-            req.estimate,
-            gpus,
-            system_free=system_capacity,
-            num_gpu=req.options.num_gpu,
-            spread=self.machine.spread,
-            overhead=self.machine.overhead,
-        )
+        return self._place(place, req, gpus, system_capacity)
+
+    def candidates(self) -> list[RunnerView]:
+        """Possible victims in eviction order; sorted once a pass, runners leased meanwhile last."""
+        if self._order is None:
+            ready = [r for r in self.runners.values() if r.state is RunnerState.READY and not r.evicting]
+            self._order = [r.id for r in sorted(ready, key=victim_order)]
+        live = [self.runners[i] for i in self._order if not self.runners[i].evicting]
+        return [r for r in live if r.id not in self.touched] + [r for r in live if r.id in self.touched]
 
 
 def usage_of(placement: Placement) -> tuple[tuple[str, int], ...]:
@@ -244,112 +279,114 @@ def plan(
     requests for the same model join them (the caller maps them to the runners it creates).
     """
     actions: list[Action] = []
-    sim = _Sim(machine, list(runners))
+    sim = _Sim(machine, runners)
     cooldowns = cooldowns or {}
     ours_cpu = sum(dict(r.usage).get(CPU_ID, 0) for r in runners)
     system_capacity = min(machine.system.total, machine.system.free + ours_cpu)
     new_id = next_runner_id
+    waiting: set[tuple[object, ...]] = set()  # requests like these already wait in this pass
 
-    def set_runner(view: RunnerView) -> None:
-        sim.runners[:] = [view if r.id == view.id else r for r in sim.runners]
+    def load(req: RequestView, placement: Placement) -> None:
+        nonlocal new_id
+        actions.append(Load(req.id, placement))
+        sim.add(RunnerView(new_id, req.model, req.options, RunnerState.LOADING, usage=usage_of(placement), last_used=now))
+        new_id -= 1
 
     for req in requests:
-        if req.model.path in sim.reserved:
-            continue  # an earlier request for this model already waits for room: join it
-        same_model = [r for r in sim.runners if r.model.path == req.model.path]
-        usable = [
-            r
-            for r in same_model
-            if not r.evicting and r.state is not RunnerState.UNLOADING and can_serve(r, req.model, req.options)
-        ]
-        if usable:
-            ready = [r for r in usable if r.state is RunnerState.READY and r.leases < r.slots]
-            if ready:
-                target = min(ready, key=lambda r: (r.leases, r.id))
-                actions.append(Dispatch(req.id, target.id))
-                set_runner(replace(target, leases=target.leases + 1, last_used=now))
-            continue  # otherwise: joins the load, or waits for a free slot
-        if same_model:
-            # An incompatible runner of this model (other options, adapters): reload it once its
-            # leases end. One runner per model file at a time, as in the reference.
-            for r in same_model:
-                if not r.evicting and r.state is RunnerState.READY:
-                    actions.append(Evict(r.id, "reload: options changed"))
-                    set_runner(replace(r, evicting=True))
-            continue
-        cooldown = cooldowns.get(req.model.path)
-        if cooldown and cooldown[0] > now:
-            actions.append(Fail(req.id, LoadCooldown(req.model.name, cooldown[0] - now, cooldown[1])))
-            continue
-        capacity = sim.capacity(place, req, system_capacity)
-        if isinstance(capacity, DoesNotFit):
-            actions.append(
-                Fail(
-                    req.id,
-                    InsufficientMemory(req.model.name, capacity.needed, capacity.available, capacity.reason),
-                )
-            )
-            continue
-        # As in the reference: with other runners in the way, a model that would get fewer layers
-        # on GPUs than it could alone makes room instead of spilling to the CPU.
-        best_layers = capacity.n_gpu_layers
-        fit_now = sim.place(place, req, projected=False)
-        if (
-            isinstance(fit_now, Placement)
-            and fit_now.n_gpu_layers >= best_layers
-            and sim.count(projected=False) < machine.max_loaded
-        ):
-            actions.append(Load(req.id, fit_now))
-            sim.runners.append(
-                RunnerView(
-                    id=new_id,
-                    model=req.model,
-                    options=req.options,
-                    state=RunnerState.LOADING,
-                    usage=usage_of(fit_now),
-                    last_used=now,
-                )
-            )
-            new_id -= 1
-            continue
-        # Not now: make room. Victims in order (idle first, shortest keep-alive, least recently
-        # used) until the request fits once they are gone; then drop any victim not needed.
-        candidates = sorted(
-            (r for r in sim.runners if r.state is RunnerState.READY and not r.evicting),
-            key=victim_order,
-        )
-        chosen: list[RunnerView] = []
-        fit = sim.fits_after(place, req, chosen, best_layers)
-        for victim in candidates:
-            if fit is not None:
-                break
+        key = req.key
+        if key in waiting or req.model.path in sim.reserved:
+            continue  # an earlier request like it already waits (for a slot, a load, room)
+        decided = len(actions)
+        outcome = _plan_one(req, sim, machine, place, now, cooldowns, system_capacity, actions, load)
+        if outcome == "wait" and len(actions) == decided:
+            waiting.add(key)
+    return actions
+
+
+def _plan_one(
+    req: RequestView,
+    sim: _Sim,
+    machine: Machine,
+    place: Placer,
+    now: float,
+    cooldowns: Mapping[str, tuple[float, str]],
+    system_capacity: int,
+    actions: list[Action],
+    load: Callable[[RequestView, Placement], None],
+) -> str:
+    """Decide for one request; returns "wait" when it stays queued."""
+    same_model = sim.same_model(req.model.path)
+    usable = [r for r in same_model if not _leaving(r) and can_serve(r, req.model, req.options)]
+    if usable:
+        ready = [r for r in usable if r.state is RunnerState.READY and r.leases < r.slots]
+        if not ready:
+            return "wait"  # joins the load, or waits for a free slot
+        target = min(ready, key=lambda r: (r.leases, r.id))
+        actions.append(Dispatch(req.id, target.id))
+        sim.set(replace(target, leases=target.leases + 1, last_used=now))
+        sim.touched.add(target.id)
+        return "dispatched"
+    if same_model:
+        # An incompatible runner of this model (other options, adapters): reload it once its
+        # leases end. One runner per model file at a time, as in the reference.
+        for r in same_model:
+            if not r.evicting and r.state is RunnerState.READY:
+                actions.append(Evict(r.id, "reload: options changed"))
+                sim.set(replace(r, evicting=True))
+        return "wait"
+    cooldown = cooldowns.get(req.model.path)
+    if cooldown and cooldown[0] > now:
+        actions.append(Fail(req.id, LoadCooldown(req.model.name, cooldown[0] - now, cooldown[1])))
+        return "failed"
+    capacity = sim.capacity(place, req, system_capacity)
+    if isinstance(capacity, DoesNotFit):
+        error = InsufficientMemory(req.model.name, capacity.needed, capacity.available, capacity.reason)
+        actions.append(Fail(req.id, error))
+        return "failed"
+    # As in the reference: with other runners in the way, a model that would get fewer layers
+    # on GPUs than it could alone makes room instead of spilling to the CPU.
+    best_layers = capacity.n_gpu_layers
+    fit_now = sim.place(place, req, projected=False)
+    if (
+        isinstance(fit_now, Placement)
+        and fit_now.n_gpu_layers >= best_layers
+        and sim.count(projected=False) < machine.max_loaded
+    ):
+        load(req, fit_now)
+        return "loading"
+    # Not now: make room. Victims in order (idle first, shortest keep-alive, least recently
+    # used) until the request fits once they are gone; then drop any victim not needed.
+    chosen: list[RunnerView] = []
+    fit = sim.fits_after(place, req, chosen, best_layers)
+    if fit is None:
+        for victim in sim.candidates():
             chosen.append(victim)
             fit = sim.fits_after(place, req, chosen, best_layers)
-        if fit is not None:
-            for victim in reversed(list(chosen)):
-                without = [v for v in chosen if v is not victim]
-                if sim.fits_after(place, req, without, best_layers) is not None:
-                    chosen = without
-        for victim in chosen:
-            actions.append(Evict(victim.id, f"make room for {req.model.name}"))
-            set_runner(replace(victim, evicting=True))
-        if fit is not None:
-            sim.reserved[req.model.path] = usage_of(sim.fits_after(place, req, [], best_layers) or fit)
-            continue
-        if any(r.state is not RunnerState.READY or r.evicting for r in sim.runners) or sim.reserved:
-            continue  # runners still loading or leaving: decide again once they have
-        # Nothing of ours is left to make room: the memory is taken by something else. Take the
-        # best placement there is now (partly or wholly on the CPU), or say why not.
-        if isinstance(fit_now, Placement) and sim.count(projected=False) < machine.max_loaded:
-            actions.append(Load(req.id, fit_now))
-            sim.runners.append(
-                RunnerView(new_id, req.model, req.options, RunnerState.LOADING, usage=usage_of(fit_now), last_used=now)
-            )
-            new_id -= 1
-        elif isinstance(fit_now, DoesNotFit):
-            reason = "the rest of the memory is in use by other programs"
-            actions.append(Fail(req.id, InsufficientMemory(req.model.name, fit_now.needed, fit_now.available, reason)))
-    return actions
+            if fit is not None:
+                break
+    if fit is not None:
+        for victim in reversed(list(chosen)):
+            without = [v for v in chosen if v is not victim]
+            if sim.fits_after(place, req, without, best_layers) is not None:
+                chosen = without
+    for victim in chosen:
+        actions.append(Evict(victim.id, f"make room for {req.model.name}"))
+        sim.set(replace(victim, evicting=True))
+    if fit is not None:
+        sim.reserve(req.model.path, usage_of(sim.fits_after(place, req, [], best_layers) or fit))
+        return "wait"
+    if sim.unsettled or sim.reserved:
+        return "wait"  # runners still loading or leaving: decide again once they have
+    # Nothing of ours is left to make room: the memory is taken by something else. Take the
+    # best placement there is now (partly or wholly on the CPU), or say why not.
+    if isinstance(fit_now, Placement) and sim.count(projected=False) < machine.max_loaded:
+        load(req, fit_now)
+        return "loading"
+    if isinstance(fit_now, DoesNotFit):
+        reason = "the rest of the memory is in use by other programs"
+        actions.append(Fail(req.id, InsufficientMemory(req.model.name, fit_now.needed, fit_now.available, reason)))
+        return "failed"
+    return "wait"
 
 
 def min_deadline(values: Sequence[float]) -> float:

@@ -16,10 +16,12 @@ Cancellation: a request cancelled while queued leaves the waiting list at once; 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
@@ -133,6 +135,7 @@ class _Request:
     enqueued: float = 0.0
     load_duration: float = 0.0
 
+    @functools.cached_property
     def view(self) -> sched.RequestView:
         return sched.RequestView(self.id, self.model, self.options, self.estimate)
 
@@ -239,7 +242,7 @@ class Scheduler:
         self.record = record  # (event, model) in order: for tests and debugging
         # Requests enter here; the buffer is the queue bound (TRIOSHED_MAX_QUEUE).
         self._pending_send, self._pending_recv = trio.open_memory_channel[_Request](max_queue)
-        self._waiting: list[_Request] = []
+        self._waiting: dict[int, _Request] = {}  # arrival order
         self._runners: dict[int, _Runner] = {}
         self._cooldowns: dict[str, tuple[float, str]] = {}
         self._backoff: dict[str, float] = {}
@@ -264,7 +267,7 @@ class Scheduler:
                     self._schedule()
         finally:
             self._closing = True
-            for req in list(self._waiting):
+            for req in list(self._waiting.values()):
                 self._finish(req, error=ShuttingDown())
 
     @asynccontextmanager
@@ -363,9 +366,10 @@ class Scheduler:
     def statistics(self) -> SchedulerStatistics:
         now, wall = trio.current_time(), time.time()
         runners = []
+        waiting_by_path = Counter(q.model.path for q in self._waiting.values())
         for r in self._runners.values():
             view = r.view()
-            waiting = sum(1 for q in self._waiting if q.model.path == r.model.path)
+            waiting = waiting_by_path[r.model.path]
             if r.leases > 0 or r.state is RunnerState.LOADING:
                 expires = math.inf if r.keep_alive == math.inf else wall + r.keep_alive
             else:
@@ -430,13 +434,12 @@ class Scheduler:
         async with self._pending_recv:
             async for req in self._pending_recv:
                 if not req.done.is_set():
-                    self._waiting.append(req)
+                    self._waiting[req.id] = req
                     self._wake()
 
     def _withdraw(self, req: _Request) -> None:
         """The requester left (cancelled): leave the queue, or give back a lease granted meanwhile."""
-        if req in self._waiting:
-            self._waiting.remove(req)
+        if self._waiting.pop(req.id, None) is not None:
             self._note("left queue", req.model)
         if req.runner is not None and req.error is None:
             self._release(req.runner)
@@ -447,8 +450,7 @@ class Scheduler:
     def _finish(self, req: _Request, *, runner: _Runner | None = None, error: TrioshedError | None = None) -> None:
         if req.done.is_set():
             return
-        if req in self._waiting:
-            self._waiting.remove(req)
+        self._waiting.pop(req.id, None)
         req.runner, req.error = runner, error
         req.done.set()
 
@@ -474,12 +476,11 @@ class Scheduler:
 
     def _schedule(self) -> None:
         now = trio.current_time()
-        self._waiting = [r for r in self._waiting if not r.done.is_set()]
         if not self._waiting:
             return
-        requests = {r.id: r for r in self._waiting}
+        requests = self._waiting.copy()
         actions = sched.plan(
-            [r.view() for r in self._waiting],
+            [r.view for r in self._waiting.values()],
             [r.view() for r in self._runners.values()],
             self._machine(),
             place=self._place,
@@ -538,7 +539,7 @@ class Scheduler:
         return runner
 
     def _fail_waiters(self, runner: _Runner, error: TrioshedError) -> None:
-        for req in list(self._waiting):
+        for req in list(self._waiting.values()):
             if req.model.path == runner.model.path and sched.can_serve(runner.view(), req.model, req.options):
                 self._finish(req, error=error)
 
