@@ -23,11 +23,12 @@ import math
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from contextlib import AbstractAsyncContextManager, aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import trio
+from trio_util import RepeatedEvent
 
 from trioshed.core import sched
 from trioshed.core.model import MeasuredMemory, MemoryEstimate, ModelSpec, Placement, RunnerOptions
@@ -246,7 +247,7 @@ class Scheduler:
         self._runners: dict[int, _Runner] = {}
         self._cooldowns: dict[str, tuple[float, str]] = {}
         self._backoff: dict[str, float] = {}
-        self._dirty = trio.Event()
+        self._changes = RepeatedEvent()  # set on every change the planner or a waiter cares about
         self._ids = itertools.count(1)
         self._nursery: trio.Nursery | None = None
         self._closing = False
@@ -261,12 +262,12 @@ class Scheduler:
                 self._nursery = nursery
                 nursery.start_soon(self._receive_requests)
                 task_status.started()
-                while True:
-                    await self._dirty.wait()
-                    self._dirty = trio.Event()
-                    self._schedule()
+                async with aclosing(self._changes.events()) as changes:
+                    async for _ in changes:  # eventually consistent: bursts coalesce into one pass
+                        self._schedule()
         finally:
             self._closing = True
+            self._pending_send.close()
             for req in list(self._waiting.values()):
                 self._finish(req, error=ShuttingDown())
 
@@ -412,18 +413,10 @@ class Scheduler:
     # -- internals ----------------------------------------------------------------------------
 
     def _wake(self) -> None:
-        self._dirty.set()
-        self._changed_event().set()
-
-    _changed: trio.Event | None = None
-
-    def _changed_event(self) -> trio.Event:
-        if self._changed is None or self._changed.is_set():
-            self._changed = trio.Event()
-        return self._changed
+        self._changes.set()
 
     async def _wait_changed(self) -> None:
-        await self._changed_event().wait()
+        await self._changes.wait()
 
     def _note(self, event: str, model: ModelSpec) -> None:
         log.log(logging.DEBUG if event == "dispatch" else logging.INFO, "%s %s", event, model.name)
