@@ -21,7 +21,7 @@ from quart import Blueprint, Response, current_app, request
 from trioshed import __version__
 from trioshed.api import translate
 from trioshed.api.state import AppState
-from trioshed.api.upstream import LeasedBody, open_upstream, post_upstream
+from trioshed.api.upstream import leased_stream, open_upstream, post_upstream
 from trioshed.config import parse_duration
 from trioshed.core.model import ModelSpec
 from trioshed.errors import BadRequest, TrioshedError
@@ -147,16 +147,10 @@ async def _serve(kind: translate.Kind) -> Response:
             )
         return Response(json.dumps(result, ensure_ascii=False), content_type="application/json")
 
-    lease = await st.scheduler.wait_for_lease(model, options, keep_alive)
-    try:
-        response = Response(
-            LeasedBody(lease, _ollama_stream(lease, upstream, translator, started)), content_type=NDJSON
-        )
-        response.timeout = None  # Quart's RESPONSE_TIMEOUT would cut long token streams
-    except BaseException:
-        lease.release()
-        raise
-    return response
+    return await leased_stream(
+        st.scheduler, model, options, keep_alive,
+        lambda lease: _ollama_stream(lease, upstream, translator, started), NDJSON,
+    )  # fmt: skip
 
 
 @bp.post("/api/generate")

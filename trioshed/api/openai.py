@@ -17,7 +17,7 @@ from quart import Blueprint, Response
 
 from trioshed.api.ollama import json_body, keep_alive_of, state
 from trioshed.api.translate import openai_model_rewrite, parse_sse_line, split_options
-from trioshed.api.upstream import LeasedBody, crash_or, open_upstream
+from trioshed.api.upstream import crash_or, leased_stream, open_upstream
 from trioshed.errors import BadRequest, TrioshedError
 from trioshed.scheduler import Lease
 
@@ -69,15 +69,9 @@ async def _proxy(path: str) -> Response:
         if isinstance(data, dict):
             data = openai_model_rewrite(data, name)
         return Response(json.dumps(data), status=response.status_code, content_type="application/json")
-    lease = await st.scheduler.wait_for_lease(model, options, keep_alive)
-    try:
-        resp = Response(LeasedBody(lease, _relay(lease, path, body, name)), content_type="text/event-stream")
-        resp.headers["Cache-Control"] = "no-cache"
-        resp.timeout = None  # Quart's RESPONSE_TIMEOUT would cut long token streams
-    except BaseException:
-        lease.release()
-        raise
-    return resp
+    return await leased_stream(
+        st.scheduler, model, options, keep_alive, lambda lease: _relay(lease, path, body, name), "text/event-stream"
+    )
 
 
 @bp.post("/v1/chat/completions")

@@ -16,9 +16,11 @@ from typing import Any
 import httpx
 import trio
 import trio.lowlevel
+from quart import Response
 
+from trioshed.core.model import ModelSpec, RunnerOptions
 from trioshed.errors import RunnerCrashed, TrioshedError, UpstreamError
-from trioshed.scheduler import Lease
+from trioshed.scheduler import Lease, Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -123,3 +125,27 @@ class LeasedBody:
                 self._token.run_sync_soon(self._lease.release)
             except trio.RunFinishedError:
                 pass
+
+
+async def leased_stream(
+    scheduler: Scheduler,
+    model: ModelSpec,
+    options: RunnerOptions,
+    keep_alive: float | None,
+    body: Callable[[Lease], AsyncIterator[bytes]],
+    content_type: str,
+) -> Response:
+    """Wait for a lease, then answer with the streamed ``body(lease)`` that owns it.
+
+    The status is decided before this returns (queue full, cannot fit, load failed raise here);
+    the lease goes back when the body ends, fails or is closed, or is never started.
+    """
+    lease = await scheduler.wait_for_lease(model, options, keep_alive)
+    try:
+        response = Response(LeasedBody(lease, body(lease)), content_type=content_type)
+        response.headers["Cache-Control"] = "no-cache"
+        response.timeout = None  # Quart's RESPONSE_TIMEOUT would cut long token streams
+    except BaseException:
+        lease.release()
+        raise
+    return response
