@@ -198,6 +198,18 @@ def git_commit() -> str:
         return ""
 
 
+def dirty_files() -> list[str]:
+    """Files modified in the working tree outside bench/ (what ran may not be the commit)."""
+    try:
+        out = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
+            timeout=10, cwd=Path(__file__).resolve().parent,
+        ).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line[3:] for line in out.splitlines() if line[3:] and not line[3:].startswith("bench/")]
+
+
 def binary_version(binary: str, env: dict[str, str]) -> str:
     try:
         out = subprocess.run([binary, "--version"], capture_output=True, text=True, env=env, timeout=30)
@@ -225,6 +237,7 @@ async def compare(plan: Plan, *, wanted: Sequence[str], groups: Sequence[str], w
         "cpu": _cpu_model(),
         "python": platform.python_version(),
         "commit": git_commit(),
+        "dirty": dirty_files(),
         "binary": binary,
         "binary_version": binary_version(binary, env),
         "flags": asdict(plan.flags),

@@ -185,7 +185,8 @@ def summary_markdown(doc: Mapping[str, Any]) -> str:
     meta = doc.get("meta", {})
     lines = [
         f"trioshed bench ({meta.get('mode')}), {meta.get('started')} on {meta.get('host')} "
-        f"({meta.get('cpu_count')} CPUs, {meta.get('cpu')}), commit {meta.get('commit')}, "
+        f"({meta.get('cpu_count')} CPUs, {meta.get('cpu')}), commit {meta.get('commit')}"
+        f"{' + uncommitted ' + ', '.join(meta['dirty']) if meta.get('dirty') else ''}, "
         f"{meta.get('binary_version') or meta.get('binary')}, "
         f"flags {meta.get('flags')}",
         "",
