@@ -336,8 +336,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             models = {p.stem: p for p in sorted(args.models_from.glob("*.gguf"))}
         else:
             models = prepare_models(work / "models", gemma=plan.with_gemma)
-        doc = trio.run(lambda: compare(plan, wanted=wanted, groups=groups, work=work,
-                                       models=models, progress=True))  # fmt: skip
+        try:
+            doc = trio.run(procs.run_until_signalled, lambda: compare(
+                plan, wanted=wanted, groups=groups, work=work, models=models, progress=True))  # fmt: skip
+        except procs.Terminated as exc:
+            print(f"bench.compare: {exc}; every server started was stopped", file=sys.stderr)
+            return 128 + exc.signum
         paths = write_outputs(doc, args.out, plots=not args.no_plots)
         print(report.summary_markdown(doc))
         for kind, path in paths.items():

@@ -20,10 +20,11 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 import psutil
@@ -35,6 +36,7 @@ _LIVE_GROUPS: set[int] = set()
 LEAKED: list[str] = []
 STOP_GRACE = 5.0
 LOG_TAIL_BYTES = 4000
+T = TypeVar("T")
 
 
 class ServerFailed(RuntimeError):
@@ -49,6 +51,41 @@ def _kill_leftovers() -> None:
 
 
 atexit.register(_kill_leftovers)
+
+
+class Terminated(Exception):
+    """SIGTERM or SIGHUP arrived; everything started was stopped before this was raised."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"terminated by signal {signum}")
+        self.signum = signum
+
+
+async def run_until_signalled(fn: Callable[[], Awaitable[T]]) -> T:
+    """Run ``fn()``; on SIGTERM or SIGHUP cancel it (so every server it started is stopped and
+    reaped by its own ``finally``) and raise :class:`Terminated`. Ctrl-C stays trio's
+    KeyboardInterrupt, which unwinds the same way. Without this a plain ``kill`` would end
+    Python at once and leave the children (in their own sessions) running."""
+    got: list[int] = []
+    result: list[T] = []
+    async with trio.open_nursery() as nursery:
+
+        async def watch() -> None:
+            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGHUP) as signals:
+                async for signum in signals:
+                    got.append(signum)
+                    nursery.cancel_scope.cancel(reason=f"signal {signum}")
+                    return
+
+        async def work() -> None:
+            result.append(await fn())
+            nursery.cancel_scope.cancel(reason="done")
+
+        nursery.start_soon(watch)
+        nursery.start_soon(work)
+    if got:
+        raise Terminated(got[0])
+    return result[0]
 
 
 def free_port() -> int:
