@@ -67,7 +67,13 @@ def summary_rows(results: Mapping[str, Any]) -> list[Row]:
         r = _ratio(values.get("trioshed"), values.get("direct"))
         target = "trioshed ≥ 0.97x direct" if conc == "16" else ""
         met = (None if r is None else r >= 0.97) if conc == "16" else None
-        rows.append(_row(f"req/s c={conc}", values, target, met))
+        per_round = []
+        for t in ("router", "trioshed"):
+            rd, rt = _get(pt, "direct", "rounds") or [], _get(pt, t, "rounds") or []
+            rs = [_ratio(b.get("req_s"), a.get("req_s")) for a, b in zip(rd, rt, strict=False)]
+            if rs:
+                per_round.append(f"{t}/direct per round: {', '.join(_fmt(x) for x in rs)}")
+        rows.append(_row(f"req/s c={conc}", values, target, met, note="; ".join(per_round)))
         p99 = {t: _get(pt, t, "summary", "p99") for t in TARGETS if t in pt}
         rows.append(_row(f"p99 ms c={conc}", p99))
 
