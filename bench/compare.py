@@ -249,7 +249,7 @@ async def compare(plan: Plan, *, wanted: Sequence[str], groups: Sequence[str], w
     async with open_client(max_connections=max(256, plan.overload_clients * 2)) as client:
         run = scenarios.Run(client=client, plan=plan, log_dir=log_dir, progress=progress)
         run.say(f"{plan.mode}: targets {list(wanted)}, models {list(models)}, binary {meta['binary_version']}")
-        with trio.fail_after(plan.total_seconds + 240):
+        with trio.move_on_after(plan.total_seconds + 240) as hard_stop:
             for group in groups:
                 if run.out_of_time():
                     run.say(f"time budget spent: skipping group {group}")
@@ -268,6 +268,9 @@ async def compare(plan: Plan, *, wanted: Sequence[str], groups: Sequence[str], w
                     run.results["sched-scale"] = await trio.to_thread.run_sync(
                         lambda: sched_scale.run(**sched_scale.SIZES[plan.mode])
                     )
+        if hard_stop.cancelled_caught:
+            run.say("hard time limit reached: the run was cut short; results so far are written")
+            meta["cut_short"] = True
     leaked = list(procs.LEAKED)
     meta["elapsed_s"] = round(time.time() - started, 1)
     meta["leaked_llama_servers"] = leaked

@@ -217,6 +217,8 @@ def summary_markdown(doc: Mapping[str, Any]) -> str:
             text = [line for line in msg.strip().splitlines() if line.strip()]
             first, last = (text[0], text[-1]) if text else ("", "")
             lines.append(f"- {k}: {first} {last if last != first else ''}".rstrip())
+    if meta.get("cut_short"):
+        lines += ["", "**The run hit its hard time limit and was cut short.**"]
     if meta.get("skipped"):
         lines += ["", f"Skipped for time: {', '.join(meta['skipped'])}"]
     lines += ["", f"elapsed {meta.get('elapsed_s')} s; leaked llama-servers: {meta.get('leaked_llama_servers')}"]
