@@ -146,3 +146,42 @@ async def test_queue_full_503_and_a_client_leaving_the_queue(gemma_store: Path) 
                 await answered.wait()
             assert results[0].status_code == 200 and results[0].json()["done"] is True
             assert server.scheduler.statistics().loads == 1
+
+
+@pytest.fixture
+def broken_store(tmp_path: Path, tiny_model: Path) -> Path:
+    """A store whose "broken" model is a well-formed GGUF of an architecture llama.cpp lacks."""
+    store = tmp_path / "broken-store"
+    store.mkdir()
+    data = tiny_model.read_bytes()
+    at = data.index(b"general.architecture") + len(b"general.architecture") + 4 + 8
+    (store / "broken.gguf").write_bytes(data[:at] + b"llamb" + data[at + 5 :])
+    os.link(tiny_model, store / "tiny.gguf")
+    return store
+
+
+async def test_load_failure_is_500_with_llama_servers_words_then_503_cooldown(broken_store: Path) -> None:
+    with trio.fail_after(60):
+        async with open_test_server(broken_store) as server, httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
+            first = await generate(http, "broken")
+            assert first.status_code == 500 and "llamb" in first.json()["error"], first.text
+            again = await generate(http, "broken")
+            assert again.status_code == 503 and int(again.headers["Retry-After"]) >= 9
+            assert "failed to load recently" in again.json()["error"]
+            assert (await generate(http, "tiny")).status_code == 200  # others are unaffected
+            stats = server.scheduler.statistics()
+            assert stats.load_failures == 1 and [r.model for r in stats.runners] == ["tiny:latest"]
+
+
+async def test_ps_lists_runners_by_expiry(tmp_path: Path) -> None:
+    store = tmp_path / "models"
+    store.mkdir()
+    for name, seed in (("later", 1), ("sooner", 2), ("never", 3)):
+        add_tiny(store, name, seed=seed)
+    with trio.fail_after(60):
+        async with open_test_server(store) as server, httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
+            for name, keep_alive in (("later", "1h"), ("never", -1), ("sooner", "10m")):
+                assert (await generate(http, name, keep_alive=keep_alive)).status_code == 200
+            ps = (await http.get("/api/ps")).json()["models"]
+            assert [m["name"] for m in ps] == ["sooner:latest", "later:latest", "never:latest"]
+            assert all(m["context_length"] == 4096 and len(m["digest"]) == 64 for m in ps)
