@@ -141,3 +141,21 @@ async def test_gemma_answers_deterministically(gemma_model: Path, tmp_path: Path
             assert first["eval_count"] > 0 and first["prompt_eval_count"] > 0 and first["total_duration"] > 0
             words = first["response"].split()
             assert len(words) >= 5 and "<" not in first["response"], first["response"]
+
+
+async def test_embeddings_with_official_clients_and_no_reload_for_chat_after(model_store: Path) -> None:
+    with trio.fail_after(120):
+        async with open_test_server(model_store) as server:
+            client = ollama.Client(host=server.base_url)
+            result = await in_thread(client.embed, model="tiny", input=["hello", "world"])
+            assert len(result.embeddings) == 2 and len(result.embeddings[0]) == 64  # n_embd
+            norm = sum(x * x for x in result.embeddings[0]) ** 0.5
+            assert abs(norm - 1.0) < 1e-3  # normalized, as Ollama's
+            legacy = await in_thread(client.embeddings, model="tiny", prompt="hello")
+            assert len(legacy.embedding) == 64
+            oai = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
+            vectors = await in_thread(oai.embeddings.create, model="tiny", input="hello")
+            assert vectors.model == "tiny" and len(vectors.data[0].embedding) == 64
+            # the embedding runner generates too: no reload
+            await in_thread(client.generate, model="tiny", prompt="hi", options=FAST)
+            assert server.scheduler.statistics().loads == 1

@@ -168,3 +168,10 @@ def test_memory_taken_by_other_programs_fails_at_once_or_spills() -> None:
     assert "other programs" in actions[0].error.message
     actions = run([req(1, "a", 6)], [], busy_gpu)  # fits in system memory meanwhile
     assert isinstance(actions[0], Load) and actions[0].placement.on_cpu_only
+
+
+def test_embedding_runner_serves_generation_but_not_the_reverse() -> None:
+    emb = runner(1, "a", 1, embedding=True)
+    gen = runner(2, "a", 1)
+    assert can_serve(emb, model("a"), RunnerOptions())
+    assert not can_serve(gen, model("a"), RunnerOptions(embedding=True))

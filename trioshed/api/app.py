@@ -14,7 +14,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from trioshed.api import metrics, ollama, openai
+from trioshed.api import embed, metrics, ollama, openai
 from trioshed.api.state import AppState
 from trioshed.errors import PayloadTooLarge, TrioshedError, Unauthorized
 
@@ -42,6 +42,7 @@ def create_app(state: AppState) -> QuartTrio:
     app.register_blueprint(ollama.bp)
     app.register_blueprint(openai.bp)
     app.register_blueprint(metrics.bp)
+    app.register_blueprint(embed.bp)
     origins = state.settings.origins
     api_key = state.settings.api_key
 

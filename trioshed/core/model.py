@@ -42,7 +42,8 @@ class RunnerOptions:
 
     ``num_ctx`` is the context per slot; the runner's KV cache holds ``num_ctx * num_parallel`` cells.
     ``num_gpu`` is the layer count on GPUs: -1 = automatic, 0 = CPU only, N = exactly N layers.
-    ``num_thread`` 0 lets llama-server choose.
+    ``num_thread`` 0 lets llama-server choose. A runner with ``embedding`` also generates, so a
+    generation request never reloads one; an embedding request needs one.
     """
 
     num_ctx: int = 4096
@@ -54,6 +55,7 @@ class RunnerOptions:
     num_parallel: int = 1
     kv_cache_type: str = "f16"
     flash_attention: bool = False
+    embedding: bool = False  # --embeddings --pooling mean: serves /v1/embeddings as well
 
     @property
     def kv_cells(self) -> int:

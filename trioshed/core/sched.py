@@ -125,7 +125,8 @@ def can_serve(runner: RunnerView, model: ModelSpec, options: RunnerOptions) -> b
     """Whether ``runner`` can serve a request without a reload.
 
     Same file, adapters and projector; equal runner options, except that ``num_gpu < 0`` (auto)
-    never forces a reload and a smaller ``num_ctx`` is served by a larger runner (ollama#6148).
+    never forces a reload, a smaller ``num_ctx`` is served by a larger runner (ollama#6148), and
+    a runner started for embeddings serves generation too.
     """
     if (runner.model.path, runner.model.adapters, runner.model.projector) != (
         model.path,
@@ -134,6 +135,8 @@ def can_serve(runner: RunnerView, model: ModelSpec, options: RunnerOptions) -> b
     ):
         return False
     have, want = runner.options, options
+    if have.embedding and not want.embedding:
+        want = replace(want, embedding=True)  # an embedding runner generates too
     if want.num_gpu < 0:
         want = replace(want, num_gpu=have.num_gpu)
     if want.num_ctx <= have.num_ctx:

@@ -77,6 +77,8 @@ def build_command(
             argv += ["--cache-type-k", cache_type, "--cache-type-v", cache_type]
     else:
         argv += ["--flash-attn", "off"]
+    if options.embedding:
+        argv += ["--embeddings", "--pooling", "mean"]
     if options.use_mmap is False:
         argv += ["--no-mmap"]
     for adapter in model.adapters:
