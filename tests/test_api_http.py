@@ -80,3 +80,13 @@ async def test_bad_requests_are_400_with_a_reason(model_store: Path, body: dict[
             r = await http.post(path, content=json.dumps(body))
             assert r.status_code == 400 and needle in r.json()["error"], r.text
             assert server.scheduler.statistics().loads == 0  # refused before any load
+
+
+async def test_a_file_that_is_not_a_gguf_is_a_clear_500(model_store: Path) -> None:
+    (model_store / "junk.gguf").write_bytes(b"this is not a model")
+    with trio.fail_after(30):
+        async with open_test_server(model_store) as server, httpx.AsyncClient(base_url=server.base_url) as http:
+            r = await http.post("/api/generate", json={"model": "junk", "prompt": "x"})
+            assert r.status_code == 500 and "not a GGUF file" in r.json()["error"], r.text
+            tags = (await http.get("/api/tags")).json()["models"]  # still listed, without details
+            assert {m["name"] for m in tags} == {"junk:latest", "tiny:latest"}

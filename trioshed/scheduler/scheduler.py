@@ -289,7 +289,10 @@ class Scheduler:
     async def wait_for_lease(self, model: ModelSpec, options: RunnerOptions, keep_alive: float | None) -> Lease:
         if self._closing or self._nursery is None:
             raise ShuttingDown()
-        estimate = self._estimator(model, options)  # cached GGUF header read: microseconds once warm
+        try:
+            estimate = self._estimator(model, options)  # cached GGUF header read: microseconds once warm
+        except (OSError, ValueError) as exc:
+            raise LoadFailed(f"cannot read model '{model.name}' ({model.path}): {exc}") from None
         req = _Request(
             id=next(self._ids),
             model=model,
