@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             write_marker(bundled, "bundled")
             return 0
         print(f"[provision] the bundled llama-server does not run on this CPU ({problem}); "
-              "building one from source", flush=True)  # fmt: skip
+              f"using llama.cpp built from source for it (cached in {CACHE})", flush=True)  # fmt: skip
     built = build_from_source()
     problem = probe(built)
     if problem is not None:
