@@ -29,7 +29,7 @@ class Plan:
     throughput: tuple[tuple[int, int], ...] = ((4, 64), (16, 128))
     throughput_rounds: int = 3
     # (c) streaming: gemma3-270m, paired requests at c=1
-    stream_pairs: int = 4
+    stream_pairs: int = 6
     stream_n_predict: int = 128
     # (d) swap: max loaded 1, the three tiny models in turn
     swap_cycles: int = 5
