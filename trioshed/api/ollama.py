@@ -74,13 +74,16 @@ async def _ollama_stream(
     lease: Lease, upstream: translate.Upstream, stream: translate.OllamaStream, started: float
 ) -> AsyncIterator[bytes]:
     try:
-        async with open_upstream(lease, upstream.path, upstream.body) as lines:
-            async for line in lines:
-                event = translate.parse_sse_line(line)
-                if event is None:
-                    continue
-                for chunk in stream.feed(event):
-                    yield ndjson(chunk)
+        async with open_upstream(lease, upstream.path, upstream.body) as batches:
+            async for lines in batches:
+                out = b"".join(
+                    ndjson(chunk)
+                    for event in map(translate.parse_sse_line, lines)
+                    if event is not None
+                    for chunk in stream.feed(event)
+                )
+                if out:
+                    yield out
         if not stream.finished:
             raise await _truncated(lease)
         yield ndjson(stream.finish(load_duration_ns=_ns(lease.load_duration), total_duration_ns=_ns(time.monotonic() - started)))

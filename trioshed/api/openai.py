@@ -26,16 +26,21 @@ bp = Blueprint("openai", __name__)
 _OLLAMA_STYLE = {"max_tokens": "num_predict"}
 
 
+def _rewrite(line: bytes, model: str) -> bytes:
+    """One upstream SSE line for the client: events name the model as the client did."""
+    event = parse_sse_line(line) if line.startswith(b"data: ") else None
+    if event is None:  # "[DONE]", comments (keep-alive pings), blank separators: as they are
+        return line.rstrip(b"\r") + b"\n\n" if line.strip() else b""
+    return b"data: " + json.dumps(openai_model_rewrite(event, model)).encode() + b"\n\n"
+
+
 async def _relay(lease: Lease, path: str, body: dict[str, Any], model: str) -> AsyncIterator[bytes]:
     try:
-        async with open_upstream(lease, path, body) as lines:
-            async for line in lines:
-                event = parse_sse_line(line) if line.startswith("data: ") else None
-                if event is None:  # "[DONE]", comments (keep-alive pings): passed on as they are
-                    if line.strip():
-                        yield line.encode() + b"\n\n"
-                    continue
-                yield b"data: " + json.dumps(openai_model_rewrite(event, model)).encode() + b"\n\n"
+        async with open_upstream(lease, path, body) as batches:
+            async for lines in batches:
+                out = b"".join(_rewrite(line, model) for line in lines)
+                if out:
+                    yield out
     except TrioshedError as exc:
         yield b"data: " + json.dumps({"error": {"message": exc.message, "type": "server_error", "code": exc.status}}).encode() + b"\n\n"
 

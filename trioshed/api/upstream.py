@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from typing import Any
 
 import httpx
@@ -45,11 +45,14 @@ async def crash_or(lease: Lease, exc: Exception) -> TrioshedError:
 
 
 @asynccontextmanager
-async def open_upstream(lease: Lease, path: str, body: dict[str, Any]) -> AsyncIterator[AsyncIterator[str]]:
-    """POST ``body`` to the runner; yield the lines of its streamed answer.
+async def open_upstream(lease: Lease, path: str, body: dict[str, Any]) -> AsyncIterator[AsyncIterator[list[bytes]]]:
+    """POST ``body`` to the runner; yield its streamed answer as batches of complete lines.
 
-    Raises UpstreamError (with llama-server's own message) for a non-200 answer, and the runner's
-    crash error when the connection breaks because the child died (also mid-iteration).
+    A batch is what one read from the socket held: under load llama-server's events arrive
+    several at a time, and handling them together means one write downstream instead of one
+    per token. Raises UpstreamError (with llama-server's own message) for a non-200 answer,
+    and the runner's crash error when the connection breaks because the child died (also
+    mid-iteration).
     """
     http: httpx.AsyncClient = lease.handle.http
     try:
@@ -57,9 +60,20 @@ async def open_upstream(lease: Lease, path: str, body: dict[str, Any]) -> AsyncI
             if response.status_code != 200:
                 raw = await response.aread()
                 raise UpstreamError(upstream_message(raw, response.status_code), status=response.status_code)
-            yield response.aiter_lines()
+            async with aclosing(_line_batches(response.aiter_raw())) as batches:
+                yield batches
     except httpx.HTTPError as exc:
         raise await crash_or(lease, exc) from None
+
+
+async def _line_batches(chunks: AsyncIterator[bytes]) -> AsyncIterator[list[bytes]]:
+    rest = b""
+    async for chunk in chunks:
+        *lines, rest = (rest + chunk).split(b"\n")
+        if lines:
+            yield lines
+    if rest:
+        yield [rest]
 
 
 async def post_upstream(lease: Lease, path: str, body: dict[str, Any]) -> dict[str, Any]:
