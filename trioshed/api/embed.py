@@ -15,6 +15,7 @@ from quart import Blueprint, Response
 
 from trioshed.api import translate
 from trioshed.api.ollama import json_body, keep_alive_of, state
+from trioshed.api.openai import openai_request
 from trioshed.api.upstream import post_upstream
 from trioshed.core.model import ModelSpec, RunnerOptions
 from trioshed.errors import BadRequest
@@ -73,14 +74,7 @@ async def embeddings() -> Response:
 
 @bp.post("/v1/embeddings")
 async def openai_embeddings() -> Response:
-    st = state()
-    body = await json_body()
-    name = body.get("model")
-    if not isinstance(name, str) or not name:
-        raise BadRequest("model is required")
-    model = st.store.resolve(name)
-    keep_alive = keep_alive_of(body)
-    upstream = {k: v for k, v in body.items() if k not in ("keep_alive", "options")}
-    async with st.scheduler.acquire(model, _options(model, body), keep_alive) as lease:
-        answer = await post_upstream(lease, "/v1/embeddings", upstream)
-    return _json(translate.openai_model_rewrite(answer, name))
+    req = await openai_request(embedding=True)
+    async with state().scheduler.acquire(req.model, req.options, req.keep_alive) as lease:
+        answer = await post_upstream(lease, "/v1/embeddings", req.body)
+    return _json(translate.openai_model_rewrite(answer, req.name))

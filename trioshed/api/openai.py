@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
@@ -18,6 +19,7 @@ from quart import Blueprint, Response
 from trioshed.api.ollama import json_body, keep_alive_of, state
 from trioshed.api.translate import openai_model_rewrite, parse_sse_line, split_options
 from trioshed.api.upstream import crash_or, leased_stream, open_upstream
+from trioshed.core.model import ModelSpec, RunnerOptions
 from trioshed.errors import BadRequest, TrioshedError
 from trioshed.scheduler import Lease
 
@@ -45,7 +47,17 @@ async def _relay(lease: Lease, path: str, body: dict[str, Any], model: str) -> A
         yield b"data: " + json.dumps({"error": {"message": exc.message, "type": "server_error", "code": exc.status}}).encode() + b"\n\n"
 
 
-async def _proxy(path: str) -> Response:
+@dataclass
+class OpenAIRequest:
+    body: dict[str, Any]  # what goes upstream: trioshed's own fields removed
+    name: str  # the model as the client named it (answers name it so too)
+    model: ModelSpec
+    options: RunnerOptions
+    keep_alive: float | None
+
+
+async def openai_request(*, embedding: bool = False) -> OpenAIRequest:
+    """Parse an OpenAI-style body: model, and trioshed's extras ``keep_alive`` and ``options``."""
     st = state()
     body = await json_body()
     name = body.get("model")
@@ -54,11 +66,19 @@ async def _proxy(path: str) -> Response:
     model = st.store.resolve(name)
     keep_alive = keep_alive_of(body)
     body.pop("keep_alive", None)
-    runner_overrides = body.pop("options", None) or {}
-    if not isinstance(runner_overrides, dict):
+    overrides = body.pop("options", None) or {}
+    if not isinstance(overrides, dict):
         raise BadRequest("options must be an object")
-    _, runner_overrides = split_options(runner_overrides)
-    options = st.runner_options(model, runner_overrides)
+    options = st.runner_options(model, split_options({**dict(model.defaults), **overrides})[1])
+    if embedding:
+        options = replace(options, embedding=True)
+    return OpenAIRequest(body, name, model, options, keep_alive)
+
+
+async def _proxy(path: str) -> Response:
+    st = state()
+    req = await openai_request()
+    body, name, model, options, keep_alive = req.body, req.name, req.model, req.options, req.keep_alive
     body["model"] = model.name
     streaming = bool(body.get("stream", False))
     if not streaming:

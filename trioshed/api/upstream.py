@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
 from typing import Any
 
@@ -66,7 +66,7 @@ async def open_upstream(lease: Lease, path: str, body: dict[str, Any]) -> AsyncI
         raise await crash_or(lease, exc) from None
 
 
-async def _line_batches(chunks: AsyncIterator[bytes]) -> AsyncIterator[list[bytes]]:
+async def _line_batches(chunks: AsyncIterator[bytes]) -> AsyncGenerator[list[bytes], None]:
     rest = b""
     async for chunk in chunks:
         *lines, rest = (rest + chunk).split(b"\n")
