@@ -159,3 +159,21 @@ async def test_embeddings_with_official_clients_and_no_reload_for_chat_after(mod
             # the embedding runner generates too: no reload
             await in_thread(client.generate, model="tiny", prompt="hi", options=FAST)
             assert server.scheduler.statistics().loads == 1
+
+
+async def test_chat_with_a_template_less_base_model_reads_as_a_transcript(gemma_model: Path, tmp_path: Path) -> None:
+    store = tmp_path / "models"
+    store.mkdir()
+    (store / "gemma3-270m.gguf").symlink_to(gemma_model)
+    with trio.fail_after(240):
+        async with open_test_server(store) as server:
+            client = ollama.Client(host=server.base_url)
+            reply = await in_thread(
+                client.chat,
+                model="gemma3-270m",
+                messages=[{"role": "user", "content": "What is the capital of France?"}],
+                options={"temperature": 0, "num_predict": 24},
+            )
+            content = reply.message.content
+            assert content.strip() and "<|im" not in content and "User:" not in content, content
+            assert reply.done_reason in ("stop", "length")

@@ -128,12 +128,15 @@ async def _serve(kind: translate.Kind) -> Response:
             content_type="application/json",
         )
 
+    templated = await has_chat_template(model)
     if kind == "generate":
         # A model without a chat template gets the prompt as it is (Ollama's default template
         # "{{ .Prompt }}"); llama-server would otherwise wrap it in ChatML.
-        upstream = translate.generate_upstream(body, chat_template=await has_chat_template(model))
-    else:
+        upstream = translate.generate_upstream(body, chat_template=templated)
+    elif templated:
         upstream = translate.chat_upstream(body)
+    else:
+        upstream = transcript_upstream(body)
     if defaults:
         upstream = upstream.with_defaults(translate.split_options(defaults)[0])
     translator = translate.OllamaStream(kind, model.name, prefill=upstream.prefill)
@@ -164,6 +167,28 @@ async def generate() -> Response:
 @bp.post("/api/chat")
 async def chat() -> Response:
     return await _serve("chat")
+
+
+def transcript_upstream(body: dict[str, Any]) -> translate.Upstream:
+    """Chat with a model that brings no chat template (a base model, like the demo's): a plain
+    transcript it can continue, cut at the next turn. ChatML, llama-server's fallback, makes such
+    a model echo markup ("<|im_end|>")."""
+    translate.chat_upstream(body)  # the same validation as templated chat
+    lines = []
+    for message in body.get("messages") or []:
+        role, content = message.get("role"), message.get("content") or ""
+        if role == "system":
+            lines.append(f"{content}\n")
+        elif role in ("user", "tool"):
+            lines.append(f"User: {content}")
+        else:
+            lines.append(f"Assistant: {content}")
+    prompt = "\n".join(lines) + "\nAssistant:"
+    options = dict(body.get("options") or {})
+    stop = options.get("stop") or []
+    options["stop"] = [*([stop] if isinstance(stop, str) else stop), "\nUser:"]
+    raw = {k: v for k, v in body.items() if k not in ("messages", "tools")}
+    return translate.generate_upstream({**raw, "prompt": prompt, "raw": True, "options": options})
 
 
 async def has_chat_template(spec: ModelSpec) -> bool:
