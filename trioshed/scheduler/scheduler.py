@@ -81,6 +81,7 @@ class _Runner:
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     timer: trio.CancelScope = field(default_factory=lambda: trio.CancelScope(deadline=math.inf))
     served: int = 0
+    _usage: tuple[tuple[str, int], ...] | None = None
     handle: Any = None
     load_started: float = 0.0
     load_duration: float = 0.0
@@ -89,13 +90,17 @@ class _Runner:
     unload_reason: str = ""
 
     def usage(self) -> tuple[tuple[str, int], ...]:
-        """Bytes per device: the placement's prediction, scaled to llama.cpp's measured total."""
+        """Bytes per device: the placement's prediction, scaled to llama.cpp's measured total
+        (final once measured, so kept: every planning pass asks for every runner's usage)."""
+        if self._usage is not None:
+            return self._usage
         usage = sched.usage_of(self.placement)
         measured = self.handle.measured if self.handle is not None else None
         predicted = self.placement.total
         if measured is not None and measured.total > 0 and predicted > 0:
             scale = measured.total / predicted
             usage = tuple((dev, int(b * scale)) for dev, b in usage)
+            self._usage = usage
         return usage
 
     @property
