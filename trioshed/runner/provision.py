@@ -98,7 +98,7 @@ def build_from_source(dest: Path = CACHE, jobs: int | None = None) -> LlamaBinar
              "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DGGML_NATIVE=ON"],
             check=True, stdout=subprocess.DEVNULL,
         )  # fmt: skip
-        print(f"[provision] building llama-server with {jobs} jobs (about 10 minutes on 2 cores) ...", flush=True)
+        print(f"[provision] building llama-server with {jobs} jobs (15 to 40 minutes on 2 cores; cmake shows progress) ...", flush=True)
         subprocess.run(
             ["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs)], check=True
         )
