@@ -132,8 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("stop", help="unload a model")
     p.add_argument("model")
     args = parser.parse_args(argv)
+    serving = args.command == "serve"
     logging.basicConfig(
-        level=logging.DEBUG if getattr(args, "verbose", False) else logging.INFO,
+        level=logging.DEBUG if getattr(args, "verbose", False) else logging.INFO if serving else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     overrides: dict[str, object] = {}
@@ -166,3 +167,6 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `trioshed run ... | head`: the reader went away
+        sys.stderr.close()
+        return 0

@@ -1,0 +1,50 @@
+"""The command line: client commands against a running trioshed, and serve's start-up errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import trio
+
+from trioshed.testing.server import open_test_server
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_leaked_runner")]
+
+
+async def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[bytes]:
+    return await trio.run_process(
+        [sys.executable, "-m", "trioshed", *args],
+        capture_stdout=True, capture_stderr=True, check=False, env={**os.environ, **(env or {})},
+    )  # fmt: skip
+
+
+async def test_client_commands(model_store: Path) -> None:
+    with trio.fail_after(120):
+        async with open_test_server(model_store) as server:
+            env = {"TRIOSHED_HOST": server.base_url.removeprefix("http://")}
+            listed = await cli("list", env=env)
+            assert listed.returncode == 0 and b"tiny:latest" in listed.stdout
+            ran = await cli("run", "tiny", "hello", env=env)
+            assert ran.returncode == 0 and ran.stdout.strip() and not ran.stderr
+            ps = await cli("ps", env=env)
+            assert b"tiny:latest" in ps.stdout
+            stopped = await cli("stop", "tiny", env=env)
+            assert stopped.stdout.strip() == b"unload" and server.scheduler.statistics().runners == ()
+            missing = await cli("run", "nope", "hi", env=env)
+            assert missing.returncode == 1 and b"model 'nope' not found" in missing.stderr
+
+
+async def test_serve_without_a_runner_binary_exits_1_with_advice(tmp_path: Path) -> None:
+    with trio.fail_after(60):
+        result = await cli("serve", "--models", str(tmp_path), env={"TRIOSHED_LLAMA_SERVER": "/nonexistent/llama-server"})
+    assert result.returncode == 1 and b"TRIOSHED_LLAMA_SERVER" in result.stderr
+
+
+async def test_bad_settings_exit_2_naming_the_variable() -> None:
+    with trio.fail_after(60):
+        result = await cli("ps", env={"TRIOSHED_MAX_QUEUE": "lots"})
+    assert result.returncode == 2 and b"TRIOSHED_MAX_QUEUE" in result.stderr
