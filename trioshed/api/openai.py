@@ -25,8 +25,6 @@ from trioshed.scheduler import Lease
 
 bp = Blueprint("openai", __name__)
 
-_OLLAMA_STYLE = {"max_tokens": "num_predict"}
-
 
 def _rewrite(line: bytes, model: str) -> bytes:
     """One upstream SSE line for the client: events name the model as the client did."""

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import enum
 import functools
-import math
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -391,6 +390,3 @@ def _plan_one(
         return "failed"
     return "wait"
 
-
-def min_deadline(values: Sequence[float]) -> float:
-    return min(values, default=math.inf)

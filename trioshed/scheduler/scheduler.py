@@ -86,7 +86,6 @@ class _Runner:
     load_started: float = 0.0
     load_duration: float = 0.0
     crash: RunnerCrashed | None = None
-    idle_since_wall: float = field(default_factory=time.time)
     unload_reason: str = ""
 
     def usage(self) -> tuple[tuple[str, int], ...]:
@@ -138,7 +137,6 @@ class _Request:
     done: trio.Event = field(default_factory=trio.Event)
     runner: _Runner | None = None
     error: TrioshedError | None = None
-    enqueued: float = 0.0
     load_duration: float = 0.0
 
     @functools.cached_property
@@ -304,7 +302,6 @@ class Scheduler:
             options=options,
             keep_alive=self.default_keep_alive if keep_alive is None else keep_alive,
             estimate=estimate,
-            enqueued=trio.current_time(),
         )
         runner = self._free_slot_now(req) if not self._queued_count() else None
         if runner is not None:
@@ -459,7 +456,6 @@ class Scheduler:
         runner.leases -= 1
         runner.last_used = trio.current_time()
         if runner.leases == 0 and runner.id in self._runners:
-            runner.idle_since_wall = time.time()
             if runner.evicting or runner.keep_alive <= 0:
                 runner.stop(runner.unload_reason or "keep_alive 0")
             else:
