@@ -70,3 +70,24 @@ def model_store(tmp_path: Path, tiny_model: Path) -> Path:  # noqa: F811
 
 def add_tiny(store: Path, name: str, **shape: object) -> Path:
     return write_tiny_model(store / f"{name}.gguf", **shape)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def unknown_arch_model(tmp_path: Path, tiny_model: Path) -> Path:  # noqa: F811
+    """A well-formed GGUF of an architecture llama.cpp does not know ("llamb"): trioshed reads it,
+    only llama-server refuses it."""
+    data = tiny_model.read_bytes()
+    at = data.index(b"general.architecture") + len(b"general.architecture") + 4 + 8
+    assert data[at : at + 5] == b"llama"
+    bad = tmp_path / "unknown-arch.gguf"
+    bad.write_bytes(data[:at] + b"llamb" + data[at + 5 :])
+    return bad
+
+
+@pytest.fixture
+def gemma_store(tmp_path: Path, gemma_model: Path) -> Path:  # noqa: F811
+    """A store folder holding the real ``gemma3-270m.gguf`` (a link to the cached file)."""
+    store = tmp_path / "gemma-store"
+    store.mkdir()
+    (store / "gemma3-270m.gguf").symlink_to(gemma_model)
+    return store

@@ -123,10 +123,8 @@ async def test_empty_prompt_loads_and_keep_alive_zero_unloads(model_store: Path)
                 await server.scheduler.wait_statistics(lambda s: not s.runners)
 
 
-async def test_gemma_answers_deterministically(gemma_model: Path, tmp_path: Path) -> None:
-    store = tmp_path / "models"
-    store.mkdir()
-    (store / "gemma3-270m.gguf").symlink_to(gemma_model)
+async def test_gemma_answers_deterministically(gemma_store: Path) -> None:
+    store = gemma_store
     with trio.fail_after(240):
         async with open_test_server(store) as server, httpx.AsyncClient(base_url=server.base_url, timeout=120) as http:
             # The demo model is a base model without a chat template: generate sends the prompt
@@ -161,10 +159,8 @@ async def test_embeddings_with_official_clients_and_no_reload_for_chat_after(mod
             assert server.scheduler.statistics().loads == 1
 
 
-async def test_chat_with_a_template_less_base_model_reads_as_a_transcript(gemma_model: Path, tmp_path: Path) -> None:
-    store = tmp_path / "models"
-    store.mkdir()
-    (store / "gemma3-270m.gguf").symlink_to(gemma_model)
+async def test_chat_with_a_template_less_base_model_reads_as_a_transcript(gemma_store: Path) -> None:
+    store = gemma_store
     with trio.fail_after(240):
         async with open_test_server(store) as server:
             client = ollama.Client(host=server.base_url)

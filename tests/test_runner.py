@@ -49,17 +49,6 @@ async def test_runner_outlives_idle_trio_worker_threads(tiny_model: Path, monkey
             assert not server.exited and await server.health()
 
 
-@pytest.fixture
-def unknown_arch_model(tmp_path: Path, tiny_model: Path) -> Path:
-    """A well-formed GGUF of an architecture llama.cpp does not know: only llama-server finds out."""
-    data = tiny_model.read_bytes()
-    at = data.index(b"general.architecture") + len(b"general.architecture") + 4 + 8
-    assert data[at : at + 5] == b"llama"
-    bad = tmp_path / "unknown-arch.gguf"
-    bad.write_bytes(data[:at] + b"llamb" + data[at + 5 :])
-    return bad
-
-
 async def test_load_failure_carries_exit_code_and_output(unknown_arch_model: Path) -> None:
     bad = unknown_arch_model
     with trio.fail_after(60), pytest.raises(LoadFailed) as excinfo:

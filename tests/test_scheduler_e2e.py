@@ -100,14 +100,6 @@ async def _hold_slot(http: httpx.AsyncClient, started: trio.Event, stop: trio.Ev
         await stop.wait()
 
 
-@pytest.fixture
-def gemma_store(tmp_path: Path, gemma_model: Path) -> Path:
-    store = tmp_path / "gemma-store"
-    store.mkdir()
-    (store / "gemma3-270m.gguf").symlink_to(gemma_model)
-    return store
-
-
 async def test_queue_full_503_and_a_client_leaving_the_queue(gemma_store: Path) -> None:
     with trio.fail_after(240):
         async with open_test_server(gemma_store, max_queue=1) as server, httpx.AsyncClient(
@@ -149,15 +141,10 @@ async def test_queue_full_503_and_a_client_leaving_the_queue(gemma_store: Path) 
 
 
 @pytest.fixture
-def broken_store(tmp_path: Path, tiny_model: Path) -> Path:
-    """A store whose "broken" model is a well-formed GGUF of an architecture llama.cpp lacks."""
-    store = tmp_path / "broken-store"
-    store.mkdir()
-    data = tiny_model.read_bytes()
-    at = data.index(b"general.architecture") + len(b"general.architecture") + 4 + 8
-    (store / "broken.gguf").write_bytes(data[:at] + b"llamb" + data[at + 5 :])
-    os.link(tiny_model, store / "tiny.gguf")
-    return store
+def broken_store(model_store: Path, unknown_arch_model: Path) -> Path:
+    """The tiny store plus "broken": a model only llama-server refuses."""
+    os.link(unknown_arch_model, model_store / "broken.gguf")
+    return model_store
 
 
 async def test_load_failure_is_500_with_llama_servers_words_then_503_cooldown(broken_store: Path) -> None:

@@ -21,7 +21,7 @@ from quart import Blueprint, Response, current_app, request
 from trioshed import __version__
 from trioshed.api import translate
 from trioshed.api.state import AppState
-from trioshed.api.upstream import leased_stream, open_upstream, post_upstream
+from trioshed.api.upstream import leased_stream, open_upstream, post_upstream, truncated
 from trioshed.config import parse_duration
 from trioshed.core.model import ModelSpec
 from trioshed.errors import BadRequest, TrioshedError
@@ -85,17 +85,11 @@ async def _ollama_stream(
                 if out:
                     yield out
         if not stream.finished:
-            raise await _truncated(lease)
+            raise await truncated(lease)
         yield ndjson(stream.finish(load_duration_ns=_ns(lease.load_duration), total_duration_ns=_ns(time.monotonic() - started)))
     except TrioshedError as exc:
         log.warning("stream for %s ended with an error: %s", lease.model.name, exc.message)
         yield ndjson(exc.to_json())
-
-
-async def _truncated(lease: Lease) -> TrioshedError:
-    from trioshed.api.upstream import crash_or
-
-    return await crash_or(lease, RuntimeError("llama-server closed the stream early"))
 
 
 def _ns(seconds: float) -> int:
@@ -147,7 +141,7 @@ async def _serve(kind: translate.Kind) -> Response:
         async with st.scheduler.acquire(model, options, keep_alive) as lease:
             translator.feed(await post_upstream(lease, upstream.path, whole))
             if not translator.finished:
-                raise await _truncated(lease)
+                raise await truncated(lease)
             result = translator.aggregate(
                 load_duration_ns=_ns(lease.load_duration), total_duration_ns=_ns(time.monotonic() - started)
             )

@@ -44,6 +44,11 @@ async def crash_or(lease: Lease, exc: Exception) -> TrioshedError:
     return UpstreamError(f"connection to llama-server for '{lease.model.name}' failed: {exc}")
 
 
+async def truncated(lease: Lease) -> TrioshedError:
+    """The error for an answer that ended before llama-server reported its end."""
+    return await crash_or(lease, RuntimeError("llama-server closed the stream early"))
+
+
 @asynccontextmanager
 async def open_upstream(lease: Lease, path: str, body: dict[str, Any]) -> AsyncIterator[AsyncIterator[list[bytes]]]:
     """POST ``body`` to the runner; yield its streamed answer as batches of complete lines.

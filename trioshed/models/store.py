@@ -84,7 +84,8 @@ class ModelStore:
     def resolve(self, name: str) -> ModelSpec:
         base, tag = split_name(name)
         full = f"{base}:{tag}"
-        entry = self._toml_entries().get(base) or self._toml_entries().get(full)
+        entries = self._toml_entries()
+        entry = entries.get(base) or entries.get(full)
         if isinstance(entry, dict):
             path = self._resolve_file(entry.get("path"), "path", full)
             adapters = tuple(self._resolve_file(a, "adapter", full) for a in entry.get("adapters", []))  # type: ignore[attr-defined]
