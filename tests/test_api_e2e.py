@@ -87,6 +87,7 @@ async def test_errors_are_json_with_the_right_status(model_store: Path) -> None:
             r = await http.post("/v1/chat/completions", json={"model": "nope", "messages": []})
             assert r.status_code == 404
             assert (await http.get("/")).text == "Ollama is running"
+            assert (await http.head("/")).status_code == 200
             assert (await http.get("/api/version")).json()["version"]
 
 
