@@ -127,3 +127,30 @@ def test_provision_reports_features_and_choice_in_one_line() -> None:
     assert "chosen: llama.cpp b10068" in line and "loaded a model in" in line
     marker = json.loads(binary_mod.marker_path().read_text())
     assert marker["origin"] == "bundled" and os.path.isfile(marker["rpc_path"])
+
+
+def test_every_flag_trioshed_passes_is_one_the_binary_knows() -> None:
+    """The pinned build (b10068) must accept every flag build_command() can emit; a new pin that
+    drops or renames one fails here, not in a user's load."""
+    from trioshed.core.model import ModelSpec, Placement, RunnerOptions
+    from trioshed.runner.command import build_command
+
+    server = find_llama_server()
+    help_text = subprocess.run(
+        [server.path, "--help"], env=server.env, capture_output=True, text=True, timeout=60
+    ).stdout
+    known = {word.rstrip(",") for word in help_text.split() if word.startswith("-")}
+    model = ModelSpec("m:latest", "/m.gguf", adapters=("/a.gguf",), projector="/p.gguf")
+    argvs = [
+        build_command(
+            server.path,
+            model,
+            RunnerOptions(num_thread=2, flash_attention=True, kv_cache_type="q8_0", embedding=True, use_mmap=False),
+            Placement(n_gpu_layers=9, devices=("cuda:0", "cuda:1"), tensor_split=(0.6, 0.4), main_gpu=0),
+            port=1,
+        ),
+        build_command(server.path, model, RunnerOptions(), Placement(0), port=1),
+    ]
+    flags = {arg for argv in argvs for arg in argv[1:] if arg.startswith("--")}
+    assert flags >= {"--fit", "--log-verbosity", "--n-gpu-layers", "--device", "--tensor-split", "--embeddings"}
+    assert sorted(flags - known) == []

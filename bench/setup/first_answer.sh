@@ -30,7 +30,6 @@ stamp "first answer"
 echo "$answer" | python3 -c 'import json,sys; d=json.load(sys.stdin); print("answer:", repr(d["response"]), "load_duration", round(d["load_duration"]/1e9, 2), "s")'
 grep -E '^\[provision\]|llama-server:' "$work/serve.log" | sed 's/^/log: /'
 echo "load after: $(cut -d' ' -f1-3 /proc/loadavg)"
-kill -INT $serve; wait $serve || true
-pkill -INT -f "$work/trioshed/.venv/bin/python -m trioshed serve" || true
-sleep 1
+pkill -INT -P $serve || true   # make's child: trioshed serve (SIGINT stops and reaps its runners)
+wait $serve || true
 rm -rf "$work"
