@@ -173,9 +173,9 @@ class _Sim:
         self.reserved_usage: Counter[str] = Counter()
         self.touched: set[int] = set()  # runners given a lease in this pass
         self._order: list[int] | None = None
+        self.any_pinned = False
         for r in runners:
             self.add(r)
-        self.any_pinned = any(r.pinned for r in runners)  # runners loaded in a pass are not pinned yet
 
     def _account(self, r: RunnerView, sign: int) -> None:
         for dev, b in r.usage:
@@ -190,6 +190,7 @@ class _Sim:
     def add(self, r: RunnerView) -> None:
         self.runners[r.id] = r
         self.by_path[r.model.path].append(r.id)
+        self.any_pinned = self.any_pinned or r.pinned
         self._account(r, +1)
 
     def set(self, r: RunnerView) -> None:
@@ -301,7 +302,8 @@ def plan(
     def load(req: RequestView, placement: Placement) -> None:
         nonlocal new_id
         actions.append(Load(req.id, placement))
-        sim.add(RunnerView(new_id, req.model, req.options, RunnerState.LOADING, usage=usage_of(placement), last_used=now))
+        sim.add(RunnerView(new_id, req.model, req.options, RunnerState.LOADING, usage=usage_of(placement), last_used=now,
+                           pinned=req.model.pinned))  # fmt: skip
         new_id -= 1
 
     for req in sorted(requests, key=lambda r: -r.priority):  # stable: arrival order within a priority
