@@ -129,6 +129,9 @@ def test_store_logs_problems_serves_the_rest_and_plain_files_even_when_the_toml_
     ]
     s.catalogue()
     assert len(caplog.records) == 1  # unchanged file: parsed (and logged) once
+    s.reload()
+    s.catalogue()
+    assert len(caplog.records) == 2  # reload() parses again (SIGHUP), once
     names = [spec.name for spec in s.list()]
     assert names == ["assistant:v2", "base:latest", "lora:latest", "plain:latest", "qwen-long:latest", "qwen:latest"]
     via_alias = s.resolve("qwen")

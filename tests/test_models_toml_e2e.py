@@ -41,6 +41,7 @@ async def test_preloaded_pinned_parallel_model_with_aliases_and_args(
     model_store: Path, unknown_arch_model: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     os.link(unknown_arch_model, model_store / "broken.gguf")
+    os.link(model_store / "tiny.gguf", model_store / "other.gguf")  # another file: another runner
     (model_store / "models.toml").write_text(TOML)
     caplog.set_level(logging.INFO)
     record: list[tuple[str, str]] = []
@@ -56,7 +57,7 @@ async def test_preloaded_pinned_parallel_model_with_aliases_and_args(
             ps = (await client.get("/api/ps")).json()["models"]
             assert [m["name"] for m in ps] == ["pre:latest"] and ps[0]["expires_at"].startswith("2318")  # pinned: forever
             tags = {m["name"] for m in (await client.get("/api/tags")).json()["models"]}
-            assert {"pre:latest", "pre-alias:latest", "tiny:latest", "broken:latest"} <= tags and "typo:latest" not in tags
+            assert {"pre:latest", "pre-alias:latest", "tiny:latest", "other:latest", "broken:latest"} <= tags and "typo:latest" not in tags
 
             # The allow-listed args reached llama-server (which accepted them: it is serving).
             pid = stats.runners[0].pid
@@ -83,3 +84,9 @@ async def test_preloaded_pinned_parallel_model_with_aliases_and_args(
                     async with server.scheduler.acquire(spec, options) as second:
                         assert first.handle is second.handle
                         assert server.scheduler.statistics().leased == 2
+
+            # A model without num_parallel keeps TRIOSHED_NUM_PARALLEL (1 here).
+            reply = await client.post("/api/generate", json={"model": "other", "prompt": "hi", "options": {"num_predict": 2}, "stream": False})
+            assert reply.status_code == 200
+            slots = {r.model: r.slots for r in server.scheduler.statistics().runners}
+            assert slots == {"pre:latest": 2, "other:latest": 1}

@@ -84,3 +84,10 @@ def test_higher_priority_is_planned_first_when_both_wait_for_memory() -> None:
 def test_priority_goes_first_to_free_memory_too() -> None:
     actions = run([preq(1, "low", 16, -1), preq(2, "high", 16, 0)], [], machine(24, system=2))
     assert [type(a) for a in actions] == [Load] and isinstance(actions[0], Load) and actions[0].request == 2
+
+
+def test_pinning_does_not_stop_a_reload_of_the_same_file_with_other_runner_options() -> None:
+    # One runner per model file (as in the reference): a request for the same file with other
+    # runner options reloads it once its leases end, pinned or not (documented in the README).
+    actions = run([req(2, "a", num_ctx=8192)], [pinned(runner(1, "a", 4))], machine(24))
+    assert actions == [Evict(1, "reload: options changed")]

@@ -64,20 +64,24 @@ class ModelStore:
     def toml_path(self) -> Path:
         return self.root / "models.toml"
 
-    def catalogue(self) -> Catalogue:
-        """``models.toml`` as last parsed; re-parsed (and its problems logged) when it changed."""
+    def _toml_key(self) -> tuple[int, int, int] | None:
         try:
             st = self.toml_path.stat()
-            key: tuple[int, int, int] | None = (st.st_mtime_ns, st.st_size, st.st_ino)
         except OSError:
-            key = None
-        cached = self._catalogue
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        return self.reload(key)
+            return None
+        return (st.st_mtime_ns, st.st_size, st.st_ino)
 
-    def reload(self, key: tuple[int, int, int] | None = None) -> Catalogue:
-        """Parse ``models.toml`` now and log every problem in it (one warning each)."""
+    def catalogue(self) -> Catalogue:
+        """``models.toml`` as last parsed; re-parsed (and its problems logged) when it changed."""
+        cached = self._catalogue
+        if cached is not None and cached[0] == self._toml_key():
+            return cached[1]
+        return self.reload()
+
+    def reload(self) -> Catalogue:
+        """Parse ``models.toml`` now (e.g. on SIGHUP) and log every problem in it, one warning
+        each. Running runners keep the settings they were loaded with."""
+        key = self._toml_key()  # before reading: a change in between is seen next time
         catalogue = load_catalogue(self.toml_path, self.root)
         for problem in catalogue.problems:
             log.warning("%s", problem)
