@@ -109,6 +109,13 @@ def test_names_clashes_and_structure(store: Path) -> None:
     assert len(keys) == 4
 
 
+def test_a_dotted_name_left_unquoted_gets_a_hint(store: Path) -> None:
+    cat = parse_catalogue('[models.qwen2.5]\npath = "base.gguf"\n', "m.toml", store)
+    assert cat.entries == ()
+    assert [p.key for p in cat.problems] == ["models.qwen2.5", "models.qwen2.path"]
+    assert 'must be quoted: [models."qwen2.5"]' in cat.problems[0].reason
+
+
 def test_unparseable_toml_is_one_clear_problem(tmp_path: Path) -> None:
     (tmp_path / "models.toml").write_text("[models.a\npath = ")
     cat = load_catalogue(tmp_path / "models.toml")

@@ -238,7 +238,10 @@ def _parse_entry(key: str, table: object, file: str, root: Path) -> tuple[Entry 
         bad("", exc.message)
         name = key
     for unknown in sorted(set(table) - set(_ENTRY_KEYS)):
-        bad(unknown, f"unknown key; known: {', '.join(_ENTRY_KEYS)} (other options go in options = {{...}})")
+        if isinstance(table[unknown], dict):  # [models.qwen2.5] is models -> qwen2 -> 5
+            bad(unknown, f'unknown key; a name with a dot must be quoted: [models."{key}.{unknown}"]')
+        else:
+            bad(unknown, f"unknown key; known: {', '.join(_ENTRY_KEYS)} (other options go in options = {{...}})")
 
     def file_path(sub: str, value: object) -> str | None:
         if not isinstance(value, str) or not value:
