@@ -187,3 +187,16 @@ def test_the_allow_list_leaves_out_what_trioshed_controls() -> None:
                   "--fit", "--override-tensor", "--api-key", "--log-verbosity", "--no-mmap", "--swa-full"}  # fmt: skip
     assert not controlled & set(ALLOWED_ARGS)
     assert all(flag.startswith("--") for flag in ALLOWED_ARGS)
+
+
+def test_every_allowed_flag_is_one_the_binary_knows() -> None:
+    """A new llama.cpp pin that drops or renames an allow-listed flag fails here, not in a load."""
+    import subprocess
+
+    from trioshed.runner.binary import find_llama_server
+
+    server = find_llama_server()
+    help_text = subprocess.run([server.path, "--help"], env=server.env, capture_output=True, text=True, timeout=60).stdout
+    known = {word.rstrip(",") for word in help_text.split() if word.startswith("-")}
+    assert "--rope-scaling" in known  # the help text was read
+    assert sorted(set(ALLOWED_ARGS) - known) == []
