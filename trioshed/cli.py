@@ -9,6 +9,7 @@ import argparse
 import json
 import logging
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import httpx
@@ -113,6 +114,19 @@ def _cmd_stop(args: argparse.Namespace, settings: Settings) -> int:
     return 0 if response.status_code == 200 else 1
 
 
+def settings_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Settings:
+    """Flags, then ``TRIOSHED_*`` variables, then ``--config FILE``, then the defaults."""
+    overrides: dict[str, object] = {}
+    if getattr(args, "host", None):
+        from trioshed.config import parse_host
+
+        overrides["host"], overrides["port"] = parse_host(args.host)
+    if getattr(args, "models", None):
+        overrides["models"] = Path(args.models).expanduser()
+    config = getattr(args, "config", None)
+    return Settings.from_env(env, file=Path(config).expanduser() if config else None, **overrides)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="trioshed", description=__doc__)
     parser.add_argument("--version", action="version", version=__version__)
@@ -120,6 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("serve", help="run the server")
     p.add_argument("--host", help="listen address host:port (TRIOSHED_HOST)")
     p.add_argument("--models", help="model store folder (TRIOSHED_MODELS)")
+    p.add_argument(
+        "--config", metavar="FILE",
+        help="settings file (TOML): keep_alive = \"10m\", max_loaded_models = 2, ... "
+             "(flags win over TRIOSHED_* variables, which win over the file)",
+    )  # fmt: skip
     p.add_argument("--demo-model", action="store_true", help="assemble Gemma 3 270M into an empty store")
     p.add_argument("-v", "--verbose", action="store_true")
     p = sub.add_parser("run", help="generate from a prompt")
@@ -137,15 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if getattr(args, "verbose", False) else logging.INFO if serving else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    overrides: dict[str, object] = {}
     try:
-        if getattr(args, "host", None):
-            from trioshed.config import parse_host
-
-            overrides["host"], overrides["port"] = parse_host(args.host)
-        if getattr(args, "models", None):
-            overrides["models"] = Path(args.models).expanduser()
-        settings = Settings.from_env(None, **overrides)
+        settings = settings_from_args(args)
     except ValueError as exc:
         print(f"trioshed: {exc}", file=sys.stderr)
         return 2

@@ -8,7 +8,8 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import Mapping
+import tomllib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -136,46 +137,23 @@ class Settings:
     runner_verbose: bool = True
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> Settings:
-        """Read ``TRIOSHED_*`` variables; a bad value raises ValueError naming the variable."""
+    def from_env(
+        cls, env: Mapping[str, str] | None = None, *, file: Path | None = None, **overrides: object
+    ) -> Settings:
+        """Settings from, by precedence: ``overrides`` (CLI flags), ``TRIOSHED_*`` variables,
+        the settings ``file`` (TOML), the defaults. A bad value raises ValueError naming the
+        variable, or the file and the key."""
         env = os.environ if env is None else env
-        kwargs: dict[str, object] = {}
-
-        def get(name: str) -> str | None:
-            value = env.get(f"TRIOSHED_{name}")
-            return value if value not in (None, "") else None
-
-        parsers = {
-            "HOST": None,
-            "MODELS": lambda v: Path(v).expanduser(),
-            "KEEP_ALIVE": parse_duration,
-            "MAX_LOADED_MODELS": int,
-            "NUM_PARALLEL": int,
-            "MAX_QUEUE": int,
-            "LOAD_TIMEOUT": lambda v: _positive_timeout(parse_duration(v)),
-            "SCHED_SPREAD": _bool,
-            "GPU_OVERHEAD": parse_bytes,
-            "CONTEXT_LENGTH": int,
-            "NUM_THREAD": int,
-            "KV_CACHE_TYPE": _kv_cache_type,
-            "FLASH_ATTENTION": _bool,
-            "LLAMA_SERVER": str,
-            "DEVICES": parse_devices,
-            "ORIGINS": lambda v: tuple(o.strip() for o in v.split(",") if o.strip()),
-            "API_KEY": str,
-        }
-        for name, parse in parsers.items():
-            raw = get(name)
-            if raw is None:
+        kwargs: dict[str, object] = load_settings_file(file) if file is not None else {}
+        for name in SETTING_NAMES:
+            raw = env.get(f"TRIOSHED_{name.upper()}")
+            if raw in (None, ""):
                 continue
+            assert raw is not None
             try:
-                if name == "HOST":
-                    kwargs["host"], kwargs["port"] = parse_host(raw)
-                else:
-                    assert parse is not None
-                    kwargs[name.lower()] = parse(raw)
+                kwargs.update(_parse_setting(name, raw))
             except ValueError as exc:
-                raise ValueError(f"TRIOSHED_{name}={raw!r}: {exc}") from None
+                raise ValueError(f"TRIOSHED_{name.upper()}={raw!r}: {exc}") from None
         kwargs.update(overrides)
         settings = cls(**kwargs)  # type: ignore[arg-type]
         settings.validate()
@@ -203,3 +181,83 @@ def _positive_timeout(seconds: float) -> float:
     if seconds <= 0:
         raise ValueError("must be positive")
     return seconds
+
+
+def _at_least(minimum: int, what: str = "") -> Callable[[str], int]:
+    def parse(value: str) -> int:
+        number = int(value)
+        if number < minimum:
+            raise ValueError(f"must be at least {minimum}{what}")
+        return number
+
+    return parse
+
+
+#: Every setting: its name in a settings file, and (upper-cased, prefixed) its variable.
+_PARSERS: dict[str, Callable[[str], object]] = {
+    "host": parse_host,
+    "models": lambda v: Path(v).expanduser(),
+    "keep_alive": parse_duration,
+    "max_loaded_models": _at_least(0, " (0 = automatic)"),
+    "num_parallel": _at_least(1),
+    "max_queue": _at_least(1),
+    "load_timeout": lambda v: _positive_timeout(parse_duration(v)),
+    "sched_spread": _bool,
+    "gpu_overhead": parse_bytes,
+    "context_length": _at_least(1),
+    "num_thread": _at_least(0, " (0 = llama-server's choice)"),
+    "kv_cache_type": _kv_cache_type,
+    "flash_attention": _bool,
+    "llama_server": str,
+    "devices": parse_devices,
+    "origins": lambda v: tuple(o.strip() for o in v.split(",") if o.strip()),
+    "api_key": str,
+}
+SETTING_NAMES = tuple(_PARSERS)
+
+
+def _parse_setting(name: str, raw: str) -> dict[str, object]:
+    if name == "host":
+        host, port = parse_host(raw)
+        return {"host": host, "port": port}
+    return {name: _PARSERS[name](raw)}
+
+
+def load_settings_file(path: Path) -> dict[str, object]:
+    """Read a settings file: TOML with one key per setting, named like its variable without
+    the prefix, in lower case (``keep_alive = "10m"`` for TRIOSHED_KEEP_ALIVE). Values are the
+    TOML type that fits (numbers, booleans; a list of strings for ``origins``) or a string as
+    the variable would hold it. A relative ``models`` or ``llama_server`` path is taken from the
+    file's folder. Raises ValueError naming the file (and the key) on any problem."""
+    try:
+        data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"settings file {path}: cannot read it: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"settings file {path}: not valid TOML: {exc}") from None
+    kwargs: dict[str, object] = {}
+    for key, value in data.items():
+        if key not in _PARSERS:
+            plain = key.upper().removeprefix("TRIOSHED_").lower()
+            hint = f" (write {plain!r}, without the TRIOSHED_ prefix, in lower case)" if plain in _PARSERS else ""
+            raise ValueError(f"settings file {path}: unknown key {key!r}{hint}; known keys: {', '.join(_PARSERS)}")
+        try:
+            raw = _file_value(key, value)
+            relative = not Path(raw).expanduser().is_absolute()
+            if relative and (key == "models" or (key == "llama_server" and "/" in raw)):
+                raw = str(Path(path).parent / raw)  # a bare llama_server name is looked up on PATH
+            kwargs.update(_parse_setting(key, raw))
+        except ValueError as exc:
+            raise ValueError(f"settings file {path}: {key} = {value!r}: {exc}") from None
+    return kwargs
+
+
+def _file_value(key: str, value: object) -> str:
+    """A TOML value as the string the environment variable would hold."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str | int | float):
+        return str(value)
+    if key == "origins" and isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return ",".join(value)
+    raise ValueError("must be a string, a number or a boolean" + (" (or a list of strings)" if key == "origins" else ""))

@@ -10,6 +10,7 @@
     ├── QueueFull (503, Retry-After)     the pending queue holds TRIOSHED_MAX_QUEUE requests
     ├── LoadCooldown (503, Retry-After)  the model failed to load recently; retried after a back-off
     ├── InsufficientMemory (507)         the model cannot fit even with every other model unloaded
+    │   └── PinnedModelsInTheWay         it would fit only by evicting models pinned in models.toml
     ├── RunnerError (500)                a runner failed
     │   ├── LoadFailed                   llama-server exited or timed out before it was ready
     │   └── RunnerCrashed                llama-server exited while serving (the next request reloads)
@@ -93,6 +94,22 @@ class InsufficientMemory(TrioshedError):
         super().__init__(message + "; use a smaller model, quantization or num_ctx")
         self.needed = needed
         self.available = available
+
+
+class PinnedModelsInTheWay(InsufficientMemory):
+    """Room for the model exists only if pinned models (never victims) were unloaded."""
+
+    def __init__(self, model: str, needed: int, pinned: tuple[str, ...]) -> None:
+        names = ", ".join(f"'{name}'" for name in pinned)
+        TrioshedError.__init__(
+            self,
+            f"model '{model}' (an estimated {needed / 1024**3:.2f} GiB) would fit only by evicting "
+            f"pinned models ({names}), and pinned models are never evicted; unload one "
+            "(keep_alive 0), unpin it in models.toml, or use a smaller model or num_ctx",
+        )
+        self.needed = needed
+        self.available = 0
+        self.pinned = pinned
 
 
 class RunnerError(TrioshedError):

@@ -28,6 +28,7 @@ from trioshed.core.model import MemoryEstimate, ModelSpec, RunnerOptions
 from trioshed.devices import DeviceSource, discover
 from trioshed.models.gguf_meta import read_metadata
 from trioshed.models.store import ModelStore
+from trioshed.preload import preload_models
 from trioshed.runner.binary import LlamaBinary, describe_build, find_llama_server
 from trioshed.runner.command import LaunchConfig
 from trioshed.runner.process import open_llama_server
@@ -155,6 +156,13 @@ async def serve(
     shutdown = trio.Event()
     async with trio.open_nursery() as nursery:
         await nursery.start(scheduler.run)
+        catalogue = state.store.catalogue()  # parsed now: its problems are logged at start-up
+        if catalogue.entries or catalogue.problems:
+            log.info(
+                "models.toml: %d models, %d problems, %d to preload",
+                len(catalogue.entries), len(catalogue.problems), len(catalogue.preload),
+            )  # fmt: skip
+        await preload_models(state)  # before listening: the first request finds them loaded
         if handle_signals:
             nursery.start_soon(_wait_for_signals, shutdown)
         async with trio.open_nursery() as http_nursery:

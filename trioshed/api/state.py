@@ -30,10 +30,11 @@ class AppState:
         s = self.settings
         options = RunnerOptions(
             num_ctx=s.context_length,
-            num_parallel=s.num_parallel,
+            num_parallel=model.num_parallel or s.num_parallel,
             num_thread=s.num_thread,
             kv_cache_type=s.kv_cache_type,
             flash_attention=s.flash_attention,
+            extra_args=model.args,
         )
         merged = {k: v for k, v in model.defaults if k in _RUNNER_FIELDS}
         merged.update({k: v for k, v in overrides.items() if k in _RUNNER_FIELDS and v is not None})

@@ -56,6 +56,7 @@ class RunnerOptions:
     kv_cache_type: str = "f16"
     flash_attention: bool = False
     embedding: bool = False  # --embeddings --pooling mean: serves /v1/embeddings as well
+    extra_args: tuple[str, ...] = ()  # models.toml ``args`` (checked against an allow-list)
 
     @property
     def kv_cells(self) -> int:
@@ -173,7 +174,12 @@ class ModelSpec:
 
     ``name`` is the full ``name:tag``; ``path`` the GGUF file; ``adapters``/``projector`` extra files
     passed to llama-server (``--lora``/``--mmproj``). Two requests share a runner only when
-    path, adapters and projector are equal (see ``core.sched.needs_reload``).
+    path, adapters and projector are equal (see ``core.sched.can_serve``).
+
+    From ``models.toml`` (``trioshed.models.catalogue``): ``num_parallel`` (slots; None =
+    TRIOSHED_NUM_PARALLEL), ``keep_alive`` (seconds; None = TRIOSHED_KEEP_ALIVE; a request's own
+    wins), ``pinned`` (never a victim), ``priority`` (higher is planned first), ``args`` (extra
+    llama-server flags).
     """
 
     name: str
@@ -183,6 +189,11 @@ class ModelSpec:
     size: int = 0
     modified: float = 0.0
     defaults: tuple[tuple[str, object], ...] = ()
+    num_parallel: int | None = None
+    keep_alive: float | None = None
+    pinned: bool = False
+    priority: int = 0
+    args: tuple[str, ...] = ()
 
     @property
     def short_name(self) -> str:

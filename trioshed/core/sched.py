@@ -30,7 +30,7 @@ from trioshed.core.model import (
     Placement,
     RunnerOptions,
 )
-from trioshed.errors import InsufficientMemory, LoadCooldown, TrioshedError
+from trioshed.errors import InsufficientMemory, LoadCooldown, PinnedModelsInTheWay, TrioshedError
 
 CPU_ID = "cpu"
 
@@ -52,6 +52,7 @@ class RunnerView:
     keep_alive: float = 300.0
     last_used: float = 0.0
     usage: tuple[tuple[str, int], ...] = ()  # bytes per device id ("cpu" = system memory)
+    pinned: bool = False  # models.toml pinned: never chosen as a victim
 
     @property
     def slots(self) -> int:
@@ -68,6 +69,7 @@ class RequestView:
     model: ModelSpec
     options: RunnerOptions
     estimate: MemoryEstimate
+    priority: int = 0  # models.toml priority: higher is planned first
 
     @functools.cached_property
     def key(self) -> tuple[object, ...]:
@@ -171,6 +173,7 @@ class _Sim:
         self.reserved_usage: Counter[str] = Counter()
         self.touched: set[int] = set()  # runners given a lease in this pass
         self._order: list[int] | None = None
+        self.any_pinned = False
         for r in runners:
             self.add(r)
 
@@ -187,6 +190,7 @@ class _Sim:
     def add(self, r: RunnerView) -> None:
         self.runners[r.id] = r
         self.by_path[r.model.path].append(r.id)
+        self.any_pinned = self.any_pinned or r.pinned
         self._account(r, +1)
 
     def set(self, r: RunnerView) -> None:
@@ -248,10 +252,16 @@ class _Sim:
         gpus = tuple(replace(d, free=d.total) for d in self.machine.gpus)
         return self._place(place, req, gpus, system_capacity)
 
+    def pinned(self) -> list[RunnerView]:
+        if not self.any_pinned:
+            return []
+        return [r for r in self.runners.values() if r.pinned and not _leaving(r)]
+
     def candidates(self) -> list[RunnerView]:
-        """Possible victims in eviction order; sorted once a pass, runners leased meanwhile last."""
+        """Possible victims in eviction order (never pinned ones); sorted once a pass, runners
+        leased meanwhile last."""
         if self._order is None:
-            ready = [r for r in self.runners.values() if r.state is RunnerState.READY and not r.evicting]
+            ready = [r for r in self.runners.values() if r.state is RunnerState.READY and not r.evicting and not r.pinned]
             self._order = [r.id for r in sorted(ready, key=victim_order)]
         live = [self.runners[i] for i in self._order if not self.runners[i].evicting]
         return [r for r in live if r.id not in self.touched] + [r for r in live if r.id in self.touched]
@@ -274,7 +284,8 @@ def plan(
     cooldowns: Mapping[str, tuple[float, str]] | None = None,
     next_runner_id: int = -1,
 ) -> list[Action]:
-    """Decide what to do for every waiting request, oldest first. Pure: no I/O, no clock.
+    """Decide what to do for every waiting request, highest priority first, then oldest first.
+    Pure: no I/O, no clock.
 
     ``cooldowns`` maps a model path to (until, cause) after a failed load. Runners created by a
     ``Load`` in this pass are given ids counting down from ``next_runner_id`` so that later
@@ -291,10 +302,11 @@ def plan(
     def load(req: RequestView, placement: Placement) -> None:
         nonlocal new_id
         actions.append(Load(req.id, placement))
-        sim.add(RunnerView(new_id, req.model, req.options, RunnerState.LOADING, usage=usage_of(placement), last_used=now))
+        sim.add(RunnerView(new_id, req.model, req.options, RunnerState.LOADING, usage=usage_of(placement), last_used=now,
+                           pinned=req.model.pinned))  # fmt: skip
         new_id -= 1
 
-    for req in requests:
+    for req in sorted(requests, key=lambda r: -r.priority):  # stable: arrival order within a priority
         key = req.key
         if key in waiting or req.model.path in sim.reserved:
             continue  # an earlier request like it already waits (for a slot, a load, room)
@@ -348,6 +360,20 @@ def _plan_one(
     # As in the reference: with other runners in the way, a model that would get fewer layers
     # on GPUs than it could alone makes room instead of spilling to the CPU.
     best_layers = capacity.n_gpu_layers
+    # Pinned runners are never victims: aim for what fits with every other runner gone, and
+    # fail at once (not after evicting the others) when only evicting pinned ones makes room.
+    pinned = sim.pinned()
+    if pinned:
+        others = sim.candidates()
+        without_others = sim.fits_after(place, req, others)
+        if without_others is not None:
+            best_layers = min(best_layers, without_others.n_gpu_layers)
+        elif sim.fits_after(place, req, others + pinned) is not None:
+            if sim.unsettled or sim.reserved:
+                return "wait"  # decide once loads and evictions have settled
+            names = tuple(sorted({r.model.name for r in pinned}))
+            actions.append(Fail(req.id, PinnedModelsInTheWay(req.model.name, req.estimate.total, names)))
+            return "failed"
     fit_now = sim.place(place, req, projected=False)
     if (
         isinstance(fit_now, Placement)

@@ -1,28 +1,33 @@
 """The model store: a folder of ``*.gguf`` files, optionally described further by ``models.toml``.
 
 Each ``NAME.gguf`` is model ``NAME:latest`` (``NAME`` resolves too). ``models.toml`` may add
-entries with adapters, a projector and default options::
+entries with aliases, adapters, a projector, default options and scheduling settings (see
+``trioshed.models.catalogue`` for every key)::
 
     [models."mistral-lora"]
     path = "mistral-7b.gguf"          # relative to the store folder
     adapters = ["my-lora.gguf"]
-    projector = "mmproj.gguf"
     options = { num_ctx = 8192, temperature = 0.2 }
+    pinned = true
 
 The folder is re-read on each lookup (a stat per file: cheap), so models copied in while
-trioshed runs appear at once.
+trioshed runs appear at once; ``models.toml`` is re-parsed when its size or mtime changes
+(or on :meth:`ModelStore.reload`), and its problems are logged each time it is.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
 from trioshed.core.model import ModelSpec
 from trioshed.errors import BadRequest, ModelNotFound
+from trioshed.models.catalogue import Catalogue, Entry, load_catalogue
+
+log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _TAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -53,17 +58,35 @@ class ModelStore:
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
         self._digests: dict[str, _DigestCacheEntry] = {}
+        self._catalogue: tuple[tuple[int, int, int] | None, Catalogue] | None = None
 
-    def _toml_entries(self) -> dict[str, dict[str, object]]:
-        path = self.root / "models.toml"
-        if not path.is_file():
-            return {}
+    @property
+    def toml_path(self) -> Path:
+        return self.root / "models.toml"
+
+    def _toml_key(self) -> tuple[int, int, int] | None:
         try:
-            data = tomllib.loads(path.read_text())
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise BadRequest(f"cannot read {path}: {exc}") from None
-        models = data.get("models", {})
-        return models if isinstance(models, dict) else {}
+            st = self.toml_path.stat()
+        except OSError:
+            return None
+        return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+    def catalogue(self) -> Catalogue:
+        """``models.toml`` as last parsed; re-parsed (and its problems logged) when it changed."""
+        cached = self._catalogue
+        if cached is not None and cached[0] == self._toml_key():
+            return cached[1]
+        return self.reload()
+
+    def reload(self) -> Catalogue:
+        """Parse ``models.toml`` now (e.g. on SIGHUP) and log every problem in it, one warning
+        each. Running runners keep the settings they were loaded with."""
+        key = self._toml_key()  # before reading: a change in between is seen next time
+        catalogue = load_catalogue(self.toml_path, self.root)
+        for problem in catalogue.problems:
+            log.warning("%s", problem)
+        self._catalogue = (key, catalogue)
+        return catalogue
 
     def _spec_from_file(self, full_name: str, path: Path, **extra: object) -> ModelSpec:
         stat = path.stat()
@@ -71,33 +94,30 @@ class ModelStore:
             name=full_name, path=str(path), size=stat.st_size, modified=stat.st_mtime, **extra  # type: ignore[arg-type]
         )
 
-    def _resolve_file(self, value: object, what: str, model: str) -> str:
-        if not isinstance(value, str):
-            raise BadRequest(f"models.toml: {what} of model '{model}' must be a path")
-        path = Path(value).expanduser()
-        if not path.is_absolute():
-            path = self.root / path
-        if not path.is_file():
-            raise BadRequest(f"models.toml: {what} {str(path)!r} of model '{model}' does not exist")
-        return str(path)
+    def _spec_from_entry(self, entry: Entry, name: str) -> ModelSpec:
+        for what, path in (("path", entry.path), *(("adapter", a) for a in entry.adapters),
+                           *((("projector", entry.projector),) if entry.projector else ())):  # fmt: skip
+            if not Path(path).is_file():
+                raise BadRequest(f"models.toml: {what} {path!r} of model '{name}' does not exist")
+        return self._spec_from_file(
+            name,
+            Path(entry.path),
+            adapters=entry.adapters,
+            projector=entry.projector,
+            defaults=entry.options,
+            num_parallel=entry.num_parallel,
+            keep_alive=entry.keep_alive,
+            pinned=entry.pinned,
+            priority=entry.priority,
+            args=entry.args,
+        )
 
     def resolve(self, name: str) -> ModelSpec:
         base, tag = split_name(name)
         full = f"{base}:{tag}"
-        entries = self._toml_entries()
-        entry = entries.get(base) or entries.get(full)
-        if isinstance(entry, dict):
-            path = self._resolve_file(entry.get("path"), "path", full)
-            adapters = tuple(self._resolve_file(a, "adapter", full) for a in entry.get("adapters", []))  # type: ignore[attr-defined]
-            projector = entry.get("projector")
-            options = entry.get("options", {})
-            return self._spec_from_file(
-                full,
-                Path(path),
-                adapters=adapters,
-                projector=self._resolve_file(projector, "projector", full) if projector else None,
-                defaults=tuple(sorted(options.items())) if isinstance(options, dict) else (),
-            )
+        entry = self.catalogue().lookup(full)
+        if entry is not None:
+            return self._spec_from_entry(entry, full)
         if tag != "latest":
             raise ModelNotFound(name)
         file = self.root / f"{base}.gguf"
@@ -111,12 +131,11 @@ class ModelStore:
             for path in sorted(self.root.glob("*.gguf")):
                 if path.is_file() and _NAME.match(path.stem):
                     specs[f"{path.stem}:latest"] = self._spec_from_file(f"{path.stem}:latest", path)
-        for name in self._toml_entries():
+        for name, entry in self.catalogue().names.items():  # entries and their aliases
             try:
-                spec = self.resolve(name)
-            except (BadRequest, ModelNotFound):
-                continue
-            specs[spec.name] = spec
+                specs[name] = self._spec_from_entry(entry, name)
+            except BadRequest:
+                continue  # its file is missing: reported when models.toml was read
         return sorted(specs.values(), key=lambda s: s.name)
 
     def digest(self, spec: ModelSpec) -> str:

@@ -85,6 +85,7 @@ def build_command(
         argv += ["--lora", adapter]
     if model.projector:
         argv += ["--mmproj", model.projector]
+    argv += options.extra_args  # models.toml args: allow-listed flags trioshed does not set
     if verbose:
         # Level 4 (trace) prints the buffer sizes the memory log needs; --verbose would also
         # log every token (~300 lines per 16-token request against ~20 here).

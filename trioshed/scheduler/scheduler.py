@@ -124,7 +124,15 @@ class _Runner:
             keep_alive=self.keep_alive,
             last_used=self.last_used,
             usage=self.usage(),
+            pinned=self.model.pinned,
         )
+
+
+def _keep_alive(requested: float | None, model: ModelSpec, default: float) -> float:
+    """The request's own keep-alive, else the model's (models.toml), else TRIOSHED_KEEP_ALIVE."""
+    if requested is not None:
+        return requested
+    return default if model.keep_alive is None else model.keep_alive
 
 
 @dataclass(eq=False)
@@ -141,7 +149,7 @@ class _Request:
 
     @functools.cached_property
     def view(self) -> sched.RequestView:
-        return sched.RequestView(self.id, self.model, self.options, self.estimate)
+        return sched.RequestView(self.id, self.model, self.options, self.estimate, priority=self.model.priority)
 
 
 class Lease:
@@ -300,7 +308,7 @@ class Scheduler:
             id=next(self._ids),
             model=model,
             options=options,
-            keep_alive=self.default_keep_alive if keep_alive is None else keep_alive,
+            keep_alive=_keep_alive(keep_alive, model, self.default_keep_alive),
             estimate=estimate,
         )
         runner = self._free_slot_now(req) if not self._queued_count() else None

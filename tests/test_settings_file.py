@@ -1,0 +1,107 @@
+"""The settings file (``trioshed serve --config FILE``): keys, values, errors, precedence."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+import pytest
+
+from trioshed.cli import main, settings_from_args
+from trioshed.config import SETTING_NAMES, Settings, load_settings_file
+
+EVERY = """
+host = "0.0.0.0:8080"
+models = "store"
+keep_alive = "10m"
+max_loaded_models = 2
+num_parallel = 4
+max_queue = 64
+load_timeout = 90
+sched_spread = true
+gpu_overhead = "512MiB"
+context_length = 8192
+num_thread = 2
+kv_cache_type = "q8_0"
+flash_attention = true
+llama_server = "/opt/llama/llama-server"
+devices = "cuda:0=24GiB"
+origins = ["https://a.example", "https://b.example"]
+api_key = "secret"
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "trioshed.toml"
+    path.write_text(text)
+    return path
+
+
+def test_every_setting_can_be_given_in_the_file(tmp_path: Path) -> None:
+    path = write(tmp_path, EVERY)
+    s = Settings.from_env({}, file=path)
+    assert (s.host, s.port, s.models) == ("0.0.0.0", 8080, tmp_path / "store")  # relative to the file
+    assert (s.keep_alive, s.max_loaded_models, s.num_parallel, s.max_queue, s.load_timeout) == (600, 2, 4, 64, 90)
+    assert (s.sched_spread, s.gpu_overhead, s.context_length, s.num_thread) == (True, 512 * 2**20, 8192, 2)
+    assert (s.kv_cache_type, s.flash_attention, s.llama_server, s.api_key) == ("q8_0", True, "/opt/llama/llama-server", "secret")
+    assert s.devices is not None and s.devices[0].total == 24 * 2**30
+    assert s.origins == ("https://a.example", "https://b.example")
+    # the file covers every TRIOSHED_* setting there is
+    assert set(load_settings_file(path)) - {"port"} == set(SETTING_NAMES)
+
+
+def test_values_as_strings_work_like_the_variables(tmp_path: Path) -> None:
+    s = Settings.from_env({}, file=write(tmp_path, 'keep_alive = -1\nmax_queue = "3"\nsched_spread = "yes"\n'))
+    assert (s.keep_alive, s.max_queue, s.sched_spread) == (math.inf, 3, True)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("keep_alive_seconds = 5", "unknown key 'keep_alive_seconds'"),
+        ('TRIOSHED_KEEP_ALIVE = "5m"', "write 'keep_alive', without the TRIOSHED_ prefix"),
+        ('keep_alive = "soon"', "keep_alive = 'soon': invalid duration"),
+        ("max_loaded_models = -1", "max_loaded_models = -1: must be at least 0"),
+        ("num_parallel = 0", "num_parallel = 0: must be at least 1"),
+        ("max_queue = 2.5", "max_queue = 2.5: invalid literal"),
+        ("max_queue = true", "max_queue = True: invalid literal"),
+        ('kv_cache_type = "q2"', "kv_cache_type = 'q2': use one of"),
+        ("num_thread = [1]", "num_thread = [1]: must be a string, a number or a boolean"),
+        ("[server]\nhost = 1", "unknown key 'server'"),
+        ("keep_alive = ", "not valid TOML"),
+    ],
+)
+def test_a_bad_key_or_value_is_an_error_naming_file_and_key(tmp_path: Path, text: str, message: str) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ValueError, match="settings file") as excinfo:
+        Settings.from_env({}, file=path)
+    assert str(excinfo.value).startswith(f"settings file {path}: ") and message in str(excinfo.value)
+
+
+def test_precedence_flag_then_env_then_file_then_default(tmp_path: Path) -> None:
+    path = write(tmp_path, 'host = "127.0.0.1:1111"\nkeep_alive = "1m"\nmax_queue = 7\nmodels = "/from/file"\n')
+    parse = argparse.Namespace
+
+    args = parse(command="serve", host=None, models=None, config=str(path))
+    s = settings_from_args(args, {})
+    assert (s.port, s.keep_alive, s.max_queue, s.models, s.num_parallel) == (1111, 60, 7, Path("/from/file"), 1)
+
+    env = {"TRIOSHED_HOST": "127.0.0.1:2222", "TRIOSHED_KEEP_ALIVE": "2m", "TRIOSHED_MODELS": "/from/env"}
+    s = settings_from_args(args, env)
+    assert (s.port, s.keep_alive, s.max_queue, s.models) == (2222, 120, 7, Path("/from/env"))  # env over file
+
+    args = parse(command="serve", host=":3333", models="/from/flag", config=str(path))
+    s = settings_from_args(args, env)
+    assert (s.port, s.keep_alive, s.models) == (3333, 120, Path("/from/flag"))  # flags over env
+
+    assert settings_from_args(parse(command="serve", host=None, models=None, config=None), {}) == Settings()
+
+
+def test_serve_with_a_bad_settings_file_exits_with_a_clear_message(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write(tmp_path, "max_loaded_modles = 2\n")
+    assert main(["serve", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"trioshed: settings file {path}: unknown key 'max_loaded_modles'")
+    assert main(["serve", "--config", str(tmp_path / "missing.toml")]) == 2
+    assert "cannot read it" in capsys.readouterr().err
