@@ -94,6 +94,10 @@ def fixed_clock() -> str:
         ({"num_thread": 4, "temperature": 1}, {"temperature": 1.0}, {"num_thread": 4}),
         ({"temperature": None, "num_ctx": None}, {}, {}),
         ({"no_such_option": 1, "top_k": 1}, {"top_k": 1}, {}),
+        # Ollama's Options.FromMap truncates a fractional number given for an integer option
+        ({"num_predict": 7.9, "top_k": -2.5, "num_ctx": 2048.7}, {"n_predict": 7, "top_k": -2}, {"num_ctx": 2048}),
+        # LiteLLM's ollama/ route puts keep_alive among the options: Ollama ignores it there
+        ({"keep_alive": 600, "num_predict": 3}, {"n_predict": 3}, {}),
     ],
 )
 def test_split_options(
@@ -108,7 +112,7 @@ def test_split_options(
         ({"temperature": "hot"}, 'option "temperature" must be a number, got string "hot"'),
         ({"temperature": True}, 'option "temperature" must be a number, got boolean true'),
         ({"temperature": float("nan")}, 'option "temperature" must be a number'),
-        ({"num_predict": 1.5}, 'option "num_predict" must be an integer, got number 1.5'),
+        ({"num_predict": float("inf")}, 'option "num_predict" must be an integer'),
         ({"num_predict": "10"}, 'option "num_predict" must be an integer, got string "10"'),
         ({"top_k": [1]}, 'option "top_k" must be an integer, got array [1]'),
         ({"seed": False}, 'option "seed" must be an integer, got boolean false'),

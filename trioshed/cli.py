@@ -59,9 +59,14 @@ def _cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     except BinaryNotFound as exc:
         print(f"trioshed: {exc}", file=sys.stderr)
         return 1
-    if args.demo_model:
-        provide_demo_model(settings.models)
-    settings.models.mkdir(parents=True, exist_ok=True)
+    from trioshed.models.ollama_store import is_ollama_store
+    from trioshed.models.stores import store_folders
+
+    folders = [f for f in store_folders(settings.models) if not is_ollama_store(f)]
+    if folders and args.demo_model:
+        provide_demo_model(folders[0])
+    for folder in folders:
+        folder.mkdir(parents=True, exist_ok=True)
     print(f"trioshed {__version__}: serving {settings.models} on http://{settings.host}:{settings.port}", file=sys.stderr, flush=True)
     trio.run(lambda: serve(settings, binary=binary))
     return 0

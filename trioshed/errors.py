@@ -5,7 +5,9 @@
     TrioshedError (500)                  base: .status, .message, .headers
     ├── BadRequest (400)                 malformed JSON, wrong option types, unsafe model names
     ├── Unauthorized (401)               TRIOSHED_API_KEY set and the bearer token is missing/wrong
+    ├── Forbidden (403)                  a change to a read-only store (an Ollama store)
     ├── ModelNotFound (404)              no such model in the store
+    ├── Conflict (409)                   a store change that would break another model
     ├── PayloadTooLarge (413)
     ├── QueueFull (503, Retry-After)     the pending queue holds TRIOSHED_MAX_QUEUE requests
     ├── LoadCooldown (503, Retry-After)  the model failed to load recently; retried after a back-off
@@ -14,6 +16,7 @@
     ├── RunnerError (500)                a runner failed
     │   ├── LoadFailed                   llama-server exited or timed out before it was ready
     │   └── RunnerCrashed                llama-server exited while serving (the next request reloads)
+    ├── NotSupported (501)               Ollama routes trioshed does not serve (pull, push, create)
     ├── UpstreamError (502)              llama-server answered with an error status
     └── ShuttingDown (503)
 
@@ -44,6 +47,18 @@ class BadRequest(TrioshedError):
 
 class Unauthorized(TrioshedError):
     status = 401
+
+
+class Forbidden(TrioshedError):
+    status = 403
+
+
+class Conflict(TrioshedError):
+    status = 409
+
+
+class NotSupported(TrioshedError):
+    status = 501
 
 
 class ModelNotFound(TrioshedError):

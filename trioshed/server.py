@@ -27,7 +27,7 @@ from trioshed.core.estimate import estimate
 from trioshed.core.model import MemoryEstimate, ModelSpec, RunnerOptions
 from trioshed.devices import DeviceSource, discover
 from trioshed.models.gguf_meta import read_metadata
-from trioshed.models.store import ModelStore
+from trioshed.models.stores import Stores
 from trioshed.preload import preload_models
 from trioshed.runner.binary import LlamaBinary, describe_build, find_llama_server
 from trioshed.runner.command import LaunchConfig
@@ -136,7 +136,7 @@ async def serve(
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream request otherwise
     devices = discover(settings.devices)
     scheduler = build_scheduler(settings, devices, binary, record)
-    state = AppState(settings=settings, store=ModelStore(settings.models), scheduler=scheduler)
+    state = AppState(settings=settings, store=Stores(settings.models), scheduler=scheduler)
     app = create_app(state)
     config = Config()
     host = f"[{settings.host}]" if ":" in settings.host else settings.host

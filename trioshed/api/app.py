@@ -1,7 +1,7 @@
 """The Quart-Trio application: routes, error handling, CORS and the optional API key.
 
 The only package importing quart. Every TrioshedError becomes ``{"error": message}`` with its
-status and headers; anything unexpected becomes a 500 with a short message (never a traceback).
+status and headers (on ``/v1/`` OpenAI's ``{"error": {"message", "type", "param", "code"}}``); anything unexpected becomes a 500 with a short message (never a traceback).
 """
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ import logging
 import secrets
 from typing import Any
 
-from quart import Response, request
+from quart import Response, has_request_context, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from trioshed.api import embed, metrics, ollama, openai
+from trioshed.api import embed, manage, metrics, ollama, openai
 from trioshed.api.state import AppState
-from trioshed.errors import PayloadTooLarge, TrioshedError, Unauthorized
+from trioshed.errors import ModelNotFound, PayloadTooLarge, TrioshedError, Unauthorized
 
 log = logging.getLogger(__name__)
 
@@ -24,10 +24,24 @@ MAX_BODY = 64 * 1024 * 1024
 _LOCAL_ORIGINS = ("http://localhost", "https://localhost", "http://127.0.0.1", "https://127.0.0.1", "app://", "file://", "tauri://")
 
 
-def _json_error(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
+#: OpenAI's error ``type`` by status, as Ollama's OpenAI layer answers (anything else: api_error).
+_OPENAI_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                       404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error"}  # fmt: skip
+
+
+def openai_error(status: int, message: str, code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error body: what the ``openai`` client reads its message from."""
+    return {"error": {"message": message, "type": _OPENAI_ERROR_TYPES.get(status, "api_error"), "param": None, "code": code}}
+
+
+def _json_error(status: int, message: str, headers: dict[str, str] | None = None, code: str | None = None) -> Response:
+    """Ollama's ``{"error": "..."}``; on the OpenAI routes (``/v1/``) OpenAI's shape."""
     import json
 
-    response = Response(json.dumps({"error": message}), status=status, content_type="application/json")
+    body: dict[str, Any] = {"error": message}
+    if has_request_context() and request.path.startswith("/v1/"):
+        body = openai_error(status, message, code)
+    response = Response(json.dumps(body), status=status, content_type="application/json")
     for k, v in (headers or {}).items():
         response.headers[k] = v
     return response
@@ -43,6 +57,7 @@ def create_app(state: AppState) -> QuartTrio:
     app.register_blueprint(openai.bp)
     app.register_blueprint(metrics.bp)
     app.register_blueprint(embed.bp)
+    app.register_blueprint(manage.bp)
     origins = state.settings.origins
     api_key = state.settings.api_key
 
@@ -71,7 +86,8 @@ def create_app(state: AppState) -> QuartTrio:
 
     @app.errorhandler(TrioshedError)
     async def _trioshed_error(exc: TrioshedError) -> Response:
-        response = _json_error(exc.status, exc.message, exc.headers)
+        code = "model_not_found" if isinstance(exc, ModelNotFound) else None
+        response = _json_error(exc.status, exc.message, exc.headers, code)
         if exc.status == 413:
             response.headers["Connection"] = "close"  # a keep-alive client would hang otherwise
         return response

@@ -25,6 +25,8 @@ from trioshed.api.upstream import leased_stream, open_upstream, post_upstream, t
 from trioshed.config import parse_duration
 from trioshed.core.model import ModelSpec
 from trioshed.errors import BadRequest, TrioshedError
+from trioshed.models.capabilities import capabilities
+from trioshed.models.ollama_store import OllamaManifest
 from trioshed.scheduler import Lease
 
 log = logging.getLogger(__name__)
@@ -86,7 +88,10 @@ async def _ollama_stream(
                     yield out
         if not stream.finished:
             raise await truncated(lease)
-        yield ndjson(stream.finish(load_duration_ns=_ns(lease.load_duration), total_duration_ns=_ns(time.monotonic() - started)))
+        last = stream.finish(load_duration_ns=_ns(lease.load_duration), total_duration_ns=_ns(time.monotonic() - started))
+        if stream.kind == "generate":
+            last["context"] = NO_CONTEXT
+        yield ndjson(last)
     except TrioshedError as exc:
         log.warning("stream for %s ended with an error: %s", lease.model.name, exc.message)
         yield ndjson(exc.to_json())
@@ -122,6 +127,7 @@ async def _serve(kind: translate.Kind) -> Response:
             content_type="application/json",
         )
 
+    body = with_model_system(kind, body, model.system)
     templated = await has_chat_template(model)
     if kind == "generate":
         # A model without a chat template gets the prompt as it is (Ollama's default template
@@ -145,6 +151,8 @@ async def _serve(kind: translate.Kind) -> Response:
             result = translator.aggregate(
                 load_duration_ns=_ns(lease.load_duration), total_duration_ns=_ns(time.monotonic() - started)
             )
+        if kind == "generate":
+            result["context"] = NO_CONTEXT
         return Response(json.dumps(result, ensure_ascii=False), content_type="application/json")
 
     return await leased_stream(
@@ -161,6 +169,30 @@ async def generate() -> Response:
 @bp.post("/api/chat")
 async def chat() -> Response:
     return await _serve("chat")
+
+
+#: Ollama's last /api/generate answer carries ``context``, the conversation's token ids, which a
+#: client may send back to continue (deprecated in Ollama's API). trioshed keeps no token history
+#: outside raw mode, so its ``context`` is empty; clients that validate the answer (the Vercel AI
+#: SDK's ollama-ai-provider-v2 requires the field) accept it, and sending it back is harmless.
+NO_CONTEXT: list[int] = []
+
+
+def with_model_system(kind: translate.Kind, body: dict[str, Any], system: str) -> dict[str, Any]:
+    """``body`` with the model's default system prompt (an Ollama store's ``system`` layer) where
+    the request brings none, as Ollama does: ``system`` for generate, a leading system message
+    for chat."""
+    if not system:
+        return body
+    if kind == "generate":
+        return body if body.get("system") else {**body, "system": system}
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return body
+    first = messages[0]
+    if isinstance(first, dict) and first.get("role") == "system":
+        return body
+    return {**body, "messages": [{"role": "system", "content": system}, *messages]}
 
 
 def transcript_upstream(body: dict[str, Any]) -> translate.Upstream:
@@ -202,7 +234,7 @@ async def details(spec: ModelSpec) -> dict[str, Any]:
         log.warning("cannot read metadata of %s: %s", spec.path, exc)
         return {"parent_model": "", "format": "gguf", "family": "", "families": None, "parameter_size": "", "quantization_level": ""}
     arch = meta.architecture or ""
-    return {
+    out = {
         "parent_model": "",
         "format": "gguf",
         "family": arch,
@@ -210,6 +242,13 @@ async def details(spec: ModelSpec) -> dict[str, Any]:
         "parameter_size": _human_params(meta.parameter_count),
         "quantization_level": meta.quantization or "",
     }
+    origin = spec.origin
+    if isinstance(origin, OllamaManifest):  # what the manifest's config says, as Ollama lists it
+        out["family"] = origin.family or out["family"]
+        out["families"] = list(origin.families) or out["families"]
+        out["parameter_size"] = origin.parameter_size or out["parameter_size"]
+        out["quantization_level"] = origin.quantization_level or out["quantization_level"]
+    return out
 
 
 def _human_params(n: int) -> str:
@@ -298,15 +337,43 @@ async def show() -> Any:
             "trioshed.estimate.total": est.total,
         }
     )
-    return {
-        "modelfile": f"FROM {spec.path}\n",
-        "parameters": "\n".join(f"{k} {v}" for k, v in spec.defaults),
-        "template": meta.chat_template or "",
-        "details": await details(spec),
+    origin = spec.origin if isinstance(spec.origin, OllamaManifest) else None
+    template = (origin.template if origin else "") or meta.chat_template or ""
+    facts = await details(spec)
+    out: dict[str, Any] = {
+        "modelfile": _modelfile(spec, template),
+        "parameters": "\n".join(_parameter_lines(spec.defaults)),
+        "template": template,
+        "details": facts,
         "model_info": info,
-        "capabilities": ["completion"],
+        "capabilities": capabilities(meta.fields, template, projector=bool(spec.projector), family=facts["family"]),
         "modified_at": rfc3339(spec.modified),
     }
+    if spec.system:
+        out["system"] = spec.system
+    if origin and origin.license:
+        out["license"] = origin.license
+    return out
+
+
+def _parameter_lines(defaults: tuple[tuple[str, object], ...]) -> list[str]:
+    """Ollama's ``parameters`` text: ``name value`` per line, a list one line per item."""
+    lines = []
+    for key, value in defaults:
+        for item in value if isinstance(value, list | tuple) else [value]:
+            lines.append(f"{key:<30} {json.dumps(item, ensure_ascii=False)}")
+    return lines
+
+
+def _modelfile(spec: ModelSpec, template: str) -> str:
+    lines = [f"# Modelfile of {spec.name} as trioshed serves it", f"FROM {spec.path}"]
+    lines += [f"ADAPTER {a}" for a in spec.adapters]
+    if template:
+        lines.append(f'TEMPLATE """{template}"""')
+    if spec.system:
+        lines.append(f'SYSTEM """{spec.system}"""')
+    lines += [f"PARAMETER {line}" for line in _parameter_lines(spec.defaults)]
+    return "\n".join(lines) + "\n"
 
 
 @bp.get("/api/version")

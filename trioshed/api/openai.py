@@ -1,4 +1,4 @@
-"""OpenAI's API: /v1/chat/completions, /v1/completions, /v1/models.
+"""OpenAI's API: /v1/chat/completions, /v1/completions, /v1/models, /v1/models/{model}.
 
 llama-server speaks OpenAI's API itself; trioshed resolves the model, leases a runner and
 relays the answer, naming the model as the client did. Errors use OpenAI's error shape.
@@ -107,14 +107,19 @@ async def completions() -> Response:
     return await _proxy("/v1/completions")
 
 
+def _model_object(spec: ModelSpec) -> dict[str, Any]:
+    return {"id": spec.short_name, "object": "model", "created": int(spec.modified or time.time()), "owned_by": "trioshed"}
+
+
 @bp.get("/v1/models")
 async def models() -> Any:
     st = state()
     specs = await trio.to_thread.run_sync(st.store.list)
-    return {
-        "object": "list",
-        "data": [
-            {"id": s.short_name, "object": "model", "created": int(s.modified or time.time()), "owned_by": "trioshed"}
-            for s in specs
-        ],
-    }
+    return {"object": "list", "data": [_model_object(s) for s in specs]}
+
+
+@bp.get("/v1/models/<path:model>")
+async def retrieve_model(model: str) -> Any:
+    """One model (``openai`` ``models.retrieve``); names with a namespace (``user/m:tag``) too."""
+    spec = await trio.to_thread.run_sync(state().store.resolve, model)
+    return _model_object(spec)

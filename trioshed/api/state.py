@@ -12,7 +12,7 @@ from trioshed.config import Settings
 from trioshed.core.model import ModelSpec, RunnerOptions
 from trioshed.errors import BadRequest
 from trioshed.models.gguf_meta import GGUFMetadata, cached_metadata, read_metadata
-from trioshed.models.store import ModelStore
+from trioshed.models.stores import Stores
 from trioshed.scheduler import Scheduler
 
 _RUNNER_FIELDS = {"num_ctx", "num_batch", "num_gpu", "main_gpu", "use_mmap", "num_thread"}
@@ -21,7 +21,7 @@ _RUNNER_FIELDS = {"num_ctx", "num_batch", "num_gpu", "main_gpu", "use_mmap", "nu
 @dataclass
 class AppState:
     settings: Settings
-    store: ModelStore
+    store: Stores
     scheduler: Scheduler
     started: float = field(default_factory=time.time)
 

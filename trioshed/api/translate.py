@@ -149,8 +149,8 @@ def _check_option(key: str, value: Any, kind: str) -> Any:
     """``value`` converted to ``kind``, or :class:`BadRequest` naming the option."""
     ok = True
     if kind == _INT:
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)  # JSON clients may send 5.0
+        if isinstance(value, float) and math.isfinite(value):
+            value = int(value)  # 5.0 from JSON clients; 1.5 truncated toward zero, as Ollama's FromMap does
         ok = isinstance(value, int) and not isinstance(value, bool)
     elif kind == _FLOAT:
         ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)

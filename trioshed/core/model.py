@@ -194,6 +194,12 @@ class ModelSpec:
     pinned: bool = False
     priority: int = 0
     args: tuple[str, ...] = ()
+    #: The model's default system prompt (an Ollama store's ``system`` layer), used when a
+    #: request brings none.
+    system: str = ""
+    #: Where the store found it, for /api/tags and /api/show (an Ollama manifest); not part
+    #: of the model's identity.
+    origin: object | None = field(default=None, compare=False, repr=False)
 
     @property
     def short_name(self) -> str:

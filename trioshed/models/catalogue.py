@@ -15,6 +15,7 @@
     preload = true                       # loaded at start-up, before the first request
     priority = 10                        # planned first when several requests wait for memory
     args = ["--rope-scaling", "yarn", "--yarn-orig-ctx", "32768"]   # see ALLOWED_ARGS
+    system = "You are terse."            # default system prompt (a request's own wins)
 
 Parsing is pure apart from reading the file (and a stat per model file, to warn about missing
 ones): :func:`load_catalogue` returns a new catalogue each time, so re-reading the file (on a
@@ -82,7 +83,7 @@ ALLOWED_ARGS: Mapping[str, int] = MappingProxyType(
 
 _ENTRY_KEYS = (
     "path", "aliases", "adapters", "projector", "options", "num_ctx", "num_parallel",
-    "keep_alive", "pinned", "preload", "priority", "args",
+    "keep_alive", "pinned", "preload", "priority", "args", "system",
 )  # fmt: skip
 
 
@@ -114,6 +115,7 @@ class Entry:
     preload: bool = False
     priority: int = 0
     args: tuple[str, ...] = ()
+    system: str = ""
 
 
 @dataclass(frozen=True)
@@ -303,6 +305,10 @@ def _parse_entry(key: str, table: object, file: str, root: Path) -> tuple[Entry 
         except (ValueError, TypeError) as exc:
             bad("keep_alive", str(exc))
     pinned, preload = flag("pinned"), flag("preload")
+    system = table.get("system", "")
+    if not isinstance(system, str):
+        bad("system", f"must be a string, got {system!r}")
+        system = ""
     args = _parse_args(table.get("args", []), lambda reason: bad("args", reason))
     if errors or path is None:
         return None, errors
@@ -322,6 +328,7 @@ def _parse_entry(key: str, table: object, file: str, root: Path) -> tuple[Entry 
             preload=preload,
             priority=priority,
             args=args,
+            system=system,
         ),
         errors,
     )

@@ -110,6 +110,7 @@ class ModelStore:
             pinned=entry.pinned,
             priority=entry.priority,
             args=entry.args,
+            system=entry.system,
         )
 
     def resolve(self, name: str) -> ModelSpec:

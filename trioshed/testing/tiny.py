@@ -131,6 +131,7 @@ def write_tiny_model(
     low_eos: bool = True,
     weight_type: str = "F32",
     tied_embeddings: bool = False,
+    pooling_type: int | None = None,
 ) -> Path:
     """Write a random-weight llama GGUF to ``path`` (atomically: temporary file, then rename).
 
@@ -138,7 +139,8 @@ def write_tiny_model(
     ``"F32"``, ``"F16"`` or ``"Q8_0"`` for the 2-D matrices (norms stay F32; Q8_0 needs widths that
     are multiples of 32). ``tied_embeddings`` omits ``output.weight`` so llama.cpp reuses
     ``token_embd.weight`` as the output projection, as gemma3 does. The same arguments and seed
-    always give the same bytes.
+    always give the same bytes. ``pooling_type`` sets ``llama.pooling_type``, which marks an
+    embedding model (1 = mean).
     """
     n_head_kv = n_head if n_head_kv is None else n_head_kv
     n_ff = 2 * n_embd if n_ff is None else n_ff
@@ -230,6 +232,8 @@ def write_tiny_model(
         writer.add_add_bos_token(True)
         writer.add_add_eos_token(False)
         writer.add_chat_template(CHATML_TEMPLATE)
+        if pooling_type is not None:
+            writer.add_pooling_type(gguf.PoolingType(pooling_type))
         for tensor_name, data in tensors:
             if data.ndim == 1 or weight_type == "F32":
                 writer.add_tensor(tensor_name, data)

@@ -1,0 +1,77 @@
+"""Ollama's model-management routes: /api/delete, /api/copy, and the ones trioshed leaves out.
+
+* ``DELETE /api/delete``: a model of trioshed's own folder store is unloaded, then its GGUF
+  file (or its ``models.toml`` entry) removed; a model of an Ollama store is 403 (read-only).
+* ``POST /api/copy``: a ``models.toml`` entry ``destination`` naming the source's files.
+* ``/api/pull``, ``/api/push``, ``/api/create``, ``HEAD``/``POST /api/blobs/:digest``: 501 with
+  how to add a model instead. trioshed downloads nothing and builds no models.
+"""
+
+from __future__ import annotations
+
+import trio
+from quart import Blueprint, Response
+
+from trioshed.api.ollama import json_body, state
+from trioshed.errors import BadRequest, NotSupported
+
+bp = Blueprint("manage", __name__)
+
+HOW_TO_ADD = (
+    "to add a model, copy its GGUF file into the model store (TRIOSHED_MODELS; NAME.gguf "
+    "is model NAME), or point TRIOSHED_MODELS at an existing Ollama store "
+    "(e.g. ~/.ollama/models, several folders separated by ':')"
+)
+
+
+def _name(body: dict[str, object], *keys: str) -> str:
+    for key in keys:
+        value = body.get(key)
+        if isinstance(value, str) and value.strip():
+            return value
+    raise BadRequest(f'"{keys[0]}" is required')
+
+
+@bp.delete("/api/delete")
+async def delete() -> Response:
+    st = state()
+    body = await json_body()
+    name = _name(body, "model", "name")
+    spec = await trio.to_thread.run_sync(st.store.find_for_delete, name)
+    await st.scheduler.unload(spec)  # waits until its runners have exited
+    await trio.to_thread.run_sync(st.store.delete, name)
+    return Response("", status=200)
+
+
+@bp.post("/api/copy")
+async def copy() -> Response:
+    st = state()
+    body = await json_body()
+    source = _name(body, "source")
+    destination = _name(body, "destination")
+    await trio.to_thread.run_sync(st.store.copy, source, destination)
+    return Response("", status=200)
+
+
+def _not_supported(what: str) -> NotSupported:
+    return NotSupported(f"trioshed does not {what}; {HOW_TO_ADD}")
+
+
+@bp.post("/api/pull")
+async def pull() -> Response:
+    raise _not_supported("download models (/api/pull)")
+
+
+@bp.post("/api/push")
+async def push() -> Response:
+    raise _not_supported("upload models (/api/push)")
+
+
+@bp.post("/api/create")
+async def create() -> Response:
+    raise _not_supported("create models from a Modelfile (/api/create)")
+
+
+@bp.route("/api/blobs/<digest>", methods=["HEAD", "POST"])
+async def blobs(digest: str) -> Response:
+    raise _not_supported("store uploaded blobs (/api/blobs)")

@@ -1,0 +1,308 @@
+"""``TRIOSHED_MODELS``: one or more store folders, separated by ``:``, searched in order.
+
+Each folder is either trioshed's own folder store (``*.gguf`` and ``models.toml``,
+:class:`~trioshed.models.store.ModelStore`) or an existing Ollama store (``manifests/`` and
+``blobs/``, :class:`~trioshed.models.ollama_store.OllamaStore`, read-only). A name resolves in the
+first folder that has it; listings merge all folders (the first folder wins a name).
+
+Changes go to the first folder store: ``/api/copy`` adds a ``[models."dest"]`` entry to its
+``models.toml`` (its ``path`` names the source's file, wherever that lives), ``/api/delete``
+removes a GGUF file or a ``models.toml`` entry there. An Ollama store is never written.
+Blocking (files): call from a worker thread.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import threading
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from trioshed.core.model import ModelSpec
+from trioshed.errors import BadRequest, Conflict, Forbidden, ModelNotFound
+from trioshed.models.catalogue import Catalogue, full_name, parse_catalogue
+from trioshed.models.ollama_store import OllamaManifest, OllamaStore, is_ollama_store
+from trioshed.models.store import ModelStore, split_name
+
+Backend = ModelStore | OllamaStore
+
+
+def store_folders(models: Path | str) -> list[Path]:
+    """The folders of a ``TRIOSHED_MODELS`` value: ``:``-separated, unless it names one folder."""
+    text = str(models)
+    if Path(text).expanduser().is_dir() or os.pathsep not in text:
+        return [Path(text).expanduser()]
+    return [Path(part).expanduser() for part in text.split(os.pathsep) if part]
+
+
+class Stores:
+    """Name resolution over every folder of ``TRIOSHED_MODELS``, and the changes the API makes."""
+
+    def __init__(self, models: Path | str) -> None:
+        self.folders = store_folders(models)
+        self._folder_stores = {folder: ModelStore(folder) for folder in self.folders}
+        self._lock = threading.Lock()  # copy/delete edit models.toml: one at a time
+
+    def backends(self) -> list[Backend]:
+        """A store per folder; a folder is an Ollama store when it has manifests/ and blobs/
+        (checked on each call: two stats)."""
+        return [OllamaStore(f) if is_ollama_store(f) else self._folder_stores[f] for f in self.folders]
+
+    @property
+    def writable(self) -> ModelStore | None:
+        """The folder store that copies and deletes change: the first one."""
+        return next((b for b in self.backends() if isinstance(b, ModelStore)), None)
+
+    def resolve(self, name: str) -> ModelSpec:
+        return self._find(name)[1]
+
+    def catalogue(self) -> Catalogue:
+        """The ``models.toml`` entries of every folder store, in folder order (the first folder
+        wins a name), and all their problems."""
+        return _merged([b.catalogue() for b in self.backends() if isinstance(b, ModelStore)])
+
+    def reload(self) -> Catalogue:
+        """Re-read every folder store's ``models.toml`` now (logging its problems)."""
+        return _merged([b.reload() for b in self.backends() if isinstance(b, ModelStore)])
+
+    def _find(self, name: str) -> tuple[Backend, ModelSpec]:
+        if not isinstance(name, str) or not name.strip():
+            raise BadRequest("model is required")
+        first_error: BadRequest | None = None
+        for backend in self.backends():
+            try:
+                return backend, backend.resolve(name)
+            except ModelNotFound:
+                continue
+            except BadRequest as exc:  # a name one kind of store refuses may suit the other
+                first_error = first_error or exc
+        if first_error is not None and all(isinstance(b, ModelStore) for b in self.backends()):
+            raise first_error
+        raise ModelNotFound(name)
+
+    def list(self) -> list[ModelSpec]:
+        specs: dict[str, ModelSpec] = {}
+        for backend in self.backends():
+            for spec in backend.list():
+                specs.setdefault(spec.name, spec)
+        return sorted(specs.values(), key=lambda s: s.name)
+
+    def digest(self, spec: ModelSpec) -> str:
+        if isinstance(spec.origin, OllamaManifest):
+            return spec.origin.digest
+        return self._folder_stores[self.folders[0]].digest(spec) if self.folders else ""
+
+    def cached_digest(self, spec: ModelSpec) -> str | None:
+        if isinstance(spec.origin, OllamaManifest):
+            return spec.origin.digest
+        return self._folder_stores[self.folders[0]].cached_digest(spec) if self.folders else None
+
+    # -- changes ------------------------------------------------------------------------------
+
+    def find_for_delete(self, name: str) -> ModelSpec:
+        """The model ``name`` if trioshed may delete it: 403 in a read-only store, 404 unknown,
+        409 for a GGUF file that ``models.toml`` entries still use."""
+        backend, spec = self._find(name)
+        if isinstance(backend, OllamaStore):
+            raise Forbidden(
+                f"model '{spec.name}' is in the Ollama store {backend.root}, which trioshed only reads; "
+                "remove it with 'ollama rm' instead"
+            )
+        if backend.catalogue().lookup(spec.name) is None:
+            users = sorted(e.name for e in backend.catalogue().entries if _same_file(e.path, spec.path))
+            if users:
+                raise Conflict(
+                    f"model '{spec.name}' is the file of models.toml entries {', '.join(users)}; "
+                    f"delete those first (or edit {backend.toml_path})"
+                )
+        return spec
+
+    def delete(self, name: str) -> ModelSpec:
+        """Remove the name ``name``, as Ollama removes one name and leaves the others: an alias
+        leaves its entry's ``aliases``; an entry's own name goes with its table (its first alias,
+        if any, takes the table over); a plain ``NAME.gguf`` is removed."""
+        with self._lock:
+            spec = self.find_for_delete(name)
+            backend, _ = self._find(name)
+            assert isinstance(backend, ModelStore)
+            entry = backend.catalogue().lookup(spec.name)
+            if entry is None:
+                Path(spec.path).unlink()
+                return spec
+            key, table = _raw_table(backend, entry.name)
+            aliases = [a for a in table.get("aliases", []) if full_name(a) != spec.name]
+            rest = {k: v for k, v in table.items() if k != "aliases"} | ({"aliases": aliases[1:] if spec.name == entry.name else aliases} if aliases else {})
+            if spec.name != entry.name:  # an alias: the entry stays, without it
+                _rewrite_toml(backend.toml_path, remove=key, add=(key, rest))
+            elif aliases:  # the entry's own name: its first alias takes the table over
+                if not rest.get("aliases"):
+                    rest.pop("aliases", None)
+                _rewrite_toml(backend.toml_path, remove=key, add=(aliases[0], rest))
+            else:
+                _rewrite_toml(backend.toml_path, remove=key)
+            return spec
+
+    def copy(self, source: str, destination: str) -> str:
+        """Add ``destination`` as a ``models.toml`` entry naming ``source``'s files and settings
+        (path, adapters, projector, options, system prompt, num_parallel, priority, args;
+        not pinned, preload or keep_alive). Returns the destination's full name."""
+        dest = full_name(destination)
+        base, tag = split_name(dest)
+        key = base if tag == "latest" else dest
+        with self._lock:
+            spec = self.resolve(source)
+            store = self.writable
+            if store is None:
+                raise Forbidden(
+                    "copy needs a folder store to write models.toml into; every folder in "
+                    "TRIOSHED_MODELS is a read-only Ollama store"
+                )
+            existing = store.catalogue().lookup(dest)
+            if existing is not None and existing.name != dest:
+                raise Conflict(f"'{dest}' is an alias of models.toml entry '{existing.name}'; delete it first")
+            if existing is None and tag == "latest" and (store.root / f"{base}.gguf").exists():
+                raise Conflict(f"'{dest}' is the GGUF file {store.root / f'{base}.gguf'}; delete it first or copy to another name")
+            entry: dict[str, object] = {"path": _relative(store.root, spec.path)}
+            if spec.adapters:
+                entry["adapters"] = [_relative(store.root, a) for a in spec.adapters]
+            if spec.projector:
+                entry["projector"] = _relative(store.root, spec.projector)
+            if spec.defaults:
+                entry["options"] = dict(spec.defaults)
+            if spec.system:
+                entry["system"] = spec.system
+            if spec.num_parallel is not None:
+                entry["num_parallel"] = spec.num_parallel
+            if spec.priority:
+                entry["priority"] = spec.priority
+            if spec.args:
+                entry["args"] = list(spec.args)
+            store.root.mkdir(parents=True, exist_ok=True)
+            remove = _raw_table(store, existing.name)[0] if existing is not None else key
+            _rewrite_toml(store.toml_path, remove=remove, add=(key, entry), must_serve=dest)
+            return dest
+
+
+def _merged(catalogues: list[Catalogue]) -> Catalogue:
+    if len(catalogues) == 1:
+        return catalogues[0]
+    return Catalogue(
+        tuple(e for c in catalogues for e in c.entries), tuple(p for c in catalogues for p in c.problems)
+    )
+
+
+def _raw_table(store: ModelStore, name: str) -> tuple[str, dict[str, Any]]:
+    """The key and the table, as written, of the ``models.toml`` entry called ``name``."""
+    models = tomllib.loads(store.toml_path.read_text()).get("models", {})
+    for key, table in models.items():
+        if isinstance(table, dict) and full_name(key) == name:
+            return key, table
+    raise Conflict(f"cannot find the entry '{name}' in {store.toml_path}; edit it by hand")
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return Path(a).resolve() == Path(b).resolve()
+    except OSError:
+        return False
+
+
+def _relative(root: Path, path: str) -> str:
+    p = Path(path)
+    return p.name if p.parent == root else str(p)
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise BadRequest(f"cannot write {value!r} to models.toml")
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{json.dumps(str(k))} = {_toml_value(v)}" for k, v in value.items()) + " }"
+    raise BadRequest(f"cannot write {value!r} to models.toml")
+
+
+def _rewrite_toml(
+    path: Path, *, remove: str, add: tuple[str, dict[str, object]] | None = None, must_serve: str | None = None
+) -> None:
+    """Remove the ``[models."<remove>"]`` table (if present) and append ``add``'s table.
+
+    Only whole ``[models.…]`` tables are removed (the lines from their header to the next
+    header); the result is parsed again and must equal the old document with exactly that
+    change, else nothing is written (409); with ``must_serve``, the new catalogue must serve
+    that name (no alias clash, no invalid key). The file is replaced atomically.
+    """
+    old_text = path.read_text() if path.is_file() else ""
+    try:
+        old = tomllib.loads(old_text)
+    except tomllib.TOMLDecodeError as exc:
+        raise Conflict(f"cannot edit {path}: it is not valid TOML ({exc})") from None
+    lines = old_text.splitlines(keepends=True)
+    out: list[str] = []
+    skipping = False
+    for line in lines:
+        stripped = line.strip()
+        if stripped.startswith("["):
+            skipping = _is_header_of(stripped, remove)
+        if not skipping:
+            out.append(line)
+    text = "".join(out)
+    if add is not None:
+        key, entry = add
+        if text and not text.endswith("\n"):
+            text += "\n"
+        text += f"\n[models.{json.dumps(key)}]\n" + "".join(f"{k} = {_toml_value(v)}\n" for k, v in entry.items())
+    expected = dict(old)
+    models = dict(expected.get("models") or {})
+    models.pop(remove, None)
+    if add is not None:
+        models[add[0]] = add[1]
+    expected["models"] = models
+    try:
+        new = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise Conflict(f"cannot edit {path} safely ({exc}); edit it by hand") from None
+    new.setdefault("models", {})
+    if _normal(new) != _normal(expected):
+        raise Conflict(f"cannot edit the entry '{remove}' of {path} safely; edit it by hand")
+    if must_serve is not None:
+        catalogue = parse_catalogue(text, str(path), path.parent)
+        if catalogue.lookup(must_serve) is None:
+            reasons = "; ".join(p.reason for p in catalogue.problems) or "unknown"
+            raise Conflict(f"'{must_serve}' would not be served from {path}: {reasons}")
+    fd, tmp = tempfile.mkstemp(prefix=".models.toml.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _normal(value: object) -> object:
+    return json.loads(json.dumps(value, sort_keys=True, default=str))
+
+
+def _is_header_of(header: str, key: str) -> bool:
+    """Whether ``header`` (a stripped ``[...]`` line) opens ``[models.<key>]`` or a sub-table."""
+    if header.startswith("[["):
+        return False
+    try:
+        parsed = tomllib.loads(header + "\n")
+    except tomllib.TOMLDecodeError:
+        return False
+    models = parsed.get("models")
+    return isinstance(models, dict) and key in models
