@@ -189,3 +189,16 @@ def test_copy_refuses_an_inline_models_table(tmp_path: Path, tiny_model: Path) -
 )
 def test_capabilities_as_ollama_reports_them(fields: dict[str, object], template: str, projector: bool, expected: list[str]) -> None:
     assert capabilities(fields, template, projector=projector) == expected
+
+
+def test_model_system_prompt_applies_where_the_request_brings_none() -> None:
+    from trioshed.api.ollama import with_model_system
+
+    assert with_model_system("generate", {"prompt": "p"}, "S") == {"prompt": "p", "system": "S"}
+    assert with_model_system("generate", {"prompt": "p", "system": "mine"}, "S")["system"] == "mine"
+    chat = with_model_system("chat", {"messages": [{"role": "user", "content": "u"}]}, "S")
+    assert chat["messages"] == [{"role": "system", "content": "S"}, {"role": "user", "content": "u"}]
+    own = {"messages": [{"role": "system", "content": "mine"}, {"role": "user", "content": "u"}]}
+    assert with_model_system("chat", own, "S") == own
+    assert with_model_system("chat", {"messages": []}, "S") == {"messages": []}
+    assert with_model_system("generate", {"prompt": "p"}, "") == {"prompt": "p"}

@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import trio
-from quart import Blueprint, Response
+from quart import Blueprint, Response, request
 
 from trioshed.api.ollama import json_body, state
 from trioshed.errors import BadRequest, NotSupported
@@ -53,25 +53,28 @@ async def copy() -> Response:
     return Response("", status=200)
 
 
-def _not_supported(what: str) -> NotSupported:
+async def _not_supported(what: str) -> NotSupported:
+    # The body is read (and dropped) first: a keep-alive client's next request on this
+    # connection would otherwise find the server gone.
+    await request.get_data()
     return NotSupported(f"trioshed does not {what}; {HOW_TO_ADD}")
 
 
 @bp.post("/api/pull")
 async def pull() -> Response:
-    raise _not_supported("download models (/api/pull)")
+    raise await _not_supported("download models (/api/pull)")
 
 
 @bp.post("/api/push")
 async def push() -> Response:
-    raise _not_supported("upload models (/api/push)")
+    raise await _not_supported("upload models (/api/push)")
 
 
 @bp.post("/api/create")
 async def create() -> Response:
-    raise _not_supported("create models from a Modelfile (/api/create)")
+    raise await _not_supported("create models from a Modelfile (/api/create)")
 
 
 @bp.route("/api/blobs/<digest>", methods=["HEAD", "POST"])
 async def blobs(digest: str) -> Response:
-    raise _not_supported("store uploaded blobs (/api/blobs)")
+    raise await _not_supported("store uploaded blobs (/api/blobs)")
