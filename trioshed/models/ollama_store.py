@@ -54,6 +54,9 @@ _DIGEST = re.compile(r"^sha256[:-]([0-9a-f]{64})$")
 _PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _HOST = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(:[0-9]+)?$")
 
+#: Loaded manifests by (path, mtime_ns, size): a request for an Ollama-store model costs a stat.
+_LOADED: dict[tuple[str, int, int], ModelSpec] = {}
+
 
 @dataclass(frozen=True)
 class OllamaName:
@@ -233,17 +236,33 @@ class OllamaStore:
         return data if isinstance(data, dict) else {}
 
     def resolve(self, name: str) -> ModelSpec:
+        """The model ``name``: its manifest's path as typed (a stat), else a case-blind search."""
         wanted = parse_name(name)
+        direct = self.root / "manifests" / wanted.host / wanted.namespace / wanted.model / wanted.tag
+        if direct.is_file():
+            return self._cached_load(wanted, direct)
         entry = self._index().get(wanted.key)
         if entry is None:
             raise ModelNotFound(name)
-        return self._load(*entry)
+        return self._cached_load(*entry)
+
+    def _cached_load(self, name: OllamaName, path: Path) -> ModelSpec:
+        """:meth:`_load`, reused while the manifest file is unchanged (layers are content-addressed)."""
+        stat = path.stat()
+        key = (str(path), stat.st_mtime_ns, stat.st_size)
+        spec = _LOADED.get(key)
+        if spec is None or not Path(spec.path).is_file():
+            spec = self._load(name, path)
+            if len(_LOADED) >= 1024:
+                _LOADED.clear()
+            _LOADED[key] = spec
+        return spec
 
     def list(self) -> list[ModelSpec]:
         specs = []
         for name, path in self._index().values():
             try:
-                specs.append(self._load(name, path))
+                specs.append(self._cached_load(name, path))
             except (BadRequest, OSError) as exc:
                 log.warning("Ollama store %s: skipping %s: %s", self.root, name.display(), getattr(exc, "message", exc))
         return specs
