@@ -24,6 +24,10 @@ MAX_BODY = 64 * 1024 * 1024
 _LOCAL_ORIGINS = ("http://localhost", "https://localhost", "http://127.0.0.1", "https://127.0.0.1", "app://", "file://", "tauri://")
 
 
+#: Routes that answer without reading the body (501, see trioshed.api.manage): a blob upload of
+#: any size gets that answer rather than 413.
+_UNREAD_BODIES = ("/api/blobs/", "/api/create", "/api/push", "/api/pull")
+
 #: OpenAI's error ``type`` by status, as Ollama's OpenAI layer answers (anything else: api_error).
 _OPENAI_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                        404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error"}  # fmt: skip
@@ -70,7 +74,7 @@ def create_app(state: AppState) -> QuartTrio:
             if not secrets.compare_digest(auth.encode(), f"Bearer {api_key}".encode()):
                 raise Unauthorized("missing or wrong API key: send 'Authorization: Bearer <TRIOSHED_API_KEY>'")
         length = request.content_length
-        if length is not None and length > MAX_BODY:
+        if length is not None and length > MAX_BODY and not request.path.startswith(_UNREAD_BODIES):
             raise PayloadTooLarge(f"request body of {length} bytes exceeds the {MAX_BODY} byte limit")
         return None
 

@@ -4,13 +4,14 @@
   file (or its ``models.toml`` entry) removed; a model of an Ollama store is 403 (read-only).
 * ``POST /api/copy``: a ``models.toml`` entry ``destination`` naming the source's files.
 * ``/api/pull``, ``/api/push``, ``/api/create``, ``HEAD``/``POST /api/blobs/:digest``: 501 with
-  how to add a model instead. trioshed downloads nothing and builds no models.
+  how to add a model instead, whatever the body's size. trioshed downloads nothing and builds no
+  models.
 """
 
 from __future__ import annotations
 
 import trio
-from quart import Blueprint, Response, request
+from quart import Blueprint, Response
 
 from trioshed.api.ollama import json_body, state
 from trioshed.errors import BadRequest, NotSupported
@@ -53,28 +54,28 @@ async def copy() -> Response:
     return Response("", status=200)
 
 
-async def _not_supported(what: str) -> NotSupported:
-    # The body is read (and dropped) first: a keep-alive client's next request on this
-    # connection would otherwise find the server gone.
-    await request.get_data()
-    return NotSupported(f"trioshed does not {what}; {HOW_TO_ADD}")
+def _not_supported(what: str) -> NotSupported:
+    """The 501 to raise. The body is not read (a blob upload may be gigabytes): the answer closes
+    the connection, so that a keep-alive client sends its next request on a new one instead of
+    finding this one gone."""
+    return NotSupported(f"trioshed does not {what}; {HOW_TO_ADD}", headers={"Connection": "close"})
 
 
 @bp.post("/api/pull")
 async def pull() -> Response:
-    raise await _not_supported("download models (/api/pull)")
+    raise _not_supported("download models (/api/pull)")
 
 
 @bp.post("/api/push")
 async def push() -> Response:
-    raise await _not_supported("upload models (/api/push)")
+    raise _not_supported("upload models (/api/push)")
 
 
 @bp.post("/api/create")
 async def create() -> Response:
-    raise await _not_supported("create models from a Modelfile (/api/create)")
+    raise _not_supported("create models from a Modelfile (/api/create)")
 
 
 @bp.route("/api/blobs/<digest>", methods=["HEAD", "POST"])
 async def blobs(digest: str) -> Response:
-    raise await _not_supported("store uploaded blobs (/api/blobs)")
+    raise _not_supported("store uploaded blobs (/api/blobs)")
