@@ -96,6 +96,8 @@ def test_several_folders_first_wins(tmp_path: Path, ollama_root: Path, tiny_mode
     assert stores.digest(stores.resolve("llama3.2:1b")) == stores.resolve("llama3.2:1b").origin.digest  # type: ignore[union-attr]
     with pytest.raises(ModelNotFound):
         stores.resolve("nothing/here")
+    with pytest.raises(BadRequest):  # refused by both kinds of store
+        stores.resolve("../x")
 
 
 def test_ollama_store_is_never_written(tmp_path: Path, ollama_root: Path, tiny_model: Path) -> None:

@@ -72,16 +72,17 @@ class Stores:
     def _find(self, name: str) -> tuple[Backend, ModelSpec]:
         if not isinstance(name, str) or not name.strip():
             raise BadRequest("model is required")
-        first_error: BadRequest | None = None
+        asked = False
         for backend in self.backends():
+            if isinstance(backend, ModelStore) and "/" in name:
+                continue  # "user/model": only an Ollama store holds such names
+            asked = True
             try:
                 return backend, backend.resolve(name)
             except ModelNotFound:
-                continue
-            except BadRequest as exc:  # a name one kind of store refuses may suit the other
-                first_error = first_error or exc
-        if first_error is not None and all(isinstance(b, ModelStore) for b in self.backends()):
-            raise first_error
+                continue  # a bad name or a broken model (BadRequest) is said at once
+        if not asked:
+            split_name(name)  # raises the folder store's 400 for the name
         raise ModelNotFound(name)
 
     def list(self) -> list[ModelSpec]:
