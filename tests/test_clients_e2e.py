@@ -102,6 +102,7 @@ async def test_management_routes_with_the_official_client(model_store: Path, oll
                 await in_thread(client.delete, "tiny")
             assert info.value.status_code == 409 and "tiny-alias" in info.value.error
             assert (await in_thread(client.delete, "tiny-alias")).status == "success"
+            assert [m.model for m in (await in_thread(client.ps)).models] == ["tiny:latest"]  # "tiny" still serves it
             assert (await in_thread(client.delete, "tiny")).status == "success"
             assert not (model_store / "tiny.gguf").exists()
             assert [m.model for m in (await in_thread(client.ps)).models] == []

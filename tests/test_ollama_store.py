@@ -127,6 +127,8 @@ def test_copy_and_delete_in_the_folder_store(tmp_path: Path, tiny_model: Path) -
     toml = tmp_path / "models.toml"
     toml.write_text('# my models\n[models.tuned]\npath = "base.gguf"\noptions = { temperature = 0.2 }\n\n[models.other]\npath = "base.gguf"\n')
     stores = Stores(tmp_path)
+    text = toml.read_text()
+    assert stores.copy("tuned", "tuned:latest") == "tuned:latest" and toml.read_text() == text  # onto itself: nothing
     assert stores.copy("tuned", "tuned-copy:v2") == "tuned-copy:v2"
     spec = stores.resolve("tuned-copy:v2")
     assert spec.path == str(tmp_path / "base.gguf") and dict(spec.defaults) == {"temperature": 0.2}

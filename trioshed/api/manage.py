@@ -1,7 +1,8 @@
 """Ollama's model-management routes: /api/delete, /api/copy, and the ones trioshed leaves out.
 
-* ``DELETE /api/delete``: a model of trioshed's own folder store is unloaded, then its GGUF
-  file (or its ``models.toml`` entry) removed; a model of an Ollama store is 403 (read-only).
+* ``DELETE /api/delete``: a model of trioshed's own folder store is unloaded (unless another
+  name still serves its file), then its GGUF file (or its ``models.toml`` name) removed; a
+  model of an Ollama store is 403 (read-only).
 * ``POST /api/copy``: a ``models.toml`` entry ``destination`` naming the source's files.
 * ``/api/pull``, ``/api/push``, ``/api/create``, ``HEAD``/``POST /api/blobs/:digest``: 501 with
   how to add a model instead, whatever the body's size. trioshed downloads nothing and builds no
@@ -39,7 +40,8 @@ async def delete() -> Response:
     body = await json_body()
     name = _name(body, "model", "name")
     spec = await trio.to_thread.run_sync(st.store.find_for_delete, name)
-    await st.scheduler.unload(spec)  # waits until its runners have exited
+    if not await trio.to_thread.run_sync(st.store.shares_file, spec):
+        await st.scheduler.unload(spec)  # waits until its runners have exited
     await trio.to_thread.run_sync(st.store.delete, name)
     return Response("", status=200)
 

@@ -122,6 +122,11 @@ class Stores:
                 )
         return spec
 
+    def shares_file(self, spec: ModelSpec) -> bool:
+        """Whether another name of the store serves ``spec``'s GGUF file (then deleting
+        ``spec.name`` leaves its runner loaded for the others)."""
+        return any(s.path == spec.path and s.name != spec.name for s in self.list())
+
     def delete(self, name: str) -> ModelSpec:
         """Remove the name ``name``, as Ollama removes one name and leaves the others: an alias
         leaves its entry's ``aliases``; an entry's own name goes with its table (its first alias,
@@ -156,6 +161,8 @@ class Stores:
         key = base if tag == "latest" else dest
         with self._lock:
             spec = self.resolve(source)
+            if spec.name == dest:
+                return dest  # a copy onto itself changes nothing
             store = self.writable
             if store is None:
                 raise Forbidden(
