@@ -5,9 +5,11 @@ Each folder is either trioshed's own folder store (``*.gguf`` and ``models.toml`
 ``blobs/``, :class:`~trioshed.models.ollama_store.OllamaStore`, read-only). A name resolves in the
 first folder that has it; listings merge all folders (the first folder wins a name).
 
-Changes go to the first folder store: ``/api/copy`` adds a ``[models."dest"]`` entry to its
-``models.toml`` (its ``path`` names the source's file, wherever that lives), ``/api/delete``
-removes a GGUF file or a ``models.toml`` entry there. An Ollama store is never written.
+``/api/copy`` adds a ``[models."dest"]`` entry to the first folder store's ``models.toml`` (its
+``path`` names the source's file, wherever that lives); ``/api/delete`` removes a name from the
+folder store that has it (a GGUF file, a ``models.toml`` entry or alias). Only whole
+``[models.…]`` tables are rewritten, and only when the re-parsed file is exactly the intended
+change. An Ollama store is never written.
 Blocking (files): call from a worker thread.
 """
 
