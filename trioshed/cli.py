@@ -68,6 +68,13 @@ def _cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     for folder in folders:
         folder.mkdir(parents=True, exist_ok=True)
     print(f"trioshed {__version__}: serving {settings.models} on http://{settings.host}:{settings.port}", file=sys.stderr, flush=True)
+    from trioshed.devices.rpc import check_addresses
+
+    try:  # a public RPC server address is refused before anything starts
+        trio.run(lambda: check_addresses(settings.rpc_servers, allow_public=settings.rpc_allow_public))
+    except ValueError as exc:
+        print(f"trioshed: {exc}", file=sys.stderr)
+        return 2
     trio.run(lambda: serve(settings, binary=binary))
     return 0
 

@@ -5,6 +5,7 @@ The variable names are part of the product (see the README table); keep them sta
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import os
 import re
@@ -90,6 +91,54 @@ def parse_devices(value: str) -> tuple[Device, ...]:
     return tuple(devices)
 
 
+@dataclass(frozen=True)
+class RpcServer:
+    """One ``TRIOSHED_RPC_SERVERS`` entry: a llama.cpp ``rpc-server`` trioshed may place layers on.
+
+    ``declared`` caps the memory trioshed uses there (None: what the server reports).
+    """
+
+    host: str
+    port: int
+    declared: int | None = None
+
+    @property
+    def address(self) -> str:
+        """``host:port`` as llama-server's ``--rpc`` takes it (IPv6 in brackets)."""
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    @property
+    def device_id(self) -> str:
+        return f"rpc:{self.address}"
+
+
+def parse_rpc_servers(value: str) -> tuple[RpcServer, ...]:
+    """``"10.0.0.2:50052=24GiB,gpu-box:50052"`` → endpoints (the port is required)."""
+    servers = []
+    for item in filter(None, (part.strip() for part in value.split(","))):
+        where, _, size = item.partition("=")
+        if where.startswith("["):
+            host, _, rest = where[1:].partition("]")
+            port = rest.removeprefix(":")
+        else:
+            host, _, port = where.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536 or "/" in host:
+            raise ValueError(f"invalid RPC server {item!r}: use host:port or host:port=24GiB")
+        servers.append(RpcServer(host, int(port), parse_bytes(size) if size else None))
+    if len({s.address for s in servers}) != len(servers):
+        raise ValueError("an RPC server is listed twice")
+    return tuple(servers)
+
+
+def is_private_address(address: str) -> bool:
+    """Loopback, RFC 1918/4193 private, link-local or CGNAT (100.64/10, e.g. a tailnet)."""
+    ip = ipaddress.ip_address(address)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    cgnat = isinstance(ip, ipaddress.IPv4Address) and ip in ipaddress.ip_network("100.64.0.0/10")
+    return bool(ip.is_loopback or ip.is_private or ip.is_link_local or cgnat)
+
+
 def parse_host(value: str) -> tuple[str, int]:
     """``"127.0.0.1:11434"``, ``":8080"``, ``"0.0.0.0"``, ``"[::1]:80"`` → (host, port)."""
     text = value.strip().removeprefix("http://")
@@ -135,6 +184,9 @@ class Settings:
     origins: tuple[str, ...] = ()
     api_key: str | None = None
     runner_verbose: bool = True
+    rpc_servers: tuple[RpcServer, ...] = ()
+    rpc_allow_public: bool = False
+    rpc_probe_interval: float = 30.0
 
     @classmethod
     def from_env(
@@ -212,6 +264,9 @@ _PARSERS: dict[str, Callable[[str], object]] = {
     "devices": parse_devices,
     "origins": lambda v: tuple(o.strip() for o in v.split(",") if o.strip()),
     "api_key": str,
+    "rpc_servers": parse_rpc_servers,
+    "rpc_allow_public": _bool,
+    "rpc_probe_interval": lambda v: _positive_timeout(parse_duration(v)),
 }
 SETTING_NAMES = tuple(_PARSERS)
 
@@ -258,6 +313,7 @@ def _file_value(key: str, value: object) -> str:
         return "true" if value else "false"
     if isinstance(value, str | int | float):
         return str(value)
-    if key == "origins" and isinstance(value, list) and all(isinstance(v, str) for v in value):
+    lists = ("origins", "rpc_servers")
+    if key in lists and isinstance(value, list) and all(isinstance(v, str) for v in value):
         return ",".join(value)
-    raise ValueError("must be a string, a number or a boolean" + (" (or a list of strings)" if key == "origins" else ""))
+    raise ValueError("must be a string, a number or a boolean" + (" (or a list of strings)" if key in lists else ""))

@@ -13,6 +13,7 @@
     ├── LoadCooldown (503, Retry-After)  the model failed to load recently; retried after a back-off
     ├── InsufficientMemory (507)         the model cannot fit even with every other model unloaded
     │   └── PinnedModelsInTheWay         it would fit only by evicting models pinned in models.toml
+    ├── RemoteUnavailable (503)          the model fits only with an RPC server that is down
     ├── RunnerError (500)                a runner failed
     │   ├── LoadFailed                   llama-server exited or timed out before it was ready
     │   └── RunnerCrashed                llama-server exited while serving (the next request reloads)
@@ -127,6 +128,20 @@ class PinnedModelsInTheWay(InsufficientMemory):
         self.pinned = pinned
 
 
+class RemoteUnavailable(TrioshedError):
+    """The model would fit only with RPC servers (``TRIOSHED_RPC_SERVERS``) that do not answer."""
+
+    status = 503
+
+    def __init__(self, model: str, down: tuple[str, ...], retry_after: int = 10) -> None:
+        super().__init__(
+            f"model '{model}' fits only with RPC servers that do not answer now: {'; '.join(down)}; "
+            "start them again (trioshed checks every few seconds) or use a smaller model",
+            headers={"Retry-After": str(retry_after)},
+        )
+        self.down = down
+
+
 class RunnerError(TrioshedError):
     status = 500
 
@@ -139,8 +154,10 @@ class LoadFailed(RunnerError):
 
 
 class RunnerCrashed(RunnerError):
-    def __init__(self, model: str, returncode: int | None, stderr_tail: str = "") -> None:
+    def __init__(self, model: str, returncode: int | None, stderr_tail: str = "", cause: str = "") -> None:
         message = f"llama-server for model '{model}' exited unexpectedly (code {returncode})"
+        if cause:
+            message += f": {cause}"
         if stderr_tail:
             message += f"; last output: {stderr_tail[-300:]!r}"
         super().__init__(message + "; the next request reloads it")

@@ -26,6 +26,7 @@ from trioshed.core import placement
 from trioshed.core.estimate import estimate
 from trioshed.core.model import MemoryEstimate, ModelSpec, RunnerOptions
 from trioshed.devices import DeviceSource, discover
+from trioshed.devices.rpc import RemoteDevices, check_addresses
 from trioshed.models.gguf_meta import read_metadata
 from trioshed.models.stores import Stores
 from trioshed.preload import preload_models
@@ -83,8 +84,14 @@ def build_scheduler(settings: Settings, devices: DeviceSource, binary: LlamaBina
         verbose=settings.runner_verbose,
         accounting_only=devices.accounting_only,
     )
+    remote = None
+    if settings.rpc_servers:
+        remote = RemoteDevices(
+            settings.rpc_servers, llama_server=binary.path, env=binary.env, interval=settings.rpc_probe_interval
+        )
     return Scheduler(
         devices=devices,
+        remote=remote,
         factory=partial(open_llama_server, config=launch),
         estimator=estimate_model,
         place=placement.place,
@@ -133,6 +140,7 @@ async def serve(
 ) -> None:
     """Serve until cancelled (or SIGINT/SIGTERM when ``handle_signals``)."""
     binary = binary or find_llama_server(settings.llama_server)
+    await check_addresses(settings.rpc_servers, allow_public=settings.rpc_allow_public)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream request otherwise
     devices = discover(settings.devices)
     scheduler = build_scheduler(settings, devices, binary, record)
@@ -147,11 +155,12 @@ async def serve(
     config.graceful_timeout = 3
     config.keep_alive_timeout = 75
     log.info(
-        "devices: %s (%s); llama-server: %s, %s",
+        "devices: %s (%s); llama-server: %s, %s; RPC servers: %s",
         ", ".join(f"{d.id} {d.total / 2**30:.1f} GiB" for d in devices.gpus) or "CPU only",
         devices.kind,
         await llama_build(binary),
         binary.path,
+        ", ".join(s.address for s in settings.rpc_servers) or "none",
     )
     shutdown = trio.Event()
     async with trio.open_nursery() as nursery:

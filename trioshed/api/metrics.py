@@ -28,4 +28,11 @@ async def metrics() -> Response:
         lines.append(f'trioshed_runner_bytes{{model="{r.model}",kind="total"}} {r.size}')
         lines.append(f'trioshed_runner_bytes{{model="{r.model}",kind="vram"}} {r.size_vram}')
         lines.append(f'trioshed_runner_leases{{model="{r.model}"}} {r.leases}')
+    if stats.remote:  # TRIOSHED_RPC_SERVERS: one series per server
+        lines.append("# TYPE trioshed_rpc_server_up gauge")
+        lines += [f'trioshed_rpc_server_up{{endpoint="{s.address}"}} {int(s.up)}' for s in stats.remote]
+        lines.append("# TYPE trioshed_rpc_server_bytes gauge")
+        for s in stats.remote:
+            lines.append(f'trioshed_rpc_server_bytes{{endpoint="{s.address}",kind="total"}} {s.total}')
+            lines.append(f'trioshed_rpc_server_bytes{{endpoint="{s.address}",kind="used"}} {s.used}')
     return Response("\n".join(lines) + "\n", content_type="text/plain; version=0.0.4")

@@ -281,21 +281,38 @@ async def tags() -> Any:
 async def ps() -> Any:
     st = state()
     out = []
-    for r in st.scheduler.statistics().runners:
+    stats = st.scheduler.statistics()
+    for r in stats.runners:
         spec = st.store.resolve(r.model) if _resolvable(st, r.model) else None
-        out.append(
-            {
-                "name": r.model,
-                "model": r.model,
-                "size": r.size,
-                "size_vram": r.size_vram,
-                "digest": (await st.digest(spec)) if spec else "",
-                "details": (await details(spec)) if spec else {},
-                "expires_at": rfc3339(r.expires_at),
-                "context_length": r.context_length,
-            }
-        )
-    return {"models": out}
+        entry = {
+            "name": r.model,
+            "model": r.model,
+            "size": r.size,
+            "size_vram": r.size_vram,
+            "digest": (await st.digest(spec)) if spec else "",
+            "details": (await details(spec)) if spec else {},
+            "expires_at": rfc3339(r.expires_at),
+            "context_length": r.context_length,
+        }
+        if r.placement.endpoints:  # trioshed's addition: the RPC servers holding some layers
+            entry["rpc_servers"] = list(r.placement.endpoints)
+        out.append(entry)
+    if not stats.remote:
+        return {"models": out}
+    servers = [
+        {
+            "address": s.address,
+            "state": "up" if s.up else "down",
+            "reason": s.reason,
+            "total": s.total,
+            "free": s.free,
+            "memory": s.source,
+            "model": s.model,
+            "used": s.used,
+        }
+        for s in stats.remote
+    ]
+    return {"models": out, "rpc_servers": servers}
 
 
 def _resolvable(st: AppState, name: str) -> bool:

@@ -33,7 +33,9 @@ async def crash_or(lease: Lease, exc: Exception) -> TrioshedError:
         with trio.move_on_after(2):
             await wait()
         await trio.lowlevel.checkpoint()  # let the runner's lifetime task record the crash
-        for _ in range(10):
+        # A runner on RPC servers is reported once they are checked (at most a few seconds).
+        polls = 10 if not getattr(lease, "endpoints", ()) else 400
+        for _ in range(polls):
             if lease.crash is not None or not getattr(handle, "exited", True):
                 break
             await trio.sleep(0.01)

@@ -15,6 +15,16 @@ MiB = 1024**2
 KV_CACHE_TYPES = ("f16", "q8_0", "q4_0")
 
 
+#: The library of remote devices: one llama.cpp RPC server each, id ``"rpc:<host>:<port>"``.
+RPC_LIBRARY = "rpc"
+
+
+def rpc_endpoint(device_id: str) -> str:
+    """``"rpc:10.0.0.2:50052"`` → ``"10.0.0.2:50052"``; ``""`` for a local device id."""
+    prefix = RPC_LIBRARY + ":"
+    return device_id[len(prefix) :] if device_id.startswith(prefix) else ""
+
+
 @dataclass(frozen=True)
 class Device:
     """One place a runner's memory can live.
@@ -34,6 +44,16 @@ class Device:
     @property
     def is_cpu(self) -> bool:
         return self.library == "cpu"
+
+    @property
+    def is_remote(self) -> bool:
+        """A llama.cpp RPC server (``TRIOSHED_RPC_SERVERS``): id ``"rpc:<host>:<port>"``."""
+        return self.library == RPC_LIBRARY
+
+    @property
+    def endpoint(self) -> str:
+        """``host:port`` of a remote device (``""`` for a local one)."""
+        return rpc_endpoint(self.id)
 
 
 @dataclass(frozen=True)
@@ -112,8 +132,12 @@ class MemoryEstimate:
 class Placement:
     """Where a runner goes: the llama-server flags and the bytes it will take on each device.
 
-    ``devices`` are the GPU ids used, in ``--device`` order (empty = CPU only).
+    ``devices`` are the GPU ids used, in ``--device`` order (empty = CPU only); remote devices
+    (``"rpc:<host>:<port>"``) come after the local ones.
     ``vram`` maps device id to bytes predicted on it; ``ram`` is the system-memory part.
+    ``layers`` (set when the placement spans RPC servers) is the number of offloaded layers on
+    each entry of ``devices``, the output layer counted on the last: ``tensor_split`` is then
+    these counts, so llama.cpp assigns exactly these layers.
     """
 
     n_gpu_layers: int
@@ -122,6 +146,7 @@ class Placement:
     main_gpu: int | None = None
     vram: tuple[tuple[str, int], ...] = ()
     ram: int = 0
+    layers: tuple[int, ...] = ()
 
     @property
     def vram_total(self) -> int:
@@ -134,6 +159,11 @@ class Placement:
     @property
     def on_cpu_only(self) -> bool:
         return not self.devices
+
+    @property
+    def endpoints(self) -> tuple[str, ...]:
+        """The RPC servers this runner uses (``host:port``), in ``--rpc`` order."""
+        return tuple(e for e in map(rpc_endpoint, self.devices) if e)
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,12 @@ else the model does not fit. ``spread`` skips the single-GPU step.
 
 "Would it fit if nothing else were loaded?" is :func:`capacity`: ``place()`` over the devices'
 totals.
+
+Remote devices (llama.cpp RPC servers, ``Device.is_remote``) come last: only when the local
+placement would not put every wanted layer on local GPUs (or, on a machine without GPUs, when the
+model does not fit in system memory) does :func:`place` span them. A span fills the local GPUs
+first and gives the RPC servers only the layers that are left, using as few servers as it can
+(the ones with the most free memory first); its ``tensor_split`` is the layer count per device.
 """
 
 from __future__ import annotations
@@ -175,8 +181,158 @@ def place(
     runners; ``overhead`` bytes are kept free on each. ``system_free`` is the system memory
     available to this runner. ``num_gpu``: -1 automatic, 0 CPU only, N exactly
     ``min(N, n_layer + 1)`` layers (N counts the output layer as layer ``n_layer``).
+    Remote devices (RPC servers) are used only when the local ones are not enough (module doc).
     """
-    gpus = [d for d in devices if not d.is_cpu]
+    local = [d for d in devices if not d.is_cpu and not d.is_remote]
+    remote = [d for d in devices if d.is_remote]
+    result = _place_local(
+        est, local, system_free=system_free, num_gpu=num_gpu, spread=spread, overhead=overhead
+    )
+    if not remote or num_gpu == 0:
+        return result
+    wanted = min(num_gpu, gpu_layer_count(est)) if num_gpu > 0 else gpu_layer_count(est)
+    if isinstance(result, Placement) and (result.n_gpu_layers >= wanted or not local):
+        return result  # local GPUs hold every wanted layer, or a GPU-less machine holds the model
+    span = _span(est, local, remote, wanted, system_free=system_free, overhead=overhead)
+    if span is not None:
+        return span
+    if num_gpu < 0:
+        partial = _span_partial(est, local, remote, wanted, system_free=system_free, overhead=overhead)
+        if partial is not None and (
+            not isinstance(result, Placement) or partial.n_gpu_layers > result.n_gpu_layers
+        ):
+            return partial
+    if isinstance(result, Placement):
+        return result
+    room = sum(_usable(d, overhead) for d in (*local, *remote))
+    return DoesNotFit(
+        needed=est.total,
+        available=max(room, system_free),
+        reason=f"{result.reason}; with the RPC servers ({', '.join(d.endpoint for d in remote)}) "
+        f"the devices have {_gib(room)} free and no split of layers fits",
+    )
+
+
+def _offloaded(n_layer: int, n_gpu_layers: int) -> list[int]:
+    """The layers ``-ngl`` offloads, in device-assignment order (the rule of :func:`split_layers`)."""
+    start = max(n_layer - n_gpu_layers, 0)
+    act = min(n_gpu_layers, n_layer + 1)
+    return list(range(start, n_layer + 1))[:act]
+
+
+def _fill(
+    est: MemoryEstimate, devices: Sequence[Device], n_gpu_layers: int, overhead: int
+) -> list[int] | None:
+    """Layers per device, filling each in order before the next; None when they do not fit."""
+    n_layer = len(est.layers)
+    compute = est.compute_full if n_gpu_layers > n_layer else est.compute_partial
+    counts = [0] * len(devices)
+    i = 0
+    room = _usable(devices[0], overhead) - compute - est.projector - est.adapters
+    for il in _offloaded(n_layer, n_gpu_layers):
+        need = _layer_bytes(est, il)
+        while need > room:
+            i += 1
+            if i == len(devices):
+                return None
+            room = _usable(devices[i], overhead) - compute
+        counts[i] += 1
+        room -= need
+    return counts
+
+
+def _span_with(
+    est: MemoryEstimate,
+    devices: Sequence[Device],
+    n_gpu_layers: int,
+    *,
+    system_free: int,
+    overhead: int,
+) -> Placement | None:
+    """``n_gpu_layers`` over ``devices`` filled in order; devices left empty are dropped."""
+    devices = list(devices)
+    counts: list[int] | None = None
+    while devices:
+        counts = _fill(est, devices, n_gpu_layers, overhead)
+        if counts is None:
+            return None
+        if all(counts):
+            break
+        devices = [d for d, c in zip(devices, counts, strict=True) if c]
+    if counts is None or not devices or not any(d.is_remote for d in devices):
+        return None
+    ram = _cpu_ram(est, n_gpu_layers)
+    if ram > system_free:
+        return None
+    fractions = [float(c) for c in counts]
+    vram = _gpu_vram(est, devices, n_gpu_layers, fractions)
+    if any(v > _usable(d, overhead) for d, v in zip(devices, vram, strict=True)):
+        return None  # the fill and llama.cpp's split rule disagree: never place on a guess
+    return Placement(
+        n_gpu_layers=n_gpu_layers,
+        devices=tuple(d.id for d in devices),
+        tensor_split=tuple(fractions),
+        main_gpu=0,
+        vram=tuple((d.id, v) for d, v in zip(devices, vram, strict=True)),
+        ram=ram,
+        layers=tuple(counts),
+    )
+
+
+def _local_first(local: Sequence[Device], overhead: int) -> list[Device]:
+    """The local GPUs a span fills first: the library group with the most memory, fullest first."""
+    if not local:
+        return []
+    return sorted(_libraries(local)[0], key=lambda d: (-_usable(d, overhead), d.index))
+
+
+def _span(
+    est: MemoryEstimate,
+    local: Sequence[Device],
+    remote: Sequence[Device],
+    wanted: int,
+    *,
+    system_free: int,
+    overhead: int,
+) -> Placement | None:
+    """All ``wanted`` layers over the local GPUs and as few RPC servers as possible."""
+    first = _local_first(local, overhead)
+    by_free = sorted(remote, key=lambda d: (-_usable(d, overhead), d.index))
+    for k in range(1, len(by_free) + 1):
+        p = _span_with(est, [*first, *by_free[:k]], wanted, system_free=system_free, overhead=overhead)
+        if p is not None:
+            return p
+    return None
+
+
+def _span_partial(
+    est: MemoryEstimate,
+    local: Sequence[Device],
+    remote: Sequence[Device],
+    wanted: int,
+    *,
+    system_free: int,
+    overhead: int,
+) -> Placement | None:
+    """The most layers that fit on the local GPUs and every RPC server, the rest on the CPU."""
+    devices = [*_local_first(local, overhead), *sorted(remote, key=lambda d: (-_usable(d, overhead), d.index))]
+    for n in range(wanted - 1, 0, -1):
+        p = _span_with(est, devices, n, system_free=system_free, overhead=overhead)
+        if p is not None:
+            return p
+    return None
+
+
+def _place_local(
+    est: MemoryEstimate,
+    gpus: Sequence[Device],
+    *,
+    system_free: int,
+    num_gpu: int = -1,
+    spread: bool = False,
+    overhead: int = 0,
+) -> Placement | DoesNotFit:
+    """:func:`place` over local devices only (Ollama's order, module doc)."""
     n_full = gpu_layer_count(est)
     if num_gpu == 0 or not gpus:
         p = _try(est, (), 0, system_free=system_free, overhead=overhead)

@@ -11,7 +11,10 @@ whole queue while one request waits for memory, ``plan()`` looks at every waitin
 * a request that needs memory evicts victims (idle first, then shortest keep-alive, then least
   recently used) and *reserves* the memory it waits for, so later requests cannot take it;
 * a runner chosen as a victim takes no new leases (no starvation of the request that evicted it);
-* a model that cannot fit even with everything evicted fails at once (507), never an eviction loop.
+* a model that cannot fit even with everything evicted fails at once (507), never an eviction loop;
+  one that would fit only with an RPC server that is down fails with 503 naming that server;
+* an RPC server (``Device.is_remote``) serves one llama-server at a time: while a runner uses it
+  (or a request has reserved it) it counts as full for every other placement.
 """
 
 from __future__ import annotations
@@ -30,7 +33,13 @@ from trioshed.core.model import (
     Placement,
     RunnerOptions,
 )
-from trioshed.errors import InsufficientMemory, LoadCooldown, PinnedModelsInTheWay, TrioshedError
+from trioshed.errors import (
+    InsufficientMemory,
+    LoadCooldown,
+    PinnedModelsInTheWay,
+    RemoteUnavailable,
+    TrioshedError,
+)
 
 CPU_ID = "cpu"
 
@@ -87,6 +96,9 @@ class Machine:
     max_loaded: int
     overhead: int = 0
     spread: bool = False
+    #: RPC servers that do not answer now (their last known size; ``name`` says why): placement
+    #: leaves them out, and a model that would fit only with them gets a 503, not a 507.
+    remote_down: tuple[Device, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -216,8 +228,16 @@ class _Sim:
             ours = self.used_kept[d.id] - (extra[d.id] if extra else 0) + self.reserved_usage[d.id]
             return max(0, min(d.free + (ours_now - ours), d.total - ours))
 
-        gpus = tuple(replace(d, free=free(d)) for d in self.machine.gpus)
+        gpus = tuple(replace(d, free=0 if self._taken(d, projected, extra) else free(d)) for d in self.machine.gpus)
         return gpus, free(self.machine.system)
+
+    def _taken(self, d: Device, projected: bool, extra: Counter[str] | None) -> bool:
+        """An RPC server already used (or reserved) by a runner: it serves one client at a time."""
+        if not d.is_remote:
+            return False
+        if not projected:
+            return self.used_all[d.id] + self.reserved_usage[d.id] > 0
+        return self.used_kept[d.id] - (extra[d.id] if extra else 0) + self.reserved_usage[d.id] > 0
 
     def count(self, *, projected: bool, extra: int = 0) -> int:
         return (self.kept - extra if projected else len(self.runners)) + len(self.reserved)
@@ -248,8 +268,10 @@ class _Sim:
         result = self._place(place, req, *self._devices(projected=True, extra=extra))
         return result if isinstance(result, Placement) and result.n_gpu_layers >= min_layers else None
 
-    def capacity(self, place: Placer, req: RequestView, system_capacity: int) -> Placement | DoesNotFit:
-        gpus = tuple(replace(d, free=d.total) for d in self.machine.gpus)
+    def capacity(
+        self, place: Placer, req: RequestView, system_capacity: int, extra_gpus: tuple[Device, ...] = ()
+    ) -> Placement | DoesNotFit:
+        gpus = tuple(replace(d, free=d.total) for d in (*self.machine.gpus, *extra_gpus))
         return self._place(place, req, gpus, system_capacity)
 
     def pinned(self) -> list[RunnerView]:
@@ -354,7 +376,11 @@ def _plan_one(
         return "failed"
     capacity = sim.capacity(place, req, system_capacity)
     if isinstance(capacity, DoesNotFit):
-        error = InsufficientMemory(req.model.name, capacity.needed, capacity.available, capacity.reason)
+        error: TrioshedError = InsufficientMemory(req.model.name, capacity.needed, capacity.available, capacity.reason)
+        if machine.remote_down and isinstance(
+            sim.capacity(place, req, system_capacity, extra_gpus=machine.remote_down), Placement
+        ):
+            error = RemoteUnavailable(req.model.name, tuple(d.name or d.endpoint for d in machine.remote_down))
         actions.append(Fail(req.id, error))
         return "failed"
     # As in the reference: with other runners in the way, a model that would get fewer layers

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trioshed.core.model import ModelSpec, Placement, RunnerOptions
+from trioshed.core.model import ModelSpec, Placement, RunnerOptions, rpc_endpoint
 
 _LLAMA_BACKEND = {"cuda": "CUDA", "vulkan": "Vulkan", "rocm": "ROCm", "metal": "Metal", "sycl": "SYCL"}
 
@@ -13,6 +13,24 @@ def llama_device_name(device_id: str) -> str:
     """trioshed's ``"cuda:1"`` → llama.cpp's ``"CUDA1"``."""
     library, _, index = device_id.partition(":")
     return _LLAMA_BACKEND.get(library, library.upper()) + index
+
+
+def device_names(devices: tuple[str, ...]) -> list[str]:
+    """llama.cpp's ``--device`` names for ``devices``: local ones by backend (``CUDA0``), RPC
+    servers as ``RPC0``, ``RPC1``, … in the order they are given to ``--rpc`` (what
+    ``llama-server --rpc A,B --list-devices`` prints for servers with one device each)."""
+    names, k = [], 0
+    for d in devices:
+        if rpc_endpoint(d):
+            names.append(f"RPC{k}")
+            k += 1
+        else:
+            names.append(llama_device_name(d))
+    return names
+
+
+def _split(values: tuple[float, ...] | list[int]) -> str:
+    return ",".join(f"{x:.4g}" for x in values)
 
 
 @dataclass(frozen=True)
@@ -44,8 +62,22 @@ def build_command(
     the runner sat on ``placement.devices`` while the child itself runs on the CPU.
     ``kv_cache_type`` is the type the model really supports (``core.estimate.effective_kv_type``);
     it defaults to the requested one.
+
+    A placement over RPC servers adds ``--rpc host:port,…`` (the servers in placement order) and
+    names them ``RPC0``… in ``--device``. With ``accounting_only`` its local share runs on the CPU
+    while the RPC servers are real: ``--device`` lists only them, ``-ngl`` is the number of
+    layers planned on them and ``--tensor-split`` their layer counts. (With this llama.cpp,
+    ``-ngl k`` offloads the output layer and the last ``k - 1`` repeating layers: for a full
+    offload those are exactly the layers the plan put on the RPC servers.)
     """
-    ngl = 0 if accounting_only else placement.n_gpu_layers
+    remote = [
+        (d, n) for d, n in zip(placement.devices, placement.layers or (0,) * len(placement.devices), strict=True)
+        if rpc_endpoint(d)
+    ]
+    if accounting_only:
+        ngl = sum(n for _, n in remote)
+    else:
+        ngl = placement.n_gpu_layers
     argv = [
         binary,
         "--model", model.path,
@@ -62,12 +94,18 @@ def build_command(
     ]  # fmt: skip
     if options.num_thread > 0:
         argv += ["--threads", str(options.num_thread)]
+    if placement.endpoints:
+        argv += ["--rpc", ",".join(placement.endpoints)]
     if placement.devices and not accounting_only:
-        argv += ["--device", ",".join(llama_device_name(d) for d in placement.devices)]
+        argv += ["--device", ",".join(device_names(placement.devices))]
         if placement.tensor_split:
-            argv += ["--tensor-split", ",".join(f"{x:.4g}" for x in placement.tensor_split)]
+            argv += ["--tensor-split", _split(placement.tensor_split)]
         if placement.main_gpu is not None:
             argv += ["--main-gpu", str(placement.main_gpu)]
+    elif remote and ngl > 0:
+        argv += ["--device", ",".join(device_names(tuple(d for d, _ in remote)))]
+        if len(remote) > 1:
+            argv += ["--tensor-split", _split([n for _, n in remote])]
     else:
         argv += ["--device", "none"]
     cache_type = kv_cache_type or options.kv_cache_type

@@ -34,6 +34,7 @@ from trioshed.core import sched
 from trioshed.core.model import MeasuredMemory, MemoryEstimate, ModelSpec, Placement, RunnerOptions
 from trioshed.core.sched import Dispatch, Evict, Fail, Load, Machine, RunnerState
 from trioshed.devices import DeviceSource
+from trioshed.devices.rpc import RemoteDevices, RemoteStats
 from trioshed.errors import LoadFailed, QueueFull, RunnerCrashed, ShuttingDown, TrioshedError
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ COOLDOWN_MAX = 300.0
 VRAM_RECOVERY_TIMEOUT = 5.0
 VRAM_POLL_INTERVAL = 0.25
 HEALTH_INTERVAL = 15.0
+REMOTE_CHECK_TIMEOUT = 3.0  # how long a crashed runner's RPC servers are checked before it is reported
 
 
 class RunnerHandle(Protocol):
@@ -182,6 +184,11 @@ class Lease:
         """Set when the runner died under this lease: the error to give the client."""
         return self._runner.crash
 
+    @property
+    def endpoints(self) -> tuple[str, ...]:
+        """The RPC servers the runner uses (its crash is reported once they are checked)."""
+        return self._runner.placement.endpoints
+
     def release(self) -> None:
         if not self.released:
             self.released = True
@@ -223,6 +230,7 @@ class SchedulerStatistics:
     crashes: int
     load_failures: int
     rejected: int
+    remote: tuple[RemoteStats, ...] = ()  # TRIOSHED_RPC_SERVERS: state, size, user
 
 
 class Scheduler:
@@ -241,8 +249,10 @@ class Scheduler:
         gpu_overhead: int = 0,
         spread: bool = False,
         record: list[tuple[str, str]] | None = None,
+        remote: RemoteDevices | None = None,
     ) -> None:
         self._devices = devices
+        self._remote = remote
         self._factory = factory
         self._estimator = estimator
         self._place = place
@@ -271,6 +281,9 @@ class Scheduler:
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
+                if self._remote is not None:
+                    self._remote.on_change = self._wake
+                    await nursery.start(self._remote.run, self._remote_busy)
                 nursery.start_soon(self._receive_requests)
                 task_status.started()
                 async with aclosing(self._changes.events()) as changes:
@@ -413,6 +426,12 @@ class Scheduler:
                 )
             )
         states = [r.view().state for r in self._runners.values()]
+        remote_usage = {
+            dev.removeprefix("rpc:"): (r.model.name, b)
+            for r in self._runners.values()
+            for dev, b in r.usage()
+            if dev.startswith("rpc:")
+        }
         return SchedulerStatistics(
             queued=self._queued_count(),
             leased=sum(r.leases for r in self._runners.values()),
@@ -420,6 +439,7 @@ class Scheduler:
             loading=states.count(RunnerState.LOADING),
             unloading=states.count(RunnerState.UNLOADING),
             runners=tuple(sorted(runners, key=lambda s: (s.expires_at, s.id))),
+            remote=self._remote.statistics(remote_usage) if self._remote is not None else (),
             **self._counters,
         )
 
@@ -470,13 +490,19 @@ class Scheduler:
                 runner.timer.deadline = trio.current_time() + runner.keep_alive
         self._wake()
 
+    def _remote_busy(self) -> set[str]:
+        """The RPC servers our runners hold (each serves one client: not to be probed)."""
+        return {e for r in self._runners.values() for e in r.placement.endpoints}
+
     def _machine(self) -> Machine:
+        remote = self._remote
         return Machine(
-            gpus=self._devices.poll(),
+            gpus=self._devices.poll() + (remote.devices() if remote is not None else ()),
             system=self._devices.system(),
             max_loaded=self.max_loaded,
             overhead=self._overhead,
             spread=self._spread,
+            remote_down=remote.down() if remote is not None else (),
         )
 
     def _schedule(self) -> None:
@@ -560,7 +586,9 @@ class Scheduler:
                                 watchers.start_soon(self._monitor_health, runner, handle)
                                 await handle.wait_exited()
                                 watchers.cancel_scope.cancel()
-                            self._on_crash(runner)
+                            with trio.CancelScope(shield=True):  # bounded: REMOTE_CHECK_TIMEOUT
+                                cause = await self._check_remote(runner)
+                            self._on_crash(runner, cause)
                             return
                         # Stopped (unload, eviction, keep-alive expiry): the child is still alive here,
                         # so this is the moment to read the GPUs' free memory before it goes.
@@ -606,12 +634,35 @@ class Scheduler:
         self._note("ready", runner.model)
         self._wake()
 
-    def _on_crash(self, runner: _Runner) -> None:
+    async def _check_remote(self, runner: _Runner) -> str:
+        """A runner on RPC servers exited: which of them stopped answering? (The cause to report.)
+
+        The runner takes no new lease meanwhile, and its servers stay out of placement (its
+        usage still holds them) until the check is done.
+        """
+        endpoints = runner.placement.endpoints
+        if not endpoints or self._remote is None:
+            return ""
+        runner.state = RunnerState.UNLOADING
+        self._wake()
+        lost: list[str] | None = None
+        with trio.move_on_after(REMOTE_CHECK_TIMEOUT):
+            lost = await self._remote.check(endpoints)
+        if lost:
+            return (
+                f"its RPC server {', '.join(lost)} stopped answering; it is left out of placement "
+                "until it answers again"
+            )
+        return f"it ran on the RPC servers {', '.join(endpoints)}" + (
+            ", which still answer" if lost is not None else ""
+        )
+
+    def _on_crash(self, runner: _Runner, cause: str = "") -> None:
         """The child exited on its own: forget the runner now, so the next request reloads."""
         self._counters["crashes"] += 1
         tail = getattr(runner.handle, "tail", None)
         runner.crash = RunnerCrashed(
-            runner.model.name, runner.handle.returncode, tail.errors() if tail is not None else ""
+            runner.model.name, runner.handle.returncode, tail.errors() if tail is not None else "", cause
         )
         runner.state = RunnerState.UNLOADING
         self._runners.pop(runner.id, None)
