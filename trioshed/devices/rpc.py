@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import re
 import subprocess
 from collections.abc import Callable, Collection
@@ -212,7 +213,7 @@ class RemoteDevices:
             try:
                 stream = await trio.open_tcp_stream(server.host, server.port)
             except OSError as exc:
-                return f"cannot connect: {exc.strerror or exc}"
+                return f"cannot connect: {_os_reason(exc)}"
             await stream.aclose()
             return ""
         return f"no answer to a connection within {CONNECT_TIMEOUT:.0f}s"
@@ -287,6 +288,16 @@ class RemoteDevices:
     def probe_soon(self) -> None:
         """Re-check the servers that are down now (tests, and after a server was restarted)."""
         self._kick.set()
+
+
+def _os_reason(exc: OSError) -> str:
+    """"Connection refused" rather than trio's "all attempts to connect to ... failed"."""
+    cause = exc.__cause__
+    if isinstance(cause, BaseExceptionGroup):
+        for inner in cause.exceptions:
+            if isinstance(inner, OSError) and inner.errno:
+                return os.strerror(inner.errno).lower()
+    return os.strerror(exc.errno).lower() if exc.errno else str(exc)
 
 
 async def check_addresses(servers: tuple[RpcServer, ...], *, allow_public: bool) -> None:

@@ -1,0 +1,120 @@
+"""TRIOSHED_RPC_SERVERS: parsing, the public-address refusal, and probing real rpc-servers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import trio
+
+from trioshed.config import RpcServer, Settings, is_private_address, parse_rpc_servers
+from trioshed.core.model import GiB, MiB
+from trioshed.devices.rpc import RemoteDevices, check_addresses, parse_list_devices
+from trioshed.runner.binary import BinaryNotFound, find_llama_server
+from trioshed.testing.llama import free_port
+from trioshed.testing.rpc import RpcServerProcess, rpc_servers
+
+
+def test_parse_rpc_servers() -> None:
+    servers = parse_rpc_servers("10.0.0.2:50052=24GiB, gpu-box.lan:50053,[fd00::5]:50054=512MiB")
+    assert servers == (
+        RpcServer("10.0.0.2", 50052, 24 * GiB),
+        RpcServer("gpu-box.lan", 50053, None),
+        RpcServer("fd00::5", 50054, 512 * MiB),
+    )
+    assert [s.address for s in servers] == ["10.0.0.2:50052", "gpu-box.lan:50053", "[fd00::5]:50054"]
+    assert servers[0].device_id == "rpc:10.0.0.2:50052"
+
+
+@pytest.mark.parametrize("bad", ["10.0.0.2", "10.0.0.2:x", ":50052", "10.0.0.2:70000", "h:1=lots", "h:1,h:1"])
+def test_bad_rpc_servers_name_the_variable(bad: str) -> None:
+    with pytest.raises(ValueError, match="TRIOSHED_RPC_SERVERS"):
+        Settings.from_env({"TRIOSHED_RPC_SERVERS": bad})
+
+
+def test_settings_read_the_rpc_variables() -> None:
+    s = Settings.from_env(
+        {"TRIOSHED_RPC_SERVERS": "127.0.0.1:50052", "TRIOSHED_RPC_ALLOW_PUBLIC": "1", "TRIOSHED_RPC_PROBE_INTERVAL": "5s"}
+    )
+    assert s.rpc_servers == (RpcServer("127.0.0.1", 50052),) and s.rpc_allow_public and s.rpc_probe_interval == 5
+
+
+@pytest.mark.parametrize(
+    ("address", "private"),
+    [
+        ("127.0.0.1", True), ("10.1.2.3", True), ("192.168.0.9", True), ("172.16.0.1", True),
+        ("100.101.102.103", True), ("fe80::1", True), ("fd12::1", True), ("::1", True),
+        ("::ffff:10.0.0.1", True), ("8.8.8.8", False), ("2001:4860::8888", False), ("::ffff:1.1.1.1", False),
+    ],
+)  # fmt: skip
+def test_private_addresses(address: str, private: bool) -> None:
+    assert is_private_address(address) is private
+
+
+async def test_public_addresses_are_refused_unless_allowed() -> None:
+    public = parse_rpc_servers("127.0.0.1:50052,8.8.8.8:50052")
+    with pytest.raises(ValueError, match=r"8\.8\.8\.8:50052 is at a public address.*TRIOSHED_RPC_ALLOW_PUBLIC"):
+        await check_addresses(public, allow_public=False)
+    await check_addresses(public, allow_public=True)
+    await check_addresses(parse_rpc_servers("localhost:50052,192.168.1.5:1"), allow_public=False)
+
+
+def test_parse_list_devices_keeps_rpc_devices_only() -> None:
+    text = (
+        "ggml_cuda_init: found 1 CUDA devices\n"
+        "Available devices:\n"
+        "  CUDA0: NVIDIA RTX 4090 (24080 MiB, 23000 MiB free)\n"
+        "  RPC0: 10.0.0.2:50052 (24105 MiB, 20000 MiB free)\n"
+        "  RPC1: 10.0.0.3:50052 (8192 MiB, 8000 MiB free)\n"
+    )
+    listed = parse_list_devices(text)
+    assert [(d.name, d.description, d.total, d.free) for d in listed] == [
+        ("RPC0", "10.0.0.2:50052", 24105 * MiB, 20000 * MiB),
+        ("RPC1", "10.0.0.3:50052", 8192 * MiB, 8000 * MiB),
+    ]
+
+
+@pytest.fixture
+def one_rpc_server() -> Iterator[RpcServerProcess]:
+    try:
+        with rpc_servers(1) as servers:
+            yield servers[0]
+    except BinaryNotFound as exc:
+        pytest.skip(f"no llama.cpp rpc-server binary: {exc}")
+
+
+@pytest.mark.slow
+async def test_probe_reads_memory_from_the_server_and_marks_a_silent_one_down(
+    one_rpc_server: RpcServerProcess,
+) -> None:
+    binary = find_llama_server()
+    closed = free_port()  # nothing listens here
+    servers = parse_rpc_servers(f"{one_rpc_server.address},127.0.0.1:{closed}=4GiB,{one_rpc_server.address.replace('127.0.0.1', 'localhost')}=1GiB")
+    remote = RemoteDevices(servers, llama_server=binary.path, env=binary.env, interval=3600)
+    changes: list[int] = []
+    remote.on_change = lambda: changes.append(1)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(remote.run)
+            up = {d.endpoint: d for d in remote.devices()}
+            assert set(up) == {one_rpc_server.address, f"localhost:{one_rpc_server.port}"}
+            reported = up[one_rpc_server.address]
+            # a CPU rpc-server reports its machine's memory: about this machine's RAM
+            import psutil
+
+            assert abs(reported.total - psutil.virtual_memory().total) < 64 * MiB
+            assert up[f"localhost:{one_rpc_server.port}"].total == GiB  # capped by the declared size
+            (down,) = remote.down()
+            assert down.endpoint == f"127.0.0.1:{closed}" and "connection refused" in down.name
+            assert changes  # the scheduler is woken on every change
+
+            # a server that dies is found by check(), and found again once it is back
+            one_rpc_server.kill()
+            lost = await remote.check([one_rpc_server.address])
+            assert lost == [f"{one_rpc_server.address} (cannot connect: connection refused)"]
+            assert one_rpc_server.address not in {d.endpoint for d in remote.devices()}
+            one_rpc_server.restart()
+            while one_rpc_server.address not in {d.endpoint for d in remote.devices()}:
+                remote.probe_soon()
+                await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
