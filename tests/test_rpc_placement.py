@@ -223,3 +223,14 @@ def test_local_only_commands_are_unchanged() -> None:
 )
 def test_device_names(devices: tuple[str, ...], names: list[str]) -> None:
     assert device_names(devices) == names
+
+
+def test_a_large_output_layer_goes_to_the_server_that_can_hold_it() -> None:
+    big_output = replace(EST, output=4 * GiB)
+    # local 6 GiB: 5 layers; A (4 GiB): 3 layers; B (8 GiB): the last 2 layers and the 4 GiB output.
+    # Largest first (B then A) would leave the output on A, where it does not fit.
+    a, b = rpc(50052, 4, 0), rpc(50053, 8, 1)
+    p = place(big_output, [gpu(0, 6), a, b], system_free=64 * GiB)
+    assert isinstance(p, Placement) and p.n_gpu_layers == 11
+    assert layers_on(p) == {"cuda:0": 5, a.id: 3, b.id: 3}
+    assert p.devices[-1] == b.id

@@ -299,9 +299,13 @@ def _span(
     first = _local_first(local, overhead)
     by_free = sorted(remote, key=lambda d: (-_usable(d, overhead), d.index))
     for k in range(1, len(by_free) + 1):
-        p = _span_with(est, [*first, *by_free[:k]], wanted, system_free=system_free, overhead=overhead)
-        if p is not None:
-            return p
+        chosen = by_free[:k]
+        # The last device also takes the output layer, often the largest: the chosen servers
+        # are tried largest first, then largest last.
+        for order in (chosen, chosen[::-1]) if k > 1 else (chosen,):
+            p = _span_with(est, [*first, *order], wanted, system_free=system_free, overhead=overhead)
+            if p is not None:
+                return p
     return None
 
 
