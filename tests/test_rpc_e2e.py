@@ -144,3 +144,31 @@ async def test_a_model_too_big_locally_runs_across_two_rpc_servers_and_survives_
             assert response.status_code == 200, response.text
             (runner,) = server.scheduler.statistics().runners
             assert runner.placement.endpoints == (a.address, b.address)
+
+
+async def test_a_server_gone_before_the_load_is_left_out_without_a_back_off(
+    tmp_path: Path, two_rpc_servers: list[RpcServerProcess]
+) -> None:
+    a, b = two_rpc_servers
+    store = tmp_path / "models"
+    store.mkdir()
+    add_tiny(store, "big", **SHAPE)
+    est = estimate_model(ModelStore(store).resolve("big"), RunnerOptions(num_ctx=CTX, num_thread=1))
+    layer = max(est.layers)
+    local = est.compute_full + 2 * layer + layer // 2
+    remote = est.compute_full + 4 * layer + layer // 2
+    gpu = Device("cuda:0", "cuda", 0, local, local, name="declared cuda:0")
+    servers = parse_rpc_servers(f"{a.address}={remote},{b.address}={remote}")
+    with trio.fail_after(120):
+        async with open_test_server(
+            store, devices=(gpu,), rpc_servers=servers, context_length=CTX
+        ) as server, httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
+            assert all(s.up for s in server.scheduler.statistics().remote)
+            b.kill()  # trioshed still believes B is up: the first load uses it and fails
+            response = await _generate(http)
+            assert response.status_code == 200, response.text
+            stats = server.scheduler.statistics()
+            assert stats.load_failures == 1 and stats.loads == 2
+            (runner,) = stats.runners
+            assert runner.placement.endpoints == (a.address,)
+            assert {s.address: s.up for s in stats.remote} == {a.address: True, b.address: False}

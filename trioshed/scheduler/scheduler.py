@@ -599,7 +599,12 @@ class Scheduler:
                     if baseline is not None:
                         await self._wait_for_vram_recovery(runner, baseline)
                 except LoadFailed as exc:
-                    self._on_load_failed(runner, exc)
+                    with trio.CancelScope(shield=True):  # bounded: REMOTE_CHECK_TIMEOUT
+                        lost = await self._lost_remote(runner)
+                    if lost:
+                        self._on_remote_load_lost(runner, lost)
+                    else:
+                        self._on_load_failed(runner, exc)
                 except (OSError, RuntimeError) as exc:
                     self._on_load_failed(runner, LoadFailed(f"cannot run llama-server: {exc}"))
         finally:
@@ -633,6 +638,22 @@ class Scheduler:
         self._backoff.pop(runner.model.path, None)
         self._note("ready", runner.model)
         self._wake()
+
+    async def _lost_remote(self, runner: _Runner) -> list[str]:
+        """The RPC servers of ``runner`` that answer no more ("address (why)"), checked now."""
+        if not runner.placement.endpoints or self._remote is None:
+            return []
+        with trio.move_on_after(REMOTE_CHECK_TIMEOUT):
+            return await self._remote.check(runner.placement.endpoints)
+        return []
+
+    def _on_remote_load_lost(self, runner: _Runner, lost: list[str]) -> None:
+        """A load failed because an RPC server went away: no back-off for the model; its waiting
+        requests stay queued and are placed again without that server."""
+        self._counters["load_failures"] += 1
+        log.warning("load of %s failed: RPC server %s stopped answering", runner.model.name, ", ".join(lost))
+        self._note("load failed", runner.model)
+        self._runners.pop(runner.id, None)
 
     async def _check_remote(self, runner: _Runner) -> str:
         """A runner on RPC servers exited: which of them stopped answering? (The cause to report.)
