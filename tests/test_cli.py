@@ -48,3 +48,10 @@ async def test_bad_settings_exit_2_naming_the_variable() -> None:
     with trio.fail_after(60):
         result = await cli("ps", env={"TRIOSHED_MAX_QUEUE": "lots"})
     assert result.returncode == 2 and b"TRIOSHED_MAX_QUEUE" in result.stderr
+
+
+async def test_serve_refuses_a_public_rpc_server(tmp_path: Path) -> None:
+    with trio.fail_after(60):
+        result = await cli("serve", "--models", str(tmp_path), env={"TRIOSHED_RPC_SERVERS": "127.0.0.1:50052,8.8.8.8:50052"})
+    assert result.returncode == 2, result.stderr
+    assert b"8.8.8.8:50052 is at a public address" in result.stderr and b"TRIOSHED_RPC_ALLOW_PUBLIC" in result.stderr
