@@ -29,6 +29,9 @@ llama_server = "/opt/llama/llama-server"
 devices = "cuda:0=24GiB"
 origins = ["https://a.example", "https://b.example"]
 api_key = "secret"
+rpc_servers = ["10.0.0.2:50052=16GiB", "10.0.0.3:50052"]
+rpc_allow_public = false
+rpc_probe_interval = "1m"
 """
 
 
@@ -47,6 +50,8 @@ def test_every_setting_can_be_given_in_the_file(tmp_path: Path) -> None:
     assert (s.kv_cache_type, s.flash_attention, s.llama_server, s.api_key) == ("q8_0", True, "/opt/llama/llama-server", "secret")
     assert s.devices is not None and s.devices[0].total == 24 * 2**30
     assert s.origins == ("https://a.example", "https://b.example")
+    assert [(r.address, r.declared) for r in s.rpc_servers] == [("10.0.0.2:50052", 16 * 2**30), ("10.0.0.3:50052", None)]
+    assert (s.rpc_allow_public, s.rpc_probe_interval) == (False, 60)
     # the file covers every TRIOSHED_* setting there is
     assert set(load_settings_file(path)) - {"port"} == set(SETTING_NAMES)
 
