@@ -118,3 +118,79 @@ async def test_probe_reads_memory_from_the_server_and_marks_a_silent_one_down(
                 remote.probe_soon()
                 await trio.sleep(0.05)
             nursery.cancel_scope.cancel()
+
+
+class FakeProbes:
+    """In-process stand-ins for the TCP connect and ``--list-devices`` (no processes)."""
+
+    def __init__(self) -> None:
+        self.answering: set[str] = set()
+        self.stuck: dict[str, trio.Event] = {}  # address -> released when --list-devices may answer
+        self.connects: list[str] = []
+        self.listings: list[str] = []
+        self.cancelled: list[str] = []
+
+    async def connect(self, server: RpcServer) -> str:
+        self.connects.append(server.address)
+        await trio.sleep(0.001)
+        return "" if server.address in self.answering else "cannot connect: connection refused"
+
+    async def list_devices(self, server: RpcServer) -> tuple[str, int | None]:
+        self.listings.append(server.address)
+        try:
+            if server.address in self.stuck:
+                await self.stuck[server.address].wait()
+            await trio.sleep(0.02)
+        except trio.Cancelled:
+            self.cancelled.append(server.address)
+            raise
+        return f"Available devices:\n  RPC0: {server.address} (2048 MiB, 2000 MiB free)\n", 0
+
+
+async def test_probes_over_time_down_retry_busy_skipped_slow_listing_never_cancelled(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    from trioshed.devices.rpc import DOWN_RETRY, LIST_TIMEOUT
+
+    a, b = "10.0.0.2:50052", "10.0.0.3:50052"
+    fake = FakeProbes()
+    fake.answering = {a}
+    busy: set[str] = set()
+    remote = RemoteDevices(
+        parse_rpc_servers(f"{a},{b}=1GiB"), llama_server="unused", interval=60,
+        connect=fake.connect, list_devices=fake.list_devices,
+    )  # fmt: skip
+    changes: list[float] = []
+    remote.on_change = lambda: changes.append(trio.current_time())
+    async with trio.open_nursery() as nursery:
+        await nursery.start(remote.run, lambda: busy)
+        # at start-up: A's memory as it reports it, B down
+        (dev,) = remote.devices()
+        assert (dev.endpoint, dev.total, dev.free) == (a, 2048 * MiB, 2000 * MiB)
+        assert [d.endpoint for d in remote.down()] == [b]
+
+        # B starts answering: found within DOWN_RETRY seconds, capped at its declared 1 GiB
+        fake.answering.add(b)
+        started = trio.current_time()
+        await trio.sleep(DOWN_RETRY + 1)
+        up = {d.endpoint: d for d in remote.devices()}
+        assert set(up) == {a, b} and up[b].total == GiB
+        assert started < changes[-1] <= started + DOWN_RETRY + 0.5
+
+        # a server our runner holds is never probed; the idle one is, every interval
+        busy.add(a)
+        fake.connects.clear()
+        await trio.sleep(60 * 2 + 1)
+        assert fake.connects.count(a) == 0 and fake.connects.count(b) == 2
+
+        # a listing that hangs (the server busy with someone else): down after LIST_TIMEOUT,
+        # the probe is left to finish (never cancelled: see the module doc), then up again
+        busy.clear()
+        fake.stuck[a] = trio.Event()
+        await trio.sleep(60 + LIST_TIMEOUT + 1)
+        assert a in {d.endpoint for d in remote.down()}
+        assert "did not answer" in next(d.name for d in remote.down() if d.endpoint == a)
+        fake.stuck[a].set()
+        await trio.sleep(1)
+        assert a in {d.endpoint for d in remote.devices()} and fake.cancelled == []
+        nursery.cancel_scope.cancel()

@@ -26,12 +26,13 @@ aborts when a server it computes on goes away; the scheduler then calls :meth:`R
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
 import re
 import subprocess
-from collections.abc import Callable, Collection
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, replace
 
 import trio
@@ -113,10 +114,13 @@ class RemoteDevices:
         llama_server: str,
         env: dict[str, str] | None = None,
         interval: float = 30.0,
+        connect: Callable[[RpcServer], Awaitable[str]] | None = None,
+        list_devices: Callable[[RpcServer], Awaitable[tuple[str, int | None]]] | None = None,
     ) -> None:
         self._endpoints = {s.address: _Endpoint(s, i) for i, s in enumerate(servers)}
-        self._binary = llama_server
-        self._env = env
+        # The two probes (tests give fakes): a TCP connect, and llama-server --list-devices.
+        self._connect = connect or tcp_check
+        self._list_devices = list_devices or functools.partial(run_list_devices, llama_server, env)
         self.interval = interval
         self.on_change: Callable[[], None] = lambda: None
         self._busy: Callable[[], Collection[str]] = frozenset
@@ -207,31 +211,11 @@ class RemoteDevices:
             self._set(e, up=False, reason=f"accepts connections but did not answer in {LIST_TIMEOUT:.0f}s "
                       "(serving another client?)")  # fmt: skip
 
-    async def _connect(self, server: RpcServer) -> str:
-        """'' when a TCP connection opens (closed at once, nothing sent); else why not."""
-        with trio.move_on_after(CONNECT_TIMEOUT):
-            try:
-                stream = await trio.open_tcp_stream(server.host, server.port)
-            except OSError as exc:
-                return f"cannot connect: {_os_reason(exc)}"
-            await stream.aclose()
-            return ""
-        return f"no answer to a connection within {CONNECT_TIMEOUT:.0f}s"
-
     async def _list(self, e: _Endpoint, done: trio.Event) -> None:
         """Run ``--list-devices`` to its end (never killed early; see the module doc)."""
         try:
-            result = await trio.run_process(
-                [self._binary, "--rpc", e.server.address, "--list-devices"],
-                capture_stdout=True,
-                stderr=subprocess.STDOUT,
-                check=False,
-                env=self._env,
-            )
-            text = result.stdout.decode("utf-8", "replace")
-            self._apply_listing(e, text, result.returncode)
-        except OSError as exc:
-            self._apply_listing(e, f"cannot run {self._binary}: {exc}", None)
+            text, returncode = await self._list_devices(e.server)
+            self._apply_listing(e, text, returncode)
         finally:
             e.listing = False
             done.set()
@@ -288,6 +272,33 @@ class RemoteDevices:
     def probe_soon(self) -> None:
         """Re-check the servers that are down now (tests, and after a server was restarted)."""
         self._kick.set()
+
+
+async def tcp_check(server: RpcServer) -> str:
+    """'' when a TCP connection opens (closed at once, nothing sent); else why not."""
+    with trio.move_on_after(CONNECT_TIMEOUT):
+        try:
+            stream = await trio.open_tcp_stream(server.host, server.port)
+        except OSError as exc:
+            return f"cannot connect: {_os_reason(exc)}"
+        await stream.aclose()
+        return ""
+    return f"no answer to a connection within {CONNECT_TIMEOUT:.0f}s"
+
+
+async def run_list_devices(binary: str, env: dict[str, str] | None, server: RpcServer) -> tuple[str, int | None]:
+    """``llama-server --rpc <server> --list-devices``: (its output, exit code; None: cannot run)."""
+    try:
+        result = await trio.run_process(
+            [binary, "--rpc", server.address, "--list-devices"],
+            capture_stdout=True,
+            stderr=subprocess.STDOUT,
+            check=False,
+            env=env,
+        )
+    except OSError as exc:
+        return f"cannot run {binary}: {exc}", None
+    return result.stdout.decode("utf-8", "replace"), result.returncode
 
 
 def _os_reason(exc: OSError) -> str:
