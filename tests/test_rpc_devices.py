@@ -194,3 +194,8 @@ async def test_probes_over_time_down_retry_busy_skipped_slow_listing_never_cance
         await trio.sleep(1)
         assert a in {d.endpoint for d in remote.devices()} and fake.cancelled == []
         nursery.cancel_scope.cancel()
+
+
+async def test_one_server_under_two_names_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"127\.0\.0\.1:50052 and localhost:50052 are the same server"):
+        await check_addresses(parse_rpc_servers("127.0.0.1:50052,localhost:50052"), allow_public=True)

@@ -286,6 +286,11 @@ async def tcp_check(server: RpcServer) -> str:
     return f"no answer to a connection within {CONNECT_TIMEOUT:.0f}s"
 
 
+#: A probe lists remote devices only: local GPUs are hidden from it, so that it neither pays a
+#: driver initialisation nor takes GPU memory (which would disturb NVML's free readings).
+HIDE_LOCAL_GPUS = {"CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": "", "GGML_VK_VISIBLE_DEVICES": ""}
+
+
 async def run_list_devices(binary: str, env: dict[str, str] | None, server: RpcServer) -> tuple[str, int | None]:
     """``llama-server --rpc <server> --list-devices``: (its output, exit code; None: cannot run)."""
     try:
@@ -294,7 +299,7 @@ async def run_list_devices(binary: str, env: dict[str, str] | None, server: RpcS
             capture_stdout=True,
             stderr=subprocess.STDOUT,
             check=False,
-            env=env,
+            env={**(env if env is not None else os.environ), **HIDE_LOCAL_GPUS},
         )
     except OSError as exc:
         return f"cannot run {binary}: {exc}", None
@@ -312,19 +317,27 @@ def _os_reason(exc: OSError) -> str:
 
 
 async def check_addresses(servers: tuple[RpcServer, ...], *, allow_public: bool) -> None:
-    """Refuse RPC servers at public addresses (RPC is unauthenticated) unless ``allow_public``.
+    """Refuse RPC servers at public addresses (RPC is unauthenticated) unless ``allow_public``,
+    and one server listed under two names.
 
     Host names are resolved once here; a name that does not resolve is left to the probes.
     """
-    if allow_public:
-        return
+    seen: dict[tuple[str, int], str] = {}
     for server in servers:
         try:
             infos = await trio.socket.getaddrinfo(server.host, server.port, type=trio.socket.SOCK_STREAM)
         except OSError:
             continue
-        public = sorted({str(info[4][0]) for info in infos if not is_private_address(str(info[4][0]))})
-        if public:
+        addresses = {str(info[4][0]) for info in infos}
+        for ip in sorted(addresses):
+            other = seen.setdefault((ip, server.port), server.address)
+            if other != server.address:  # one server under two names: two runners could share it
+                raise ValueError(
+                    f"TRIOSHED_RPC_SERVERS: {other} and {server.address} are the same server "
+                    f"({ip}:{server.port}); list each RPC server once"
+                )
+        public = sorted(ip for ip in addresses if not is_private_address(ip))
+        if public and not allow_public:
             raise ValueError(
                 f"TRIOSHED_RPC_SERVERS: {server.address} is at a public address ({', '.join(public)}); "
                 "llama.cpp's RPC protocol has no authentication or encryption: use it on a trusted "
