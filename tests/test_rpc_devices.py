@@ -129,6 +129,7 @@ class FakeProbes:
         self.connects: list[str] = []
         self.listings: list[str] = []
         self.cancelled: list[str] = []
+        self.reported_mib = 2048  # what every server reports (2000 MiB of it free)
 
     async def connect(self, server: RpcServer) -> str:
         self.connects.append(server.address)
@@ -144,7 +145,8 @@ class FakeProbes:
         except trio.Cancelled:
             self.cancelled.append(server.address)
             raise
-        return f"Available devices:\n  RPC0: {server.address} (2048 MiB, 2000 MiB free)\n", 0
+        size = self.reported_mib
+        return f"Available devices:\n  RPC0: {server.address} ({size} MiB, {size - 48} MiB free)\n", 0
 
 
 async def test_probes_over_time_down_retry_busy_skipped_slow_listing_never_cancelled(
