@@ -250,8 +250,12 @@ def test_place(case: Case) -> None:
 def test_output_layer_counts_as_layer_n() -> None:
     assert gpu_layer_count(EST) == 11
     assert split_layers(10, 11, [1.0]) == [list(range(11))]
-    assert split_layers(10, 10, [1.0]) == [list(range(10))]  # output stays on the CPU
-    assert split_layers(10, 3, [1.0]) == [[7, 8, 9]]  # the last layers are offloaded
+    # llama.cpp b10068 offloads the output layer first: -ngl k puts the output layer and the
+    # last k - 1 repeating layers on the GPUs (checked against the real build, over an RPC
+    # server, in tests/test_rpc_e2e.py::test_split_layers_matches_the_pinned_llama_cpp)
+    assert split_layers(10, 10, [1.0]) == [list(range(1, 11))]
+    assert split_layers(10, 3, [1.0]) == [[8, 9, 10]]
+    assert split_layers(10, 1, [1.0]) == [[10]]
     assert split_layers(10, 0, [1.0]) == [[]]
 
 

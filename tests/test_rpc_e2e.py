@@ -138,7 +138,7 @@ async def test_a_model_too_big_locally_runs_across_two_rpc_servers_and_survives_
             assert response.status_code == 200, response.text
             (runner,) = server.scheduler.statistics().runners
             assert runner.placement.endpoints == (a.address,)
-            assert runner.placement.layers == (2, 4) and runner.placement.n_gpu_layers == 6
+            assert runner.placement.layers == (2, 5) and runner.placement.n_gpu_layers == 7  # 4 + output on A
 
             # 5. B comes back: it is used again once it answers
             b.restart()
@@ -175,3 +175,33 @@ async def test_a_server_gone_before_the_load_is_left_out_without_a_back_off(
             (runner,) = stats.runners
             assert runner.placement.endpoints == (a.address,)
             assert {s.address: s.up for s in stats.remote} == {a.address: True, b.address: False}
+
+
+@pytest.mark.parametrize("ngl", [1, 4, 8, 9])
+def test_split_layers_matches_the_pinned_llama_cpp(
+    tmp_path: Path, two_rpc_servers: list[RpcServerProcess], ngl: int
+) -> None:
+    """An RPC server is a real offload device on a machine without GPUs: the weights llama.cpp
+    puts on each of two servers for ``-ngl`` and a tensor split are the layers split_layers says."""
+    from trioshed.core.placement import split_layers
+    from trioshed.runner.memlog import parse_memory_log
+    from trioshed.testing.llama import running_llama_server
+
+    a, b = two_rpc_servers
+    model = add_tiny(tmp_path, "big", **SHAPE)
+    est = estimate_model(ModelStore(tmp_path).resolve("big"), RunnerOptions(num_ctx=CTX, num_thread=1))
+    per_layer = est.weights / len(est.layers)
+    split = [3.0, 2.0]
+    args = [
+        "--rpc", f"{a.address},{b.address}", "--device", "RPC0,RPC1", "--tensor-split", "3,2",
+        "-ngl", str(ngl), "--fit", "off", "-t", "1", "-c", str(CTX), "--log-verbosity", "4",
+    ]  # fmt: skip
+    with running_llama_server(model, args) as server:
+        pass
+    measured = parse_memory_log(server.final_log or "")
+    assert measured is not None
+    predicted = split_layers(len(est.layers), ngl, split)
+    for addr, layers in zip((a.address, b.address), predicted, strict=True):
+        expected = sum(est.output if il == len(est.layers) else per_layer for il in layers)
+        real = sum(v for k, v in measured.model.items() if addr in k)
+        assert abs(real - expected) < 0.02 * per_layer, (ngl, addr, layers, measured.model)

@@ -6,8 +6,10 @@ memory in; a :class:`~trioshed.core.model.Placement` or a
 
 Layer counting follows llama.cpp's ``-ngl``: the repeating layers are 0..n_layer-1 and the output
 layer counts as layer ``n_layer``, so ``n_gpu_layers = n_layer + 1`` offloads everything and
-``n_gpu_layers = k <= n_layer`` puts the *last* k repeating layers on the GPUs while the output
-layer stays in system memory. The input layer (``token_embd``) is always in system memory.
+``n_gpu_layers = k <= n_layer`` puts the output layer and the last ``k - 1`` repeating layers on
+the GPUs (the rule of the pinned build, b10068: ``-ngl 1`` logs "offloading output layer to GPU,
+offloading 0 repeating layers"; checked per device against the real build over RPC servers in
+``tests/test_rpc_e2e.py``). The input layer (``token_embd``) is always in system memory.
 
 With several GPUs llama.cpp assigns offloaded layer r (0-based among the offloaded ones, the
 output layer last) to the first device whose cumulative ``tensor_split`` fraction exceeds
@@ -48,9 +50,9 @@ def gpu_layer_count(est: MemoryEstimate) -> int:
 def split_layers(n_layer: int, n_gpu_layers: int, fractions: Sequence[float]) -> list[list[int]]:
     """Which layers (output layer = ``n_layer``) llama.cpp puts on each device for ``-ngl``.
 
-    ``fractions`` are ``--tensor-split`` weights (any scale). Mirrors ``llama_model::load_tensors``:
-    offloaded layers are ``[n_layer - ngl, n_layer]`` clipped, and layer il goes to the first
-    device whose cumulative normalised split exceeds ``(il - start) / act``.
+    ``fractions`` are ``--tensor-split`` weights (any scale). Mirrors ``llama_model::load_tensors``
+    (b10068): offloaded layers are ``[n_layer + 1 - ngl, n_layer]`` clipped at 0, and layer il goes
+    to the first device whose cumulative normalised split exceeds ``(il - start) / act``.
     """
     n_dev = len(fractions)
     out: list[list[int]] = [[] for _ in range(n_dev)]
@@ -62,11 +64,9 @@ def split_layers(n_layer: int, n_gpu_layers: int, fractions: Sequence[float]) ->
     for f in fractions:
         acc += f
         cumulative.append(acc / total)
-    start = max(n_layer - n_gpu_layers, 0)
-    act = min(n_gpu_layers, n_layer + 1)
+    start = max(n_layer + 1 - n_gpu_layers, 0)
+    act = n_layer + 1 - start
     for il in range(start, n_layer + 1):
-        if il - start >= act:
-            break
         dev = bisect.bisect_right(cumulative, (il - start) / act)
         out[min(dev, n_dev - 1)].append(il)
     return out
@@ -81,12 +81,12 @@ def _cpu_ram(est: MemoryEstimate, n_gpu_layers: int) -> int:
     n_layer = len(est.layers)
     if n_gpu_layers <= 0:
         return est.cpu_total
-    on_cpu = max(n_layer - n_gpu_layers, 0)
+    on_cpu = max(n_layer + 1 - n_gpu_layers, 0)  # repeating layers left on the CPU
     ram = est.token_embd + sum(est.layers[:on_cpu])
     if n_layer:
         ram += est.cpu_repack * on_cpu // n_layer
-    if n_gpu_layers <= n_layer:  # output layer on the CPU, sharing token_embd if tied
-        ram += est.output - est.output_shared + est.compute_partial
+    if on_cpu:  # layers computed on the CPU too (the output layer is offloaded first)
+        ram += est.compute_partial
     return ram
 
 
@@ -215,9 +215,7 @@ def place(
 
 def _offloaded(n_layer: int, n_gpu_layers: int) -> list[int]:
     """The layers ``-ngl`` offloads, in device-assignment order (the rule of :func:`split_layers`)."""
-    start = max(n_layer - n_gpu_layers, 0)
-    act = min(n_gpu_layers, n_layer + 1)
-    return list(range(start, n_layer + 1))[:act]
+    return list(range(max(n_layer + 1 - n_gpu_layers, 0), n_layer + 1))
 
 
 def _fill(

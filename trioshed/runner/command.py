@@ -66,9 +66,9 @@ def build_command(
     A placement over RPC servers adds ``--rpc host:port,…`` (the servers in placement order) and
     names them ``RPC0``… in ``--device``. With ``accounting_only`` its local share runs on the CPU
     while the RPC servers are real: ``--device`` lists only them, ``-ngl`` is the number of
-    layers planned on them and ``--tensor-split`` their layer counts. (With this llama.cpp,
-    ``-ngl k`` offloads the output layer and the last ``k - 1`` repeating layers: for a full
-    offload those are exactly the layers the plan put on the RPC servers.)
+    layers planned on them and ``--tensor-split`` their layer counts: as ``-ngl k`` offloads the
+    output layer and the last ``k - 1`` repeating layers, those are exactly the layers the plan put
+    on the RPC servers (the local share is the first of the offloaded ones).
     """
     remote = [
         (d, n) for d, n in zip(placement.devices, placement.layers or (0,) * len(placement.devices), strict=True)
