@@ -175,3 +175,60 @@ def test_embedding_runner_serves_generation_but_not_the_reverse() -> None:
     gen = runner(2, "a", 1)
     assert can_serve(emb, model("a"), RunnerOptions())
     assert not can_serve(gen, model("a"), RunnerOptions(embedding=True))
+
+
+# -- issue 9: a request that fits now loads at once, even while another waits for room --------
+
+
+def test_fits_now_beside_one_reservation_loads_at_once() -> None:
+    # The issue's shape: tiny (forever) and big (streaming) loaded; big2 waits for big to go.
+    # gamma fits in what is free now and still fits once big is gone and big2 is loaded.
+    m = machine(1 + 8 + 4 + 0.6, max_loaded=4)
+    runners = [runner(1, "tiny", 1, keep_alive=float("inf")), runner(2, "big", 8, leases=1)]
+    actions = run([req(9, "big2", 8), req(10, "gamma", 0.5)], runners, m)
+    assert actions[0] == Evict(2, "make room for big2:latest")
+    assert len(actions) == 2 and isinstance(actions[1], Load) and actions[1].request == 10
+
+
+def test_fits_now_beside_two_reservations_loads_at_once() -> None:
+    # 24 GiB: a (10, busy) and b (10, busy) loaded; c (10) and d (10) each make room.
+    # e (2) fits in the 4 GiB free now and beside c and d once a and b are gone.
+    runners = [runner(1, "a", 10, leases=1), runner(2, "b", 10, leases=1)]
+    actions = run([req(8, "c", 10), req(9, "d", 10), req(10, "e", 2)], runners, machine(24, max_loaded=5))
+    assert actions[:2] == [Evict(1, "make room for c:latest"), Evict(2, "make room for d:latest")]
+    assert len(actions) == 3 and isinstance(actions[2], Load) and actions[2].request == 10
+
+
+def test_fits_now_but_not_beside_the_reservation_waits() -> None:
+    # e (3) fits in the 4 GiB free now, but not beside c (12) once a is gone: it must not take
+    # the memory c waits for.
+    runners = [runner(1, "a", 10, leases=1), runner(2, "b", 10, leases=1)]
+    actions = run([req(8, "c", 12), req(10, "e", 3)], runners, machine(24, max_loaded=5))
+    assert Evict(1, "make room for c:latest") in actions
+    assert not any(isinstance(a, Load) for a in actions)
+
+
+def test_partial_offload_request_loads_beside_a_reservation() -> None:
+    # Real placement; the request asks for 4 of 13 layers on the GPU (num_gpu=4). 12 GiB GPU:
+    # a (6, busy) now, b (7) once a is gone; 4 layers + compute (under 5 GiB) fit both states.
+    from trioshed.core.placement import place
+
+    big = MemoryEstimate(weights=12 * GiB, kv=0, output=GiB // 4, token_embd=GiB // 4, compute_full=GiB // 4,
+                         compute_partial=GiB // 4, layers=(GiB,) * 12)  # fmt: skip
+    m = machine(12, system=64, max_loaded=4)
+    runners = [runner(1, "a", 6, leases=1)]
+    requests = [req(8, "b", 7), RequestView(9, model("huge"), RunnerOptions(num_gpu=4), big)]
+    actions = plan(requests, runners, m, place=place, now=100.0)
+    assert actions[0] == Evict(1, "make room for b:latest")
+    load = actions[1]
+    assert len(actions) == 2 and isinstance(load, Load) and load.request == 9
+    assert load.placement.n_gpu_layers == 4 and 3 * GiB <= load.placement.vram_total <= 12 * GiB - 7 * GiB
+
+
+def test_cpu_only_machine_fits_now_beside_a_reservation() -> None:
+    m = machine(system=16, max_loaded=4)
+    runners = [runner(1, "a", 8, leases=1, device="cpu")]
+    actions = run([req(8, "b", 10), req(9, "c", 4), req(10, "d", 4)], runners, m)
+    assert actions[0] == Evict(1, "make room for b:latest")
+    # c (4) fits now (8 free) and beside b (10) after; d would not fit beside b and c after.
+    assert len(actions) == 2 and isinstance(actions[1], Load) and actions[1].request == 9

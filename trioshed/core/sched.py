@@ -126,6 +126,36 @@ class Fail:
 
 
 Action = Dispatch | Load | Evict | Fail
+
+
+@dataclass(frozen=True)
+class RoomWait:
+    """A request that stays queued for want of memory (or of a runner place): why, and the
+    numbers, for the log line and the ``room_waits`` counter. Not an action: nothing to do.
+
+    ``needed``: bytes per device it waits for (its reservation), or its estimate's total in
+    system terms when it reserved nothing; ``free``: bytes per device physically free now;
+    ``victims``: runners being evicted, for it or before it, that it waits for.
+    """
+
+    request: int
+    model: str
+    reason: str
+    needed: tuple[tuple[str, int], ...]
+    free: tuple[tuple[str, int], ...]
+    reserved: bool
+    victims: tuple[str, ...] = ()
+
+
+class Plan(list[Action]):
+    """``plan()``'s actions, in order, plus ``waits``: the requests left waiting for room.
+
+    A list, so that callers and tests that compare actions keep working unchanged.
+    """
+
+    def __init__(self, actions: Sequence[Action] = (), waits: Sequence[RoomWait] = ()) -> None:
+        super().__init__(actions)
+        self.waits: list[RoomWait] = list(waits)
 Placer = Callable[..., Placement | DoesNotFit]
 
 
@@ -179,6 +209,8 @@ class _Sim:
         self.by_path: dict[str, list[int]] = defaultdict(list)
         self.used_all: Counter[str] = Counter()  # every runner of ours, leaving ones included
         self.used_kept: Counter[str] = Counter()  # the ones that stay
+        # Loading ones: not yet allocated, so not yet missing from a device's reported free
+        self.used_loading: Counter[str] = Counter()
         self.kept = 0
         self.unsettled = 0  # loading, leaving or being evicted
         self.reserved: dict[str, tuple[tuple[str, int], ...]] = {}  # model path -> usage waited for
@@ -194,6 +226,8 @@ class _Sim:
             self.used_all[dev] += sign * b
             if not _leaving(r):
                 self.used_kept[dev] += sign * b
+            if r.state is RunnerState.LOADING:
+                self.used_loading[dev] += sign * b
         if not _leaving(r):
             self.kept += sign
         if _leaving(r) or r.state is not RunnerState.READY:
@@ -217,16 +251,29 @@ class _Sim:
         self.reserved[path] = usage
         self.reserved_usage.update(dict(usage))
 
+    def _room(self, d: Device, extra: Counter[str] | None = None) -> tuple[int, int]:
+        """Bytes of ``d`` a new runner may take (now, after).
+
+        *Now* is what is physically free: the device's report less what our loading runners
+        are still to allocate (the report already counts the others), and at most its total less
+        everything our runners hold (leaving ones too; reservations are not loaded yet, so they
+        take nothing now). *After* is once every pending eviction (and the would-be victims'
+        ``extra``) is gone and every reservation is loaded.
+        """
+        held = self.used_all[d.id]  # ours, in memory now or being allocated
+        reported = d.free - self.used_loading[d.id]
+        kept = self.used_kept[d.id] - (extra[d.id] if extra else 0)  # ours once leavers are gone
+        after = min(reported + (held - kept), d.total - kept) - self.reserved_usage[d.id]
+        now = min(reported, d.total - held)
+        return max(0, now), max(0, after)
+
     def _devices(self, *, projected: bool, extra: Counter[str] | None = None) -> tuple[tuple[Device, ...], int]:
-        """GPUs and system memory free for a new runner, now or once evictions (and the
-        ``extra`` usage of would-be victims) are gone."""
+        """GPUs and system memory free for a new runner: once evictions settle (``projected``,
+        for making room), else for loading at once, which must fit both now and after."""
 
         def free(d: Device) -> int:
-            ours_now = self.used_all[d.id] + self.reserved_usage[d.id]
-            if not projected:
-                return max(0, min(d.free, d.total - ours_now))
-            ours = self.used_kept[d.id] - (extra[d.id] if extra else 0) + self.reserved_usage[d.id]
-            return max(0, min(d.free + (ours_now - ours), d.total - ours))
+            now, after = self._room(d, extra)
+            return after if projected else min(now, after)
 
         gpus = tuple(replace(d, free=0 if self._taken(d, projected, extra) else free(d)) for d in self.machine.gpus)
         return gpus, free(self.machine.system)
@@ -239,8 +286,16 @@ class _Sim:
             return self.used_all[d.id] + self.reserved_usage[d.id] > 0
         return self.used_kept[d.id] - (extra[d.id] if extra else 0) + self.reserved_usage[d.id] > 0
 
+    def system_capacity(self) -> int:
+        """System memory a runner could have with none of ours loaded."""
+        system = self.machine.system
+        return min(system.total, system.free - self.used_loading[CPU_ID] + self.used_all[CPU_ID])
+
     def count(self, *, projected: bool, extra: int = 0) -> int:
-        return (self.kept - extra if projected else len(self.runners)) + len(self.reserved)
+        """Runners once pending evictions (and ``extra`` victims) are gone and reservations are
+        loaded (``projected``); else the larger of that and the processes alive now."""
+        after = self.kept - extra + len(self.reserved)
+        return after if projected else max(after, len(self.runners))
 
     def _place(self, place: Placer, req: RequestView, gpus: tuple[Device, ...], system_free: int) -> Placement | DoesNotFit:
         return place(
@@ -267,6 +322,14 @@ class _Sim:
             return None
         result = self._place(place, req, *self._devices(projected=True, extra=extra))
         return result if isinstance(result, Placement) and result.n_gpu_layers >= min_layers else None
+
+    def free_now(self) -> tuple[tuple[str, int], ...]:
+        """Bytes physically free now on every GPU and in system memory (for messages)."""
+        devices = (*self.machine.gpus, self.machine.system)
+        return tuple((d.id, self._room(d)[0]) for d in devices)
+
+    def leaving(self) -> tuple[str, ...]:
+        return tuple(sorted({r.model.name for r in self.runners.values() if _leaving(r)}))
 
     def capacity(
         self, place: Placer, req: RequestView, system_capacity: int, extra_gpus: tuple[Device, ...] = ()
@@ -305,19 +368,22 @@ def plan(
     now: float,
     cooldowns: Mapping[str, tuple[float, str]] | None = None,
     next_runner_id: int = -1,
-) -> list[Action]:
+) -> Plan:
     """Decide what to do for every waiting request, highest priority first, then oldest first.
     Pure: no I/O, no clock.
+
+    A request loads at once when it fits both in the memory physically free now and beside
+    every reservation once every pending eviction has settled; else it makes room. The result
+    lists the actions in order; its ``waits`` say which requests wait for room, and why.
 
     ``cooldowns`` maps a model path to (until, cause) after a failed load. Runners created by a
     ``Load`` in this pass are given ids counting down from ``next_runner_id`` so that later
     requests for the same model join them (the caller maps them to the runners it creates).
     """
-    actions: list[Action] = []
+    actions = Plan()
     sim = _Sim(machine, runners)
     cooldowns = cooldowns or {}
-    ours_cpu = sum(dict(r.usage).get(CPU_ID, 0) for r in runners)
-    system_capacity = min(machine.system.total, machine.system.free + ours_cpu)
+    system_capacity = sim.system_capacity()
     new_id = next_runner_id
     waiting: set[tuple[object, ...]] = set()  # requests like these already wait in this pass
 
@@ -347,7 +413,7 @@ def _plan_one(
     now: float,
     cooldowns: Mapping[str, tuple[float, str]],
     system_capacity: int,
-    actions: list[Action],
+    actions: Plan,
     load: Callable[[RequestView, Placement], None],
 ) -> str:
     """Decide for one request; returns "wait" when it stays queued."""
@@ -386,6 +452,14 @@ def _plan_one(
     # As in the reference: with other runners in the way, a model that would get fewer layers
     # on GPUs than it could alone makes room instead of spilling to the CPU.
     best_layers = capacity.n_gpu_layers
+    chosen: list[RunnerView] = []  # victims evicted for this request
+
+    def wait(reason: str, needed: tuple[tuple[str, int], ...], reserved: bool = False) -> str:
+        victims = tuple(v.model.name for v in chosen) or sim.leaving()
+        actions.waits.append(RoomWait(req.id, req.model.name, reason, needed, sim.free_now(), reserved, victims))
+        return "wait"
+
+    wanted = ((CPU_ID, req.estimate.total),)
     # Pinned runners are never victims: aim for what fits with every other runner gone, and
     # fail at once (not after evicting the others) when only evicting pinned ones makes room.
     pinned = sim.pinned()
@@ -395,8 +469,8 @@ def _plan_one(
         if without_others is not None:
             best_layers = min(best_layers, without_others.n_gpu_layers)
         elif sim.fits_after(place, req, others + pinned) is not None:
-            if sim.unsettled or sim.reserved:
-                return "wait"  # decide once loads and evictions have settled
+            if sim.unsettled or sim.reserved:  # decide once loads and evictions have settled
+                return wait("only unloading pinned models would make room; deciding again once runners settle", wanted)
             names = tuple(sorted({r.model.name for r in pinned}))
             actions.append(Fail(req.id, PinnedModelsInTheWay(req.model.name, req.estimate.total, names)))
             return "failed"
@@ -410,7 +484,6 @@ def _plan_one(
         return "loading"
     # Not now: make room. Victims in order (idle first, shortest keep-alive, least recently
     # used) until the request fits once they are gone; then drop any victim not needed.
-    chosen: list[RunnerView] = []
     fit = sim.fits_after(place, req, chosen, best_layers)
     if fit is None:
         for victim in sim.candidates():
@@ -427,10 +500,15 @@ def _plan_one(
         actions.append(Evict(victim.id, f"make room for {req.model.name}"))
         sim.set(replace(victim, evicting=True))
     if fit is not None:
-        sim.reserve(req.model.path, usage_of(sim.fits_after(place, req, [], best_layers) or fit))
-        return "wait"
+        usage = usage_of(sim.fits_after(place, req, [], best_layers) or fit)
+        sim.reserve(req.model.path, usage)
+        if chosen:
+            return wait(f"evicting {', '.join(v.model.name for v in chosen)} to make room", usage, True)
+        return wait("waiting for runners being unloaded to make room", usage, True)
     if sim.unsettled or sim.reserved:
-        return "wait"  # runners still loading or leaving: decide again once they have
+        # runners still loading or leaving: decide again once they have
+        reason = "memory reserved for earlier requests" if sim.reserved else "runners still loading or unloading"
+        return wait(f"{reason}; deciding again once they settle", wanted)
     # Nothing of ours is left to make room: the memory is taken by something else. Take the
     # best placement there is now (partly or wholly on the CPU), or say why not.
     if isinstance(fit_now, Placement) and sim.count(projected=False) < machine.max_loaded:
@@ -440,5 +518,4 @@ def _plan_one(
         reason = "the rest of the memory is in use by other programs"
         actions.append(Fail(req.id, InsufficientMemory(req.model.name, fit_now.needed, fit_now.available, reason)))
         return "failed"
-    return "wait"
-
+    return wait(f"{machine.max_loaded} runners loaded (TRIOSHED_MAX_LOADED_MODELS) and none can be evicted", wanted)
