@@ -62,6 +62,7 @@ async def test_metrics_and_empty_ps(model_store: Path) -> None:
             assert (await http.get("/api/ps")).json() == {"models": []}
             text = (await http.get("/metrics")).text
             assert "trioshed_queued_requests 0" in text and "trioshed_loads_total 0" in text
+            assert "trioshed_room_waits_total 0" in text
 
 
 @pytest.mark.parametrize(

@@ -260,6 +260,42 @@ async def test_no_head_of_line_blocking(autojump_clock: trio.testing.MockClock) 
         assert h.events("evict") == [("evict", "a")]
 
 
+async def test_a_model_that_fits_now_loads_while_another_waits_for_a_swap(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Issue 9: tiny (forever) and big (streaming) loaded; big2 waits for big's stream to end.
+    # gamma fits now and beside big2 once big is gone: it loads at once, not after the swap.
+    caplog.set_level("INFO", logger="trioshed.scheduler.scheduler")
+    async with running({"tiny": 0.5, "big": 8, "big2": 8, "gamma": 1}, gpus=(0.5 + 8 + 4 + 0.6,), max_loaded=4) as h:
+        await h.once("tiny", keep_alive=math.inf)
+        stream = trio.Event()
+        await h.hold("big", stream)
+        got: list[str] = []
+
+        async def want(name: str) -> None:
+            async with h.sched.acquire(spec(name), RunnerOptions()):
+                got.append(name)
+
+        h.nursery.start_soon(want, "big2")
+        await trio.sleep(1)
+        assert got == [] and h.events("evict") == [("evict", "big")]
+        started = trio.current_time()
+        with trio.fail_after(60):  # on the old planner, gamma waits for big's stream: forever here
+            await h.once("gamma")
+        assert trio.current_time() - started == pytest.approx(1.0)  # its own load time only
+        assert got == [] and ("unloaded", "big") not in h.record  # big still streams
+        stats = h.sched.statistics()
+        assert stats.room_waits == 1  # big2; gamma never waited for room
+        stream.set()
+        await trio.sleep(5)
+        assert got == ["big2"] and h.events("load") == [("load", n) for n in ("tiny", "big", "gamma", "big2")]
+    waits = [r.getMessage() for r in caplog.records if "waits for memory" in r.getMessage()]
+    assert waits == [
+        "big2:latest waits for memory: evicting big:latest to make room; needs 8.00 GiB on cuda:0 "
+        "(free now: cuda:0 4.60 GiB, cpu 4.00 GiB); waits for big:latest to unload"
+    ]
+
+
 async def test_no_starvation_requests_for_a_victim_queue_behind_the_swap(autojump_clock: trio.testing.MockClock) -> None:
     async with running({"a": 16, "c": 16}) as h:
         busy = trio.Event()

@@ -21,7 +21,9 @@ async def metrics() -> Response:
         f'trioshed_runners{{state="loading"}} {stats.loading}',
         f'trioshed_runners{{state="unloading"}} {stats.unloading}',
     ]
-    for name in ("loads", "unloads", "crashes", "load_failures", "rejected"):
+    for name in ("loads", "unloads", "crashes", "load_failures", "rejected", "room_waits"):
+        if name == "room_waits":
+            lines.append("# HELP trioshed_room_waits_total Requests that had to wait for memory, each counted once.")
         lines += [f"# TYPE trioshed_{name}_total counter", f"trioshed_{name}_total {getattr(stats, name)}"]
     lines.append("# TYPE trioshed_runner_bytes gauge")
     for r in stats.runners:

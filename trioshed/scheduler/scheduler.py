@@ -47,6 +47,10 @@ HEALTH_INTERVAL = 15.0
 REMOTE_CHECK_TIMEOUT = 3.0  # how long a crashed runner's RPC servers are checked before it is reported
 
 
+def _gib(n: int) -> str:
+    return f"{n / 1024**3:.2f} GiB"
+
+
 class RunnerHandle(Protocol):
     """What the scheduler needs of a running child (real: LlamaServer; tests: a fake)."""
 
@@ -148,6 +152,7 @@ class _Request:
     runner: _Runner | None = None
     error: TrioshedError | None = None
     load_duration: float = 0.0
+    room_wait: str = ""  # why it waits for memory, as last logged ("" = it has not)
 
     @functools.cached_property
     def view(self) -> sched.RequestView:
@@ -230,6 +235,7 @@ class SchedulerStatistics:
     crashes: int
     load_failures: int
     rejected: int
+    room_waits: int = 0  # requests that had to wait for memory (counted once each)
     remote: tuple[RemoteStats, ...] = ()  # TRIOSHED_RPC_SERVERS: state, size, user
 
 
@@ -272,7 +278,7 @@ class Scheduler:
         self._ids = itertools.count(1)
         self._nursery: trio.Nursery | None = None
         self._closing = False
-        self._counters = dict(loads=0, unloads=0, crashes=0, load_failures=0, rejected=0)
+        self._counters = dict(loads=0, unloads=0, crashes=0, load_failures=0, rejected=0, room_waits=0)
 
     # -- the public surface -------------------------------------------------------------------
 
@@ -533,6 +539,25 @@ class Scheduler:
                 case Fail(request=rid, error=error):
                     self._note("failed", requests[rid].model)
                     self._finish(requests[rid], error=error)
+        for wait in actions.waits:
+            self._note_room_wait(requests[wait.request], wait)
+
+    def _note_room_wait(self, req: _Request, wait: sched.RoomWait) -> None:
+        """Count a request's first wait for memory and log it with its numbers (INFO; a later
+        change of reason at DEBUG: every pass re-decides, and the first says what matters)."""
+        if wait.reason == req.room_wait:
+            return
+        first = not req.room_wait
+        req.room_wait = wait.reason
+        if first:
+            self._counters["room_waits"] += 1
+            if self.record is not None:
+                self.record.append(("wait for room", req.model.short_name))
+        needed = "needs " + ", ".join(f"{_gib(b)} on {dev}" for dev, b in wait.needed)
+        free = "free now: " + ", ".join(f"{dev} {_gib(b)}" for dev, b in wait.free)
+        leaving = f"; waits for {', '.join(wait.victims)} to unload" if wait.victims else ""
+        level = logging.INFO if first else logging.DEBUG
+        log.log(level, "%s waits for memory: %s; %s (%s)%s", req.model.name, wait.reason, needed, free, leaving)
 
     def _dispatch(self, req: _Request, runner: _Runner) -> None:
         runner.leases += 1
