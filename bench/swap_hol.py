@@ -112,8 +112,9 @@ async def one_run(models: Path, *, predict: int, num_ctx: int) -> dict[str, Any]
             nursery.start_soon(stream_big)
             await stream_started.wait()
             nursery.start_soon(want_big2)
-            while not (("evict", "big") in record and sched.statistics().queued >= 1):
-                await trio.sleep(0.005)  # big2 queued and big chosen as its victim
+            # big2 queued and big chosen as its victim: a planning pass wakes no one, so poll
+            while not (("evict", "big") in record and sched.statistics().queued >= 1):  # noqa: ASYNC110
+                await trio.sleep(0.005)
             t0 = time.perf_counter()
             (await http.post("/api/generate", json=gen("gamma", 1, stream=False))).raise_for_status()
             t1 = time.perf_counter()
