@@ -23,11 +23,12 @@ from trioshed.api import translate
 from trioshed.api.state import AppState
 from trioshed.api.upstream import leased_stream, open_upstream, post_upstream, truncated
 from trioshed.config import parse_duration
-from trioshed.core.model import ModelSpec
+from trioshed.core.estimate import effective_kv_type
+from trioshed.core.model import ModelSpec, RunnerOptions
 from trioshed.errors import BadRequest, TrioshedError
 from trioshed.models.capabilities import capabilities
 from trioshed.models.ollama_store import OllamaManifest
-from trioshed.scheduler import Lease
+from trioshed.scheduler import Lease, RunnerStats
 
 log = logging.getLogger(__name__)
 bp = Blueprint("ollama", __name__)
@@ -293,6 +294,7 @@ async def ps() -> Any:
             "details": (await details(spec)) if spec else {},
             "expires_at": rfc3339(r.expires_at),
             "context_length": r.context_length,
+            "runner": await _runner_settings(st, r.options, spec, r),
         }
         if r.placement.endpoints:  # trioshed's addition: the RPC servers holding some layers
             entry["rpc_servers"] = list(r.placement.endpoints)
@@ -313,6 +315,48 @@ async def ps() -> Any:
         for s in stats.remote
     ]
     return {"models": out, "rpc_servers": servers}
+
+
+async def _runner_settings(
+    st: AppState, options: RunnerOptions, spec: ModelSpec | None, stats: RunnerStats | None = None
+) -> dict[str, Any]:
+    """The llama-server settings a runner has (or would have): what its size depends on.
+
+    ``num_ctx`` is per slot, as in Ollama; llama-server gets ``--ctx-size`` = ``kv_cells`` =
+    ``num_ctx * num_parallel`` (its ``-c`` is shared by the slots). ``flash_attention`` is
+    TRIOSHED_FLASH_ATTENTION (off by default; llama-server's own default, ``auto``, turns it on
+    where supported, which shrinks the compute buffer). ``size_source`` says whether ``size``
+    is what llama.cpp reported allocating (``measured``, the sum of its buffers) or the estimate.
+    """
+    kv_type = options.kv_cache_type
+    if spec is not None:
+        try:
+            kv_type = effective_kv_type(options, await st.metadata(spec))
+        except (OSError, ValueError):
+            pass
+    out: dict[str, Any] = {
+        "num_ctx": options.num_ctx,
+        "num_parallel": options.num_parallel,
+        "kv_cells": options.kv_cells,
+        "num_batch": options.num_batch,
+        "flash_attention": options.flash_attention,
+        "kv_cache_type": kv_type,
+        "embedding": options.embedding,
+    }
+    if stats is not None:
+        measured = stats.measured
+        out["n_gpu_layers"] = stats.placement.n_gpu_layers
+        out["devices"] = list(stats.placement.devices)
+        out["size_source"] = "measured" if measured is not None and measured.total > 0 else "estimate"
+        if measured is not None:
+            out["measured"] = {
+                "weights": measured.weights,
+                "kv": measured.kv,
+                "compute": sum(measured.compute.values()),
+                "output": sum(measured.output.values()),
+            }
+        out["estimated"] = stats.estimate.total
+    return out
 
 
 def _resolvable(st: AppState, name: str) -> bool:
@@ -354,6 +398,7 @@ async def show() -> Any:
             "trioshed.estimate.total": est.total,
         }
     )
+    info.update({f"trioshed.runner.{k}": v for k, v in (await _runner_settings(st, options, spec)).items()})
     origin = spec.origin if isinstance(spec.origin, OllamaManifest) else None
     template = (origin.template if origin else "") or meta.chat_template or ""
     facts = await details(spec)

@@ -13,6 +13,7 @@ the child before the cancellation propagates.
 from __future__ import annotations
 
 import ctypes
+import logging
 import math
 import os
 import signal
@@ -36,6 +37,9 @@ try:
     from trioshed.runner.memlog import MemoryLogParser
 except ImportError:  # pragma: no cover - lands with the memory-estimate work
     MemoryLogParser = None  # type: ignore[assignment,misc]
+
+#: Every line a child prints, at DEBUG, as "<model> [<pid>] <line>" (``--log-level debug``).
+output_log = logging.getLogger("trioshed.runner.output")
 
 _PR_SET_PDEATHSIG = 1
 _TAIL_LINES = 200
@@ -195,6 +199,8 @@ class LlamaServer:
 
     def _on_line(self, line: str) -> None:
         self.tail.append(line)
+        if output_log.isEnabledFor(logging.DEBUG):
+            output_log.debug("%s [%s] %s", self.model.name, self.pid, line)
         if self._progress is not None:  # loading: output is progress, and holds the buffer sizes
             self._progress.deadline = trio.current_time() + self._load_timeout
             if self._memlog is not None:

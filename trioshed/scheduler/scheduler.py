@@ -220,6 +220,7 @@ class RunnerStats:
     placement: Placement
     estimate: MemoryEstimate
     measured: MeasuredMemory | None
+    options: RunnerOptions = field(default_factory=RunnerOptions)  # what the runner was started with
 
 
 @dataclass(frozen=True)
@@ -429,6 +430,7 @@ class Scheduler:
                     placement=r.placement,
                     estimate=r.estimate,
                     measured=r.handle.measured if r.handle is not None else None,
+                    options=r.options,
                 )
             )
         states = [r.view().state for r in self._runners.values()]
