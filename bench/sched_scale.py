@@ -198,6 +198,7 @@ async def drain_through_loop(n_models: int, n_queued: int, *, budget: float) -> 
         "us_per_request": round(elapsed * 1e6 / max(served, 1), 2),
         "preload_seconds": round(load_s, 3),
         "loaded": loaded,
+        "passes": getattr(scheduler.statistics(), "passes", None),  # planning passes, preload included
     }
 
 
@@ -265,15 +266,15 @@ def markdown(doc: dict[str, Any]) -> str:
             "The Trio scheduler loop with in-process fake runners (no processes): all models loaded, "
             "then the queue submitted at once and drained",
             "",
-            "| models (loaded) | queued | served | seconds | us per request |",
-            "| ---: | ---: | ---: | ---: | ---: |",
+            "| models (loaded) | queued | served | seconds | us per request | planning passes |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         for p in doc["loop"]:
             if p.get("skipped"):
-                lines.append(f"| {p['models']} | {p['queued']} | skipped (time) | | |")
+                lines.append(f"| {p['models']} | {p['queued']} | skipped (time) | | | |")
             else:
                 lines.append(f"| {p['models']} ({p['loaded']}) | {p['queued']} | {p['served']} | {p['seconds']} | "
-                             f"{p['us_per_request']} |")  # fmt: skip
+                             f"{p['us_per_request']} | {p.get('passes')} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

@@ -296,6 +296,41 @@ async def test_a_model_that_fits_now_loads_while_another_waits_for_a_swap(
     ]
 
 
+async def test_a_freed_slot_goes_to_the_oldest_waiter_without_a_planning_pass(autojump_clock: trio.testing.MockClock) -> None:
+    # One slot on a; 40 requests queue for it while c makes room (b is evicted for it).
+    # Each release hands the slot to the next request for a, in arrival order, without a pass
+    # over the queue: passes stay a handful however many requests are served.
+    async with running({"a": 8, "b": 8, "c": 16}, max_queue=64) as h:
+        first = trio.Event()
+        await h.hold("a", first)
+        await h.once("b")
+        order: list[int] = []
+
+        async def want_a(i: int) -> None:
+            async with h.sched.acquire(spec("a"), RunnerOptions()):
+                order.append(i)
+                await trio.sleep(0.1)
+
+        for i in range(40):
+            h.nursery.start_soon(want_a, i)
+            await trio.testing.wait_all_tasks_blocked()
+        c_done = trio.Event()
+
+        async def want_c() -> None:
+            async with h.sched.acquire(spec("c"), RunnerOptions()):
+                c_done.set()
+
+        h.nursery.start_soon(want_c)
+        await trio.testing.wait_all_tasks_blocked()
+        before = h.sched.statistics().passes
+        first.set()
+        await c_done.wait()
+        await h.sched.wait_statistics(lambda s: s.queued == 0 and s.leased == 0)
+        assert order == list(range(40))
+        assert h.sched.statistics().passes - before <= 6  # not one per request
+        assert h.events("evict") == [("evict", "b")]
+
+
 async def test_no_starvation_requests_for_a_victim_queue_behind_the_swap(autojump_clock: trio.testing.MockClock) -> None:
     async with running({"a": 16, "c": 16}) as h:
         busy = trio.Event()

@@ -21,7 +21,6 @@ import itertools
 import logging
 import math
 import time
-from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, aclosing, asynccontextmanager
 from dataclasses import dataclass, field
@@ -237,6 +236,7 @@ class SchedulerStatistics:
     load_failures: int
     rejected: int
     room_waits: int = 0  # requests that had to wait for memory (counted once each)
+    passes: int = 0  # planning passes run (a freed slot handed to a waiter needs none)
     remote: tuple[RemoteStats, ...] = ()  # TRIOSHED_RPC_SERVERS: state, size, user
 
 
@@ -272,14 +272,16 @@ class Scheduler:
         # Requests enter here; the buffer is the queue bound (TRIOSHED_MAX_QUEUE).
         self._pending_send, self._pending_recv = trio.open_memory_channel[_Request](max_queue)
         self._waiting: dict[int, _Request] = {}  # arrival order
+        self._waiting_by_path: dict[str, dict[int, _Request]] = {}  # the same, per model file
         self._runners: dict[int, _Runner] = {}
         self._cooldowns: dict[str, tuple[float, str]] = {}
         self._backoff: dict[str, float] = {}
         self._changes = RepeatedEvent()  # set on every change the planner or a waiter cares about
+        self._dirty = False  # a change the planner must look at (others only wake waiters)
         self._ids = itertools.count(1)
         self._nursery: trio.Nursery | None = None
         self._closing = False
-        self._counters = dict(loads=0, unloads=0, crashes=0, load_failures=0, rejected=0, room_waits=0)
+        self._counters = dict(loads=0, unloads=0, crashes=0, load_failures=0, rejected=0, room_waits=0, passes=0)
 
     # -- the public surface -------------------------------------------------------------------
 
@@ -295,7 +297,9 @@ class Scheduler:
                 task_status.started()
                 async with aclosing(self._changes.events()) as changes:
                     async for _ in changes:  # eventually consistent: bursts coalesce into one pass
-                        self._schedule()
+                        if self._dirty:
+                            self._dirty = False
+                            self._schedule()
         finally:
             self._closing = True
             self._pending_send.close()
@@ -331,9 +335,10 @@ class Scheduler:
             keep_alive=_keep_alive(keep_alive, model, self.default_keep_alive),
             estimate=estimate,
         )
-        runner = self._free_slot_now(req) if not self._queued_count() else None
+        runner = self._free_slot_now(req) if self._nothing_ahead(req) else None
         if runner is not None:
-            # Fast path, FIFO-safe because nothing waits: a ready runner has a free slot.
+            # Fast path, FIFO-safe because nothing for this model waits ahead of it: a ready
+            # runner has a free slot (the planner would dispatch it at once too).
             await trio.lowlevel.checkpoint_if_cancelled()
             self._dispatch(req, runner)
             await trio.lowlevel.cancel_shielded_checkpoint()
@@ -348,6 +353,10 @@ class Scheduler:
             raise req.error
         assert req.runner is not None
         return Lease(self, req.runner, req.load_duration)
+
+    def _nothing_ahead(self, req: _Request) -> bool:
+        """No request for ``req``'s model waits, nor any still in the channel (of unknown model)."""
+        return req.model.path not in self._waiting_by_path and not self._pending_send.statistics().current_buffer_used
 
     def _queued_count(self) -> int:
         return len(self._waiting) + self._pending_send.statistics().current_buffer_used
@@ -400,10 +409,9 @@ class Scheduler:
     def statistics(self) -> SchedulerStatistics:
         now, wall = trio.current_time(), time.time()
         runners = []
-        waiting_by_path = Counter(q.model.path for q in self._waiting.values())
         for r in self._runners.values():
             view = r.view()
-            waiting = waiting_by_path[r.model.path]
+            waiting = len(self._waiting_by_path.get(r.model.path, ()))
             if r.leases > 0 or r.state is RunnerState.LOADING:
                 expires = math.inf if r.keep_alive == math.inf else wall + r.keep_alive
             else:
@@ -454,6 +462,8 @@ class Scheduler:
     # -- internals ----------------------------------------------------------------------------
 
     def _wake(self) -> None:
+        """A change for the planner: the loop runs a pass (and waiters look again)."""
+        self._dirty = True
         self._changes.set()
 
     async def _wait_changed(self) -> None:
@@ -467,13 +477,33 @@ class Scheduler:
     async def _receive_requests(self) -> None:
         async with self._pending_recv:
             async for req in self._pending_recv:
-                if not req.done.is_set():
-                    self._waiting[req.id] = req
-                    self._wake()
+                self._enqueue(req)
+                # take the whole burst before the next pass (each receive() is a checkpoint)
+                while True:
+                    try:
+                        self._enqueue(self._pending_recv.receive_nowait())
+                    except (trio.WouldBlock, trio.EndOfChannel):
+                        break
+                self._wake()
+
+    def _enqueue(self, req: _Request) -> None:
+        if not req.done.is_set():
+            self._waiting[req.id] = req
+            self._waiting_by_path.setdefault(req.model.path, {})[req.id] = req
+
+    def _unqueue(self, req: _Request) -> bool:
+        """Take ``req`` out of the waiting list; whether it was there."""
+        if self._waiting.pop(req.id, None) is None:
+            return False
+        same = self._waiting_by_path[req.model.path]
+        del same[req.id]
+        if not same:
+            del self._waiting_by_path[req.model.path]
+        return True
 
     def _withdraw(self, req: _Request) -> None:
         """The requester left (cancelled): leave the queue, or give back a lease granted meanwhile."""
-        if self._waiting.pop(req.id, None) is not None:
+        if self._unqueue(req):
             self._note("left queue", req.model)
         if req.runner is not None and req.error is None:
             self._release(req.runner)
@@ -484,13 +514,16 @@ class Scheduler:
     def _finish(self, req: _Request, *, runner: _Runner | None = None, error: TrioshedError | None = None) -> None:
         if req.done.is_set():
             return
-        self._waiting.pop(req.id, None)
+        self._unqueue(req)
         req.runner, req.error = runner, error
         req.done.set()
 
     def _release(self, runner: _Runner) -> None:
         runner.leases -= 1
         runner.last_used = trio.current_time()
+        if self._hand_over(runner):
+            self._changes.set()  # waiters look again; the planner has nothing new to decide
+            return
         if runner.leases == 0 and runner.id in self._runners:
             if runner.evicting or runner.keep_alive <= 0:
                 runner.stop(runner.unload_reason or "keep_alive 0")
@@ -501,6 +534,28 @@ class Scheduler:
     def _remote_busy(self) -> set[str]:
         """The RPC servers our runners hold (each serves one client: not to be probed)."""
         return {e for r in self._runners.values() for e in r.placement.endpoints}
+
+    def _hand_over(self, runner: _Runner) -> bool:
+        """Give a slot just freed straight to the oldest request waiting for this runner's model,
+        when it can serve it: what the planner would decide (a loaded, usable runner with a free
+        slot takes its model's requests at once, oldest first), without a planning pass over
+        the whole queue. Nothing else changes (the runner stays leased), so no pass is needed.
+        """
+        same = self._waiting_by_path.get(runner.model.path)
+        if (
+            not same
+            or runner.id not in self._runners
+            or runner.state is not RunnerState.READY
+            or runner.evicting
+            or runner.stopping
+            or runner.leases >= runner.options.num_parallel
+        ):
+            return False
+        oldest = next(iter(same.values()))
+        if not sched.can_serve(runner.view(), oldest.model, oldest.options):
+            return False  # it waits for a reload: the planner decides
+        self._dispatch(oldest, runner)
+        return True
 
     def _machine(self) -> Machine:
         remote = self._remote
@@ -517,6 +572,7 @@ class Scheduler:
         now = trio.current_time()
         if not self._waiting:
             return
+        self._counters["passes"] += 1
         requests = self._waiting.copy()
         actions = sched.plan(
             [r.view for r in self._waiting.values()],
