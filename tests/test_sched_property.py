@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from trioshed.core.model import Device, MemoryEstimate, ModelSpec, Placement, RunnerOptions
@@ -120,6 +120,23 @@ def worlds(draw: st.DrawFn) -> World:
     return World(machine, others, tuple(runners), tuple(requests), draw(st.booleans()))
 
 
+def issue_9_world() -> World:
+    """The issue's shape: tiny (forever) and big (busy) loaded, big2 must wait for big's
+    stream, gamma fits now and beside big2 once big is gone."""
+    total = int(13.1 * GiB)
+    tiny = RunnerView(1, spec("a"), RunnerOptions(num_parallel=2), RunnerState.READY, 0, False, float("inf"), 0.0,
+                      (("cuda:0", GiB // 2),))  # fmt: skip
+    big = RunnerView(2, spec("b"), RunnerOptions(num_parallel=2), RunnerState.READY, 1, False, 300.0, 1.0,
+                     (("cuda:0", 8 * GiB),))  # fmt: skip
+    gpu = Device("cuda:0", "cuda", 0, total, total - GiB // 2 - 8 * GiB)
+    requests = (
+        RequestView(100, spec("c"), RunnerOptions(num_parallel=2), estimate(8 * GiB, 4)),
+        RequestView(101, spec("d"), RunnerOptions(num_parallel=2), estimate(GiB, 2)),
+    )
+    machine = Machine(gpus=(gpu,), system=Device(CPU_ID, CPU_ID, 0, 16 * GiB, 16 * GiB), max_loaded=4)
+    return World(machine, {"cuda:0": 0, CPU_ID: 0}, (tiny, big), requests, False)
+
+
 def run(world: World, requests: Sequence[RequestView]) -> Plan:
     return plan(requests, world.runners, world.machine, place=world.place(), now=1000.0)  # type: ignore[arg-type]
 
@@ -151,6 +168,7 @@ def totals(world: World, p: Plan) -> tuple[Counter[str], Counter[str], int, int]
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(worlds())
+@example(issue_9_world())
 def test_a_plan_never_over_commits_now_or_after_evictions(world: World) -> None:
     p = run(world, world.requests)
     now, after, count_now, count_after = totals(world, p)
@@ -198,6 +216,7 @@ def loads_at_once(world: World, before: Plan, req: RequestView) -> bool:
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(worlds())
+@example(issue_9_world())
 def test_a_plan_never_makes_a_request_wait_that_could_load_at_once(world: World) -> None:
     full = run(world, world.requests)
     acted = {getattr(a, "request", None) for a in full}
