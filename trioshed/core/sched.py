@@ -178,6 +178,8 @@ def can_serve(runner: RunnerView, model: ModelSpec, options: RunnerOptions) -> b
     ):
         return False
     have, want = runner.options, options
+    if have == want:
+        return True  # the common case, without the copies below (a planning pass asks often)
     if have.embedding and not want.embedding:
         want = replace(want, embedding=True)  # an embedding runner generates too
     if want.num_gpu < 0:
