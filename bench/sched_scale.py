@@ -202,6 +202,51 @@ async def drain_through_loop(n_models: int, n_queued: int, *, budget: float) -> 
     }
 
 
+async def one_pass(n_models: int, n_queued: int, *, calls: int = 30) -> dict[str, Any]:
+    """The cost of one planning pass of the Trio loop (views of every runner, ``plan()``, acting
+    on nothing): ``n_models`` fake runners, every slot leased, ``n_queued`` requests waiting
+    for those slots; the median of ``calls`` passes."""
+    import trio
+
+    from trioshed.core.model import Device, ModelSpec, RunnerOptions
+    from trioshed.devices import DeviceSource
+    from trioshed.scheduler import Scheduler
+    from trioshed.testing.fake import FakeFactory, fixed_estimator, simple_place
+
+    specs = [ModelSpec(f"m{i}:latest", f"/models/m{i}.gguf") for i in range(n_models)]
+    opts = RunnerOptions(num_ctx=1024, num_parallel=1, num_gpu=0)
+    cpu = Device("cpu", "cpu", 0, 1024 * GiB, 1024 * GiB)
+    scheduler = Scheduler(
+        devices=DeviceSource((), "cpu", fixed_system=cpu), factory=FakeFactory(load_time=0.0),
+        estimator=fixed_estimator({f"m{i}": 10**6 for i in range(n_models)}), place=simple_place,
+        max_queue=n_queued + n_models, max_loaded_models=n_models, default_keep_alive=math.inf,
+    )  # fmt: skip
+    release = trio.Event()
+
+    async def hold(i: int) -> None:
+        async with scheduler.acquire(specs[i % n_models], opts):
+            await release.wait()
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(scheduler.run)
+        for i in range(n_models):
+            nursery.start_soon(hold, i)
+            while scheduler.statistics().leased < i + 1:  # noqa: ASYNC110 (a dispatch wakes no one)
+                await trio.sleep(0.001)
+        for i in range(n_queued):
+            nursery.start_soon(hold, i)
+        while scheduler.statistics().queued < n_queued:  # noqa: ASYNC110
+            await trio.sleep(0.001)
+        times = []
+        for _ in range(calls):
+            t = time.perf_counter()
+            scheduler._schedule()  # one pass, as the loop runs it
+            times.append(time.perf_counter() - t)
+        release.set()
+        nursery.cancel_scope.cancel(reason="pass cost measured")
+    return {"models": n_models, "queued": n_queued, "us_per_pass": round(statistics.median(times) * 1e6, 1)}
+
+
 def run_loop(models: Sequence[int], queued: Sequence[int], *, budget: float, max_seconds: float) -> list[dict[str, Any]]:
     import trio
 
@@ -275,6 +320,15 @@ def markdown(doc: dict[str, Any]) -> str:
             else:
                 lines.append(f"| {p['models']} ({p['loaded']}) | {p['queued']} | {p['served']} | {p['seconds']} | "
                              f"{p['us_per_request']} | {p.get('passes')} |")  # fmt: skip
+    if doc.get("passes"):
+        lines += [
+            "",
+            "One planning pass of the Trio loop (fake runners, every slot leased, the queue waiting for them)",
+            "",
+            "| runners | queued | us per pass |",
+            "| ---: | ---: | ---: |",
+        ]
+        lines += [f"| {p['models']} | {p['queued']} | {p['us_per_pass']} |" for p in doc["passes"]]
     return "\n".join(lines) + "\n"
 
 
@@ -312,6 +366,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-plot", action="store_true")
     args = p.parse_args(argv)
     doc = run(**SIZES["full" if args.full else "quick"])
+    import trio
+
+    doc["passes"] = [trio.run(partial(one_pass, m, q)) for m in (10, 100) for q in (100, 512)]
     doc["meta"] = {
         "tool": "bench.sched_scale",
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
