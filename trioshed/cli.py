@@ -173,6 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"trioshed: {exc}", file=sys.stderr)
         return 2
+    if settings.log_format != "text":
+        from trioshed.logs import use_format
+
+        use_format(settings.log_format)
     commands = {
         "serve": _cmd_serve,
         "run": _cmd_run,

@@ -14,7 +14,7 @@ from quart import Response, has_request_context, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from trioshed.api import embed, manage, metrics, ollama, openai
+from trioshed.api import embed, manage, metrics, observe, ollama, openai
 from trioshed.api.state import AppState
 from trioshed.errors import ModelNotFound, PayloadTooLarge, TrioshedError, Unauthorized
 
@@ -62,6 +62,8 @@ def create_app(state: AppState) -> QuartTrio:
     app.register_blueprint(metrics.bp)
     app.register_blueprint(embed.bp)
     app.register_blueprint(manage.bp)
+    app.config["TRIOSHED_METRICS"] = metrics.Metrics(state.scheduler)
+    observe.install(app, app.config["TRIOSHED_METRICS"], log_json=state.settings.log_format == "json")
     origins = state.settings.origins
     api_key = state.settings.api_key
 
@@ -90,6 +92,7 @@ def create_app(state: AppState) -> QuartTrio:
 
     @app.errorhandler(TrioshedError)
     async def _trioshed_error(exc: TrioshedError) -> Response:
+        observe.note_error(exc)
         code = "model_not_found" if isinstance(exc, ModelNotFound) else None
         response = _json_error(exc.status, exc.message, exc.headers, code)
         if exc.status == 413:
