@@ -14,7 +14,7 @@ from quart import Response, has_request_context, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from trioshed.api import embed, manage, metrics, observe, ollama, openai
+from trioshed.api import embed, manage, metrics, observe, ollama, openai, openapi
 from trioshed.api.state import AppState
 from trioshed.errors import ModelNotFound, PayloadTooLarge, TrioshedError, Unauthorized
 
@@ -52,7 +52,7 @@ def _json_error(status: int, message: str, headers: dict[str, str] | None = None
 
 
 def create_app(state: AppState) -> QuartTrio:
-    app = QuartTrio("trioshed")
+    app = QuartTrio("trioshed", static_folder=None)  # no /static/<path> route: nothing static is served
     app.config["TRIOSHED"] = state
     app.config["RESPONSE_TIMEOUT"] = None  # token streams may run for many minutes
     app.config["BODY_TIMEOUT"] = None
@@ -62,6 +62,7 @@ def create_app(state: AppState) -> QuartTrio:
     app.register_blueprint(metrics.bp)
     app.register_blueprint(embed.bp)
     app.register_blueprint(manage.bp)
+    app.register_blueprint(openapi.bp)
     app.config["TRIOSHED_METRICS"] = metrics.Metrics(state.scheduler)
     observe.install(app, app.config["TRIOSHED_METRICS"], log_json=state.settings.log_format == "json")
     origins = state.settings.origins
