@@ -183,9 +183,12 @@ async def test_503s_are_counted_by_cause(model_store: Path, unknown_arch_model: 
             async with trio.open_nursery() as nursery:
                 first = partial(http.post, "/api/generate", json={"model": "tiny", "prompt": "x", "stream": False, "options": {"num_predict": 1}})
                 nursery.start_soon(first)
-                await server.scheduler.wait_statistics(lambda st: st.loading == 1)
+                while server.scheduler.statistics().loading != 1:  # starting a load wakes no waiter
+                    await trio.sleep(0.01)
                 r = await http.post("/api/generate", json={"model": "tiny", "prompt": "x"})
                 assert r.status_code == 503 and r.headers["Retry-After"]
+                r = await http.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "x"}]})
+                assert r.status_code == 503  # OpenAI's routes count theirs too
                 gate.touch()
             # cooldown: a model that failed to load is refused for a while
             assert (await http.post("/api/generate", json={"model": "broken", "prompt": "x"})).status_code == 500
@@ -193,10 +196,10 @@ async def test_503s_are_counted_by_cause(model_store: Path, unknown_arch_model: 
             assert r.status_code == 503 and "failed to load recently" in r.json()["error"]
 
             s = parse((await http.get("/metrics")).text)
-            assert value(s, "trioshed_unavailable_total", cause="queue_full") == 1
+            assert value(s, "trioshed_unavailable_total", cause="queue_full") == 2
             assert value(s, "trioshed_unavailable_total", cause="cooldown") == 1
             assert value(s, "trioshed_unavailable_total", cause="shutting_down") == 0
-            assert value(s, "trioshed_rejected_total") == 1
+            assert value(s, "trioshed_rejected_total") == 2
             assert value(s, "trioshed_load_failures_total") == 1
             assert value(s, "trioshed_model_load_failures_total", model="broken:latest") == 1
             assert value(s, "trioshed_http_requests_total", route="/api/generate", method="POST", status="503") == 2

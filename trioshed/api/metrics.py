@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -181,6 +182,7 @@ class Metrics:
         )  # fmt: skip
         for cause in CAUSES.values():
             self.unavailable.labels(cause)  # present at 0 from the start
+        self._children: dict[tuple[str, str, int, str], tuple[Any, Any, Any]] = {}
         scheduler.observer = self.scheduler_event
 
     def scheduler_event(self, event: str, model: str, reason: str, seconds: float) -> None:
@@ -198,11 +200,19 @@ class Metrics:
             self.load_failures.labels(model).inc()
 
     def request_finished(self, trace: RequestTrace, duration: float) -> None:
-        route = trace.route or "unmatched"
-        self.requests.labels(route, trace.method, str(trace.status)).inc()
-        self.request_duration.labels(trace.model, route).observe(duration)
+        key = (trace.route, trace.method, trace.status, trace.model)
+        children = self._children.get(key)
+        if children is None:  # labels() costs a few microseconds: once per label set, not per request
+            route = trace.route or "unmatched"
+            children = self._children[key] = (
+                self.requests.labels(route, trace.method, str(trace.status)),
+                self.request_duration.labels(trace.model, route),
+                self.queue_wait.labels(trace.model, route),
+            )
+        children[0].inc()
+        children[1].observe(duration)
         if trace.queue_wait is not None:
-            self.queue_wait.labels(trace.model, route).observe(trace.queue_wait)
+            children[2].observe(trace.queue_wait)
         if trace.status == 503:
             self.unavailable.labels(trace.error or "other").inc()
 
