@@ -183,7 +183,8 @@ async def test_503s_are_counted_by_cause(model_store: Path, unknown_arch_model: 
             async with trio.open_nursery() as nursery:
                 first = partial(http.post, "/api/generate", json={"model": "tiny", "prompt": "x", "stream": False, "options": {"num_predict": 1}})
                 nursery.start_soon(first)
-                while server.scheduler.statistics().loading != 1:  # starting a load wakes no waiter
+                # starting a load wakes no statistics() waiter (wait_statistics would miss it): poll
+                while server.scheduler.statistics().loading != 1:  # noqa: ASYNC110
                     await trio.sleep(0.01)
                 r = await http.post("/api/generate", json={"model": "tiny", "prompt": "x"})
                 assert r.status_code == 503 and r.headers["Retry-After"]

@@ -20,14 +20,6 @@ from trioshed.runner.binary import LlamaBinary
 from trioshed.server import build_scheduler
 from trioshed.testing.server import open_test_server
 
-# Routes another branch (issue 10: /api/delete, /api/copy, pull/push/create, blobs, GET
-# /v1/models/{model}) adds: documented already, allowed to be missing from the url map until it
-# is merged. Once served, the test below says to remove them from here.
-PENDING = {
-    ("/api/delete", "delete"), ("/api/copy", "post"), ("/api/pull", "post"), ("/api/push", "post"),
-    ("/api/create", "post"), ("/api/blobs/{digest}", "head"), ("/api/blobs/{digest}", "post"),
-    ("/v1/models/{model}", "get"),
-}  # fmt: skip
 HTTP_METHODS = {"get", "put", "post", "delete", "options", "head", "patch", "trace"}
 
 
@@ -60,8 +52,7 @@ def documented_operations() -> set[tuple[str, str]]:
 def test_every_served_route_is_documented_and_nothing_else(tmp_path: Path) -> None:
     served, documented = served_operations(tmp_path), documented_operations()
     assert served - documented == set(), "served but not in trioshed/api/openapi.py"
-    assert documented - served - PENDING == set(), "documented but not served"
-    assert PENDING & served == set(), "now served: remove these from PENDING in tests/test_openapi.py"
+    assert documented - served == set(), "documented but not served"
 
 
 def test_the_document_is_valid_openapi_3_1() -> None:

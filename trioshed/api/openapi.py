@@ -59,12 +59,14 @@ _OPTIONS_RUNNER: Schema = {
 _ERROR_STATUSES = {
     "400": "Bad input: malformed JSON, a field of the wrong type, an unsafe model name.",
     "401": "TRIOSHED_API_KEY is set and the bearer token is missing or wrong.",
+    "403": "The model is in a read-only Ollama store.",
     "404": "No such model in the store.",
+    "409": "The change would break another models.toml entry, or models.toml cannot be edited safely.",
     "413": "The request body is larger than 64 MiB.",
     "500": "The model failed to load (llama-server's own message) or an internal error.",
     "502": "llama-server answered with an error.",
     "503": "Queue full, the model is in its load back-off, or trioshed is shutting down (Retry-After).",
-    "507": "The model cannot fit even with every other model unloaded.",
+    "507": "The model cannot fit even with every other model unloaded, or only by evicting pinned models.",
 }
 
 
@@ -105,7 +107,7 @@ def _schemas() -> Schema:
     return {
         "Error": _obj({"error": _STR}, ("error",)),
         "OpenAIError": _obj(
-            {"error": _obj({"message": _STR, "type": {"type": ["string", "null"]}, "code": {"type": ["string", "integer", "null"]}}, ("message",))},
+            {"error": _obj({"message": _STR, "type": {"type": ["string", "null"]}, "param": {"type": ["string", "null"]}, "code": {"type": ["string", "integer", "null"]}}, ("message", "type"))},
             ("error",),
         ),
         "KeepAlive": {
@@ -126,7 +128,7 @@ def _schemas() -> Schema:
             ("model",),
         ),
         "GenerateResponse": _obj(
-            {"model": _STR, "created_at": _STR, "response": _STR, "thinking": _STR, "done": _BOOL, "done_reason": _STR, **timings},
+            {"model": _STR, "created_at": _STR, "response": _STR, "thinking": _STR, "done": _BOOL, "done_reason": _STR, "context": {"type": "array", "items": _INT}, **timings},
             ("model", "done"),
         ),
         "ChatRequest": _obj(
@@ -209,7 +211,7 @@ def _schemas() -> Schema:
 
 
 def _errors(*statuses: str, openai: bool = False) -> Schema:
-    schema = {"anyOf": [_ref("OpenAIError"), _ref("Error")]} if openai else _ref("Error")
+    schema = _ref("OpenAIError") if openai else _ref("Error")
     return {s: {"description": _ERROR_STATUSES[s], "content": {"application/json": {"schema": schema}}} for s in statuses}
 
 
@@ -246,7 +248,7 @@ def _not_implemented(summary: str) -> Schema:
 
 def _paths() -> Schema:
     ollama = ("400", "401", "404", "413", "500", "502", "503", "507")
-    digest = {"name": "digest", "in": "path", "required": True, "schema": {"type": "string", "pattern": "^sha256[:-][0-9a-f]{64}$"}}
+    digest = {"name": "digest", "in": "path", "required": True, "schema": {"type": "string", "description": "sha256:<hex> (any value: the route answers 501)"}}
     return {
         "/": {
             "get": _get_op("Liveness: `Ollama is running`", "text/plain", _STR, auth=False),
@@ -264,15 +266,14 @@ def _paths() -> Schema:
             "delete": {
                 "summary": "Delete a model from trioshed's own store (unloaded first); an Ollama store is read-only (403)",
                 "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("ModelRequest")}}},
-                "responses": {"200": {"description": "deleted"}, "403": {"description": "the model is in a read-only Ollama store", "content": {"application/json": {"schema": _ref("Error")}}},
-                              **_errors("400", "401", "404", "413", "500")},
+                "responses": {"200": {"description": "deleted"}, **_errors("400", "401", "403", "404", "409", "413", "500")},
             }
         },
         "/api/copy": {
             "post": {
                 "summary": "Add an alias for a model (in models.toml)",
                 "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("CopyRequest")}}},
-                "responses": {"200": {"description": "copied"}, **_errors("400", "401", "404", "413", "500")},
+                "responses": {"200": {"description": "copied"}, **_errors("400", "401", "404", "409", "413", "500")},
             }
         },
         "/api/pull": {"post": _not_implemented("Not supported (501)")},
