@@ -7,6 +7,8 @@ from pathlib import Path
 
 import httpx
 import trio
+from openapi_schema_validator import OAS31Validator
+from openapi_schema_validator import validate as validate_instance
 from openapi_spec_validator import validate
 
 from trioshed.api.app import create_app
@@ -84,3 +86,32 @@ async def test_openapi_json_is_served(model_store: Path) -> None:
             r = await http.get("/openapi.json")
     assert r.status_code == 200 and r.headers["content-type"] == "application/json"
     assert r.json() == document()
+
+
+def response_schema(path: str, method: str, status: int) -> dict[str, object]:
+    """The documented JSON schema of an answer, with the components it refers to."""
+    spec = document()
+    schema = spec["paths"][path][method]["responses"][str(status)]["content"]["application/json"]["schema"]
+    return {**schema, "components": spec["components"]}
+
+
+async def test_answers_match_their_documented_schemas(model_store: Path) -> None:
+    cases = [
+        ("get", "/api/tags", "/api/tags", None, 200),
+        ("get", "/api/ps", "/api/ps", None, 200),
+        ("get", "/api/version", "/api/version", None, 200),
+        ("post", "/api/show", "/api/show", {"model": "tiny"}, 200),
+        ("post", "/api/show", "/api/show", {"model": "nope"}, 404),
+        ("post", "/api/generate", "/api/generate", {"model": "tiny", "prompt": "x", "options": [1]}, 400),
+        ("get", "/v1/models", "/v1/models", None, 200),
+        ("get", "/v1/models/{model}", "/v1/models/tiny", None, 200),
+        ("get", "/v1/models/{model}", "/v1/models/nope", None, 404),
+        ("post", "/v1/chat/completions", "/v1/chat/completions", {"model": "nope", "messages": []}, 404),
+        ("post", "/api/pull", "/api/pull", {"model": "x"}, 501),
+    ]
+    with trio.fail_after(30):
+        async with open_test_server(model_store) as server, httpx.AsyncClient(base_url=server.base_url) as http:
+            for method, path, url, body, status in cases:
+                r = await http.request(method.upper(), url, json=body)
+                assert r.status_code == status, (url, r.text)
+                validate_instance(r.json(), response_schema(path, method, status), cls=OAS31Validator)
