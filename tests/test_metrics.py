@@ -116,11 +116,14 @@ async def test_two_servers_in_one_process_keep_their_own_registries(model_store:
             async with httpx.AsyncClient(base_url=one.base_url) as a, httpx.AsyncClient(base_url=two.base_url) as b:
                 for _ in range(3):
                     assert (await a.get("/api/version")).status_code == 200
+                for i in range(3):  # made-up methods and paths add no label values
+                    assert (await a.request(f"BREW{i}", f"/nothing/{i}")).status_code in (404, 405)
                 s1, s2 = parse((await a.get("/metrics")).text), parse((await b.get("/metrics")).text)
         key = {"route": "/api/version", "method": "GET", "status": "200"}
         assert value(s1, "trioshed_http_requests_total", **key) == 3
         assert value(s2, "trioshed_http_requests_total", 0.0, **key) == 0
         assert value(s1, "process_resident_memory_bytes") > 0
+        assert value(s1, "trioshed_http_requests_total", route="unmatched", method="other", status="404") == 3
 
 
 @pytest.mark.slow
@@ -173,7 +176,8 @@ async def test_503s_are_counted_by_cause(model_store: Path, unknown_arch_model: 
     # llama-server behind a gate: the load stays in progress until the test opens it
     real, gate, gated = find_llama_server(), tmp_path / "gate", tmp_path / "llama-server-gated"
     exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in real.env.items() if os.environ.get(k) != v)
-    gated.write_text(f"#!/bin/sh\n{exports}while [ ! -e {shlex.quote(str(gate))} ]; do sleep 0.02; done\nexec {shlex.quote(real.path)} \"$@\"\n")
+    wait = f'[ "$1" = --version ] || while [ ! -e {shlex.quote(str(gate))} ]; do sleep 0.02; done'  # start-up asks its version
+    gated.write_text(f"#!/bin/sh\n{exports}{wait}\nexec {shlex.quote(real.path)} \"$@\"\n")
     gated.chmod(0o755)
     with trio.fail_after(120):
         async with open_test_server(model_store, max_queue=1, llama_server=str(gated)) as server, httpx.AsyncClient(

@@ -59,6 +59,7 @@ _REASONS = (
 # The 503s a client can get, by the error's class name.
 CAUSES = {"QueueFull": "queue_full", "LoadCooldown": "cooldown", "ShuttingDown": "shutting_down"}
 
+_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS", "PATCH"})
 _SECONDS_LOAD = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _SECONDS_WAIT = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 _SECONDS_REQUEST = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
@@ -200,12 +201,13 @@ class Metrics:
             self.load_failures.labels(model).inc()
 
     def request_finished(self, trace: RequestTrace, duration: float) -> None:
-        key = (trace.route, trace.method, trace.status, trace.model)
+        method = trace.method if trace.method in _METHODS else "other"  # clients choose it: keep labels few
+        key = (trace.route, method, trace.status, trace.model)
         children = self._children.get(key)
         if children is None:  # labels() costs a few microseconds: once per label set, not per request
             route = trace.route or "unmatched"
             children = self._children[key] = (
-                self.requests.labels(route, trace.method, str(trace.status)),
+                self.requests.labels(route, method, str(trace.status)),
                 self.request_duration.labels(trace.model, route),
                 self.queue_wait.labels(trace.model, route),
             )
