@@ -92,3 +92,11 @@ async def test_text_mode_logs_nothing_per_request_at_info(model_store: Path, cap
         async with open_test_server(model_store) as server, httpx.AsyncClient(base_url=server.base_url) as http:
             await http.get("/api/version")
     assert [r.getMessage().split(" 200 ")[0] for r in caplog.records if r.name == "trioshed.requests"] == ["GET /api/version"]
+
+
+def test_client_addresses_read_unambiguously() -> None:
+    from trioshed.api.observe import _address
+
+    assert _address(("127.0.0.1", 5000)) == "127.0.0.1:5000"
+    assert _address(("::1", 5000)) == "[::1]:5000"
+    assert _address(None) == ""  # a unix socket, or a server that does not say

@@ -35,8 +35,7 @@ def install(app: QuartTrio, metrics: Metrics, *, log_json: bool) -> None:
         if scope["type"] != "http":
             await inner(scope, receive, send)
             return
-        client = scope.get("client")
-        trace = RequestTrace(scope["method"], scope["path"], f"{client[0]}:{client[1]}" if client else "", time.monotonic())
+        trace = RequestTrace(scope["method"], scope["path"], _address(scope.get("client")), time.monotonic())
         token = _trace.current.set(trace)
         try:
             await inner(scope, receive, send)
@@ -70,6 +69,13 @@ def note_error(exc: TrioshedError) -> None:
     trace = _trace.current.get()
     if trace is not None:
         trace.error = CAUSES.get(type(exc).__name__, type(exc).__name__)
+
+
+def _address(client: Any) -> str:
+    if not client:
+        return ""
+    host, port = client[0], client[1]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _ms(seconds: float | None) -> float | None:
