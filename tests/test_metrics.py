@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.test_scheduler import running
 from trioshed.api.metrics import CAUSES, SNAPSHOT_COUNTERS, SNAPSHOT_GAUGES, Metrics, reason_label
+from trioshed.core.model import RunnerOptions
 from trioshed.runner.binary import find_llama_server
 from trioshed.scheduler.scheduler import SchedulerStatistics
 from trioshed.testing.server import open_test_server
@@ -84,6 +85,19 @@ async def test_scheduler_events_are_counted_by_reason(autojump_clock: trio.testi
         assert value(s, "trioshed_loads_total") == 3
         assert value(s, "trioshed_unloads_total") == 2
         assert value(s, "trioshed_crashes_total") == 1
+
+
+async def test_reloads_and_keep_alive_0_are_labelled_as_such(autojump_clock: trio.testing.MockClock) -> None:
+    async with running({"a": 1}) as h:
+        metrics = Metrics(h.sched)
+        await h.once("a", options=RunnerOptions(num_batch=512))
+        await h.once("a", options=RunnerOptions(num_batch=256), keep_alive=0)  # reloads, then unloads at once
+        await trio.sleep(1)
+        s = parse(metrics.render().decode())
+        assert value(s, "trioshed_evictions_total", model="a:latest", reason="options_changed") == 1
+        assert value(s, "trioshed_model_unloads_total", model="a:latest", reason="options_changed") == 1
+        assert value(s, "trioshed_model_unloads_total", model="a:latest", reason="keep_alive_0") == 1
+        assert value(s, "trioshed_model_loads_total", model="a:latest") == 2
 
 
 async def test_snapshot_gauges_read_statistics_at_scrape_time(autojump_clock: trio.testing.MockClock) -> None:
