@@ -222,3 +222,13 @@ async def test_503s_are_counted_by_cause(model_store: Path, unknown_arch_model: 
             assert value(s, "trioshed_load_failures_total") == 1
             assert value(s, "trioshed_model_load_failures_total", model="broken:latest") == 1
             assert value(s, "trioshed_http_requests_total", route="/api/generate", method="POST", status="503") == 2
+
+
+def test_every_503_of_the_error_tree_has_a_cause_label() -> None:
+    import trioshed.errors as errors
+
+    unavailable = {
+        name for name, cls in vars(errors).items()
+        if isinstance(cls, type) and issubclass(cls, errors.TrioshedError) and cls.status == 503
+    }  # fmt: skip
+    assert unavailable == set(CAUSES)

@@ -57,7 +57,12 @@ _REASONS = (
     ("keep_alive expired", "keep_alive_expired"),
 )
 # The 503s a client can get, by the error's class name.
-CAUSES = {"QueueFull": "queue_full", "LoadCooldown": "cooldown", "ShuttingDown": "shutting_down"}
+CAUSES = {
+    "QueueFull": "queue_full",
+    "LoadCooldown": "cooldown",
+    "ShuttingDown": "shutting_down",
+    "RemoteUnavailable": "rpc_server_down",
+}
 
 _METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS", "PATCH"})
 _SECONDS_LOAD = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -179,7 +184,7 @@ class Metrics:
             ["model", "route"], buckets=_SECONDS_WAIT, registry=r,
         )  # fmt: skip
         self.unavailable = Counter(
-            "trioshed_unavailable", "503 answers by cause (queue_full, cooldown, shutting_down).", ["cause"], registry=r,
+            "trioshed_unavailable", "503 answers by cause (queue_full, cooldown, shutting_down, rpc_server_down).", ["cause"], registry=r,
         )  # fmt: skip
         for cause in CAUSES.values():
             self.unavailable.labels(cause)  # present at 0 from the start
