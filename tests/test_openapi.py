@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import httpx
+import pytest
 import trio
 from openapi_schema_validator import OAS31Validator
 from openapi_schema_validator import validate as validate_instance
@@ -17,7 +18,9 @@ from trioshed.api.state import AppState
 from trioshed.api.translate import RUNNER_OPTION_KEYS, SAMPLING_OPTION_NAMES
 from trioshed.config import Settings
 from trioshed.devices import DeviceSource
+from trioshed.errors import BadRequest, ModelNotFound
 from trioshed.models.store import ModelStore
+from trioshed.models.stores import Stores
 from trioshed.runner.binary import LlamaBinary
 from trioshed.server import build_scheduler
 from trioshed.testing.server import open_test_server
@@ -69,8 +72,10 @@ def test_request_schemas_say_what_the_routes_check() -> None:
     assert options["type"] == "object"
     assert set(SAMPLING_OPTION_NAMES) | RUNNER_OPTION_KEYS <= set(options["properties"])
     for name in ("GenerateRequest", "ChatRequest", "EmbedRequest", "OpenAIChatRequest", "OpenAIEmbeddingRequest"):
-        assert "model" in schemas[name]["required"] and schemas[name]["properties"]["model"]["type"] == "string", name
+        assert "model" in schemas[name]["required"], name
+        assert schemas[name]["properties"]["model"] == {"$ref": "#/components/schemas/ModelName"}, name
         assert schemas[name]["properties"]["options"] == {"$ref": "#/components/schemas/Options"}, name
+    assert schemas["ModelName"]["type"] == "string"
     assert schemas["ChatRequest"]["properties"]["messages"]["type"] == "array"
     assert schemas["Message"]["properties"]["role"]["enum"] == ["system", "user", "assistant", "tool"]
     for path, item in document()["paths"].items():
@@ -80,12 +85,19 @@ def test_request_schemas_say_what_the_routes_check() -> None:
                 assert "400" in op["responses"] and "200" in op["responses"], path
 
 
-async def test_openapi_json_is_served(model_store: Path) -> None:
+async def test_openapi_json_is_served(model_store: Path, tmp_path: Path) -> None:
     with trio.fail_after(30):
         async with open_test_server(model_store) as server, httpx.AsyncClient(base_url=server.base_url) as http:
             r = await http.get("/openapi.json")
     assert r.status_code == 200 and r.headers["content-type"] == "application/json"
-    assert r.json() == document()
+    assert r.json() == document(ollama_names=False)
+    ollama = tmp_path / "ollama"
+    for path in (ollama / "manifests", ollama / "blobs"):
+        path.mkdir(parents=True)
+    with trio.fail_after(30):
+        async with open_test_server(Path(f"{model_store}:{ollama}")) as server, httpx.AsyncClient(base_url=server.base_url) as http:
+            r = await http.get("/openapi.json")
+    assert r.json() == document(ollama_names=True) != document(ollama_names=False)
 
 
 def response_schema(path: str, method: str, status: int) -> dict[str, object]:
@@ -115,3 +127,50 @@ async def test_answers_match_their_documented_schemas(model_store: Path) -> None
                 r = await http.request(method.upper(), url, json=body)
                 assert r.status_code == status, (url, r.text)
                 validate_instance(r.json(), response_schema(path, method, status), cls=OAS31Validator)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["tiny", "tiny:latest", "user/model:tag", "registry.ollama.ai/library/llama3.2:1b", "localhost:5000/ns/m",
+     " tiny ", "x:", "", "/x", "a b", "é", "a/b/c/d", "-x", "../x", "a:b:c", "a/../b"],
+)  # fmt: skip
+@pytest.mark.parametrize("with_ollama_store", [False, True])
+def test_the_model_name_pattern_is_what_the_stores_accept(tmp_path: Path, name: str, with_ollama_store: bool) -> None:
+    folder, ollama = tmp_path / "folder", tmp_path / "ollama"
+    for path in (folder, ollama / "manifests", ollama / "blobs"):
+        path.mkdir(parents=True)
+    try:
+        Stores(f"{folder}:{ollama}" if with_ollama_store else str(folder)).resolve(name)
+    except ModelNotFound:
+        accepted = True
+    except BadRequest:
+        accepted = False
+    pattern = document(with_ollama_store)["components"]["schemas"]["ModelName"]["pattern"]
+    assert (re.match(pattern, name) is not None) == accepted
+
+
+async def test_documented_security_is_what_the_api_key_guards(model_store: Path) -> None:
+    """With TRIOSHED_API_KEY set, an operation documented with ``security: []`` answers without
+    the key, and every other documented operation answers 401 (a 401 it documents)."""
+    spec = document()
+    with trio.fail_after(30):
+        async with open_test_server(model_store, api_key="s3cret") as server, httpx.AsyncClient(base_url=server.base_url) as http:
+            for path, item in spec["paths"].items():
+                url = path.replace("{digest}", "sha256-" + "0" * 64).replace("{model}", "tiny")
+                for method, op in item.items():
+                    if method not in HTTP_METHODS:
+                        continue
+                    r = await http.request(method.upper(), url, json={"model": "tiny"} if method in ("post", "delete") else None)
+                    if op.get("security") == []:
+                        assert r.status_code != 401, (method, path)
+                    else:
+                        assert r.status_code == 401 and "401" in op["responses"], (method, path, r.status_code)
+
+
+async def test_an_undocumented_method_is_405_with_allow(model_store: Path) -> None:
+    with trio.fail_after(30):
+        async with open_test_server(model_store) as server, httpx.AsyncClient(base_url=server.base_url) as http:
+            r = await http.request("TRACE", "/api/ps")
+            chat = await http.delete("/api/chat")
+    assert r.status_code == 405 and set(r.headers["Allow"].split(", ")) >= {"GET", "HEAD"} and "error" in r.json()
+    assert chat.status_code == 405 and "POST" in chat.headers["Allow"]

@@ -12,7 +12,7 @@ from typing import Any
 
 from quart import Response, has_request_context, request
 from quart_trio import QuartTrio
-from werkzeug.exceptions import HTTPException
+from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
 from trioshed.api import embed, manage, metrics, observe, ollama, openai, openapi
 from trioshed.api.state import AppState
@@ -104,6 +104,8 @@ def create_app(state: AppState) -> QuartTrio:
     async def _http_error(exc: HTTPException) -> Response:
         status = exc.code or 500
         response = _json_error(status, exc.description or exc.name)
+        if isinstance(exc, MethodNotAllowed) and exc.valid_methods:
+            response.headers["Allow"] = ", ".join(exc.valid_methods)  # RFC 9110: a 405 says what is
         if status == 413:
             response.headers["Connection"] = "close"
         return response

@@ -12,9 +12,10 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from quart import Blueprint
+from quart import Blueprint, current_app
 
 from trioshed import __version__
+from trioshed.models.store import ModelStore
 
 bp = Blueprint("openapi", __name__)
 
@@ -41,7 +42,22 @@ _INT: Schema = {"type": "integer"}
 _NUM: Schema = {"type": "number"}
 _BOOL: Schema = {"type": "boolean"}
 _STRINGS: Schema = {"type": "array", "items": _STR}
-_MODEL: Schema = {"type": "string", "minLength": 1, "description": "a model name: `tiny`, `tiny:latest`, `user/model:tag`"}
+_PART = "[A-Za-z0-9][A-Za-z0-9._-]*"
+# What the stores accept: model[:tag], letters, digits, '.', '_', '-'; with an Ollama store in
+# TRIOSHED_MODELS also [host[:port]/][namespace/]model[:tag] (Ollama's "@sha256:..." suffix left out).
+MODEL_NAME_PATTERN = rf"^\s*{_PART}(?::(?:{_PART})?)?\s*$"
+OLLAMA_NAME_PATTERN = rf"^\s*(?:{_PART}(?::[0-9]+)?/)?(?:{_PART}/)?{_PART}(?::(?:{_PART})?)?\s*$"
+_MODEL = _ref("ModelName")
+
+
+def _model_name(ollama_names: bool) -> Schema:
+    return {
+        "type": "string",
+        "pattern": OLLAMA_NAME_PATTERN if ollama_names else MODEL_NAME_PATTERN,
+        "description": "a model name: `tiny`, `tiny:latest`"
+        + (", `user/model:tag`, `registry.ollama.ai/library/llama3.2:1b`" if ollama_names else ""),
+        "examples": ["gemma3-270m", "llama3.2:1b"],
+    }
 
 # Ollama's options: sampling (passed to llama-server) and runner options (choose the runner).
 _OPTIONS_SAMPLING: Schema = {
@@ -70,7 +86,7 @@ _ERROR_STATUSES = {
 }
 
 
-def _schemas() -> Schema:
+def _schemas(ollama_names: bool) -> Schema:
     message = _obj(
         {
             "role": {"type": "string", "enum": ["system", "user", "assistant", "tool"]},
@@ -105,6 +121,7 @@ def _schemas() -> Schema:
     )  # fmt: skip
     openai_extras = {"model": _MODEL, "keep_alive": _ref("KeepAlive"), "options": _ref("Options"), "stream": _BOOL}
     return {
+        "ModelName": _model_name(ollama_names),
         "Error": _obj({"error": _STR}, ("error",)),
         "OpenAIError": _obj(
             {"error": _obj({"message": _STR, "type": {"type": ["string", "null"]}, "param": {"type": ["string", "null"]}, "code": {"type": ["string", "integer", "null"]}}, ("message", "type"))},
@@ -152,7 +169,10 @@ def _schemas() -> Schema:
         ),
         "EmbeddingsRequest": _obj({"model": _MODEL, "prompt": _STR, "keep_alive": _ref("KeepAlive"), "options": _ref("Options")}, ("model",)),
         "EmbeddingsResponse": _obj({"embedding": {"type": "array", "items": _NUM}}, ("embedding",)),
-        "ModelRequest": _obj({"model": _MODEL, "name": {**_MODEL, "description": "the same as model (older clients)"}}),
+        "ModelRequest": {
+            **_obj({"model": _MODEL, "name": {**_MODEL, "description": "the same as model (older clients)"}}),
+            "anyOf": [{"required": ["model"]}, {"required": ["name"]}],
+        },
         "CopyRequest": _obj({"source": _MODEL, "destination": _MODEL}, ("source", "destination")),
         "Details": details,
         "ModelEntry": _obj(
@@ -289,10 +309,10 @@ def _paths() -> Schema:
         "/v1/embeddings": {"post": _json_op("Embeddings (OpenAI)", "OpenAIEmbeddingRequest", _ref("OpenAIResponse"), openai=True)},
         "/v1/models": {"get": _get_op("Models in the store (OpenAI)", "application/json", _ref("OpenAIModelList"))},
         "/v1/models/{model}": {
-            "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string", "minLength": 1}}],
+            "parameters": [{"name": "model", "in": "path", "required": True, "schema": _MODEL}],
             "get": {
                 "summary": "One model (OpenAI)",
-                "responses": {"200": {"description": "OK", "content": {"application/json": {"schema": _ref("OpenAIModel")}}}, **_errors("401", "404", openai=True)},
+                "responses": {"200": {"description": "OK", "content": {"application/json": {"schema": _ref("OpenAIModel")}}}, **_errors("400", "401", "404", openai=True)},
             },
         },
         "/metrics": {"get": _get_op("Prometheus metrics (text exposition format 0.0.4)", "text/plain", _STR)},
@@ -301,7 +321,8 @@ def _paths() -> Schema:
 
 
 @functools.cache
-def document() -> Schema:
+def document(ollama_names: bool = False) -> Schema:
+    """The document; ``ollama_names``: an Ollama store is among TRIOSHED_MODELS (names with '/')."""
     return {
         "openapi": "3.1.0",
         "info": {
@@ -314,7 +335,7 @@ def document() -> Schema:
         "security": [{}, {"bearer": []}],
         "paths": _paths(),
         "components": {
-            "schemas": _schemas(),
+            "schemas": _schemas(ollama_names),
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer", "description": "required when TRIOSHED_API_KEY is set"}},
         },
     }
@@ -322,4 +343,5 @@ def document() -> Schema:
 
 @bp.get("/openapi.json")
 async def openapi() -> Schema:
-    return document()
+    store = current_app.config["TRIOSHED"].store
+    return document(any(not isinstance(b, ModelStore) for b in store.backends()))
