@@ -6,6 +6,10 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
+import signal
+import socket
+import sys
 from pathlib import Path
 
 import httpx
@@ -100,3 +104,34 @@ def test_client_addresses_read_unambiguously() -> None:
     assert _address(("127.0.0.1", 5000)) == "127.0.0.1:5000"
     assert _address(("::1", 5000)) == "[::1]:5000"
     assert _address(None) == ""  # a unix socket, or a server that does not say
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("no_leaked_runner")
+async def test_serve_in_json_mode_writes_only_json_lines(model_store: Path, tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / "serve.log"
+    env = {**os.environ, "TRIOSHED_LOG_FORMAT": "json", "TRIOSHED_NUM_THREAD": "1"}
+    argv = [sys.executable, "-m", "trioshed", "serve", "--host", f"127.0.0.1:{port}", "--models", str(model_store)]
+    with trio.fail_after(120), log.open("wb") as out:
+        proc = await trio.lowlevel.open_process(argv, stdout=out, stderr=out, env=env)
+        try:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
+                for _ in range(600):  # start-up: up to a minute
+                    try:
+                        await http.get("/api/version")
+                        break
+                    except httpx.ConnectError:
+                        await trio.sleep(0.1)
+                r = await http.post("/api/generate", json={"model": "tiny", "prompt": "hi", "stream": False, "options": FAST})
+                assert r.status_code == 200
+        finally:
+            proc.send_signal(signal.SIGINT)
+            await proc.wait()
+    lines = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]  # each one JSON
+    assert proc.returncode == 0
+    assert any(line["message"].startswith("trioshed ") and "serving" in line["message"] for line in lines)
+    (request,) = [line for line in lines if line["logger"] == "trioshed.requests" and line["route"] == "/api/generate"]
+    assert request["status"] == 200 and request["model"] == "tiny:latest" and request["eval_tokens"] == r.json()["eval_count"]
