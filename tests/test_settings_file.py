@@ -32,6 +32,7 @@ api_key = "secret"
 rpc_servers = ["10.0.0.2:50052=16GiB", "10.0.0.3:50052"]
 rpc_allow_public = false
 rpc_probe_interval = "1m"
+log_format = "json"
 """
 
 
@@ -52,6 +53,7 @@ def test_every_setting_can_be_given_in_the_file(tmp_path: Path) -> None:
     assert s.origins == ("https://a.example", "https://b.example")
     assert [(r.address, r.declared) for r in s.rpc_servers] == [("10.0.0.2:50052", 16 * 2**30), ("10.0.0.3:50052", None)]
     assert (s.rpc_allow_public, s.rpc_probe_interval) == (False, 60)
+    assert s.log_format == "json"
     # the file covers every TRIOSHED_* setting there is
     assert set(load_settings_file(path)) - {"port"} == set(SETTING_NAMES)
 

@@ -67,7 +67,11 @@ def _cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
         provide_demo_model(folders[0])
     for folder in folders:
         folder.mkdir(parents=True, exist_ok=True)
-    print(f"trioshed {__version__}: serving {settings.models} on http://{settings.host}:{settings.port}", file=sys.stderr, flush=True)
+    banner = f"trioshed {__version__}: serving {settings.models} on http://{settings.host}:{settings.port}"
+    if settings.log_format == "json":
+        logging.getLogger("trioshed").info(banner)  # every line of a JSON log is JSON
+    else:
+        print(banner, file=sys.stderr, flush=True)
     from trioshed.devices.rpc import check_addresses
 
     try:  # a public RPC server address is refused before anything starts
@@ -173,6 +177,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"trioshed: {exc}", file=sys.stderr)
         return 2
+    if settings.log_format != "text":
+        from trioshed.logs import use_format
+
+        use_format(settings.log_format)
     commands = {
         "serve": _cmd_serve,
         "run": _cmd_run,

@@ -187,6 +187,7 @@ class Settings:
     rpc_servers: tuple[RpcServer, ...] = ()
     rpc_allow_public: bool = False
     rpc_probe_interval: float = 30.0
+    log_format: str = "text"  # "json": one JSON object per log line, one line per request
 
     @classmethod
     def from_env(
@@ -229,6 +230,13 @@ def _kv_cache_type(value: str) -> str:
     return value
 
 
+def _log_format(value: str) -> str:
+    value = value.strip().lower()
+    if value not in ("text", "json"):
+        raise ValueError("use text or json")
+    return value
+
+
 def _positive_timeout(seconds: float) -> float:
     if seconds <= 0:
         raise ValueError("must be positive")
@@ -267,6 +275,7 @@ _PARSERS: dict[str, Callable[[str], object]] = {
     "rpc_servers": parse_rpc_servers,
     "rpc_allow_public": _bool,
     "rpc_probe_interval": lambda v: _positive_timeout(parse_duration(v)),
+    "log_format": _log_format,
 }
 SETTING_NAMES = tuple(_PARSERS)
 

@@ -12,9 +12,9 @@ from typing import Any
 
 from quart import Response, has_request_context, request
 from quart_trio import QuartTrio
-from werkzeug.exceptions import HTTPException
+from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
-from trioshed.api import embed, manage, metrics, ollama, openai
+from trioshed.api import embed, manage, metrics, observe, ollama, openai, openapi
 from trioshed.api.state import AppState
 from trioshed.errors import ModelNotFound, PayloadTooLarge, TrioshedError, Unauthorized
 
@@ -52,7 +52,7 @@ def _json_error(status: int, message: str, headers: dict[str, str] | None = None
 
 
 def create_app(state: AppState) -> QuartTrio:
-    app = QuartTrio("trioshed")
+    app = QuartTrio("trioshed", static_folder=None)  # no /static/<path> route: nothing static is served
     app.config["TRIOSHED"] = state
     app.config["RESPONSE_TIMEOUT"] = None  # token streams may run for many minutes
     app.config["BODY_TIMEOUT"] = None
@@ -62,6 +62,9 @@ def create_app(state: AppState) -> QuartTrio:
     app.register_blueprint(metrics.bp)
     app.register_blueprint(embed.bp)
     app.register_blueprint(manage.bp)
+    app.register_blueprint(openapi.bp)
+    app.config["TRIOSHED_METRICS"] = metrics.Metrics(state.scheduler)
+    observe.install(app, app.config["TRIOSHED_METRICS"], log_json=state.settings.log_format == "json")
     origins = state.settings.origins
     api_key = state.settings.api_key
 
@@ -90,6 +93,7 @@ def create_app(state: AppState) -> QuartTrio:
 
     @app.errorhandler(TrioshedError)
     async def _trioshed_error(exc: TrioshedError) -> Response:
+        observe.note_error(exc)
         code = "model_not_found" if isinstance(exc, ModelNotFound) else None
         response = _json_error(exc.status, exc.message, exc.headers, code)
         if exc.status == 413:
@@ -100,6 +104,8 @@ def create_app(state: AppState) -> QuartTrio:
     async def _http_error(exc: HTTPException) -> Response:
         status = exc.code or 500
         response = _json_error(status, exc.description or exc.name)
+        if isinstance(exc, MethodNotAllowed) and exc.valid_methods:
+            response.headers["Allow"] = ", ".join(exc.valid_methods)  # RFC 9110: a 405 says what is
         if status == 413:
             response.headers["Connection"] = "close"
         return response

@@ -1,40 +1,235 @@
-"""Prometheus metrics at /metrics, read from the scheduler's statistics() snapshot."""
+"""Prometheus metrics at /metrics, through ``prometheus_client`` with one registry per app.
+
+Two sources, one registry (per app, so that several servers in one process never share or
+clash):
+
+- at scrape time, :class:`SchedulerCollector` reads the scheduler's ``statistics()`` snapshot
+  (queue, leases, runners by state, memory per device, the scheduler's own running totals);
+- as things happen, :class:`Metrics` counts and times: the scheduler tells it of loads,
+  evictions, unloads and crashes (``Scheduler.observer``), and the HTTP edge
+  (:mod:`trioshed.api.observe`) of every finished request.
+
+The names below are part of the product (the README lists them); keep them stable.
+"""
 
 from __future__ import annotations
 
+from collections import defaultdict
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
+from prometheus_client.metrics import disable_created_metrics
+from prometheus_client.process_collector import ProcessCollector
 from quart import Blueprint, Response, current_app
 
+from trioshed.scheduler import Scheduler
+from trioshed.scheduler.scheduler import SchedulerStatistics
+from trioshed.trace import RequestTrace
+
 bp = Blueprint("metrics", __name__)
+
+# A ``*_created`` timestamp series beside every counter and histogram is noise for scrapers that
+# compute rates; this is process-wide in prometheus_client and trioshed owns its process.
+disable_created_metrics()
+
+# The scheduler's running totals in statistics(), exposed as counters ``trioshed_<field>_total``.
+# A new int field in SchedulerStatistics is one line here (a test fails until it is listed).
+SNAPSHOT_COUNTERS: dict[str, str] = {
+    "loads": "Runner loads started.",
+    "unloads": "Runners unloaded (keep-alive expiry, eviction, unload request).",
+    "crashes": "Runners whose llama-server exited unexpectedly while serving.",
+    "load_failures": "Runner loads that failed (the model then cools down before a retry).",
+    "rejected": "Requests refused because the queue was full (TRIOSHED_MAX_QUEUE).",
+    "room_waits": "Requests that had to wait for memory (counted once each).",
+    "passes": "Planning passes run.",
+}
+# The snapshot's int fields read as gauges by SchedulerCollector, not as counters.
+SNAPSHOT_GAUGES = frozenset({"queued", "leased", "loaded", "loading", "unloading"})
+
+# Reasons as the scheduler words them (prefixes) → a fixed label value.
+_REASONS = (
+    ("make room", "make_room"),
+    ("reload", "options_changed"),
+    ("unload requested", "unload_requested"),
+    ("health check", "health_check"),
+    ("keep_alive 0", "keep_alive_0"),
+    ("keep_alive expired", "keep_alive_expired"),
+)
+# The 503s a client can get, by the error's class name.
+CAUSES = {
+    "QueueFull": "queue_full",
+    "LoadCooldown": "cooldown",
+    "ShuttingDown": "shutting_down",
+    "RemoteUnavailable": "rpc_server_down",
+}
+
+_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS", "PATCH"})
+_SECONDS_LOAD = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_SECONDS_WAIT = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+_SECONDS_REQUEST = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+
+
+def reason_label(reason: str) -> str:
+    """The label value for a load/unload reason as the scheduler words it."""
+    for prefix, label in _REASONS:
+        if reason.startswith(prefix):
+            return label
+    return "other"
+
+
+class SchedulerCollector:
+    """Reads ``statistics()`` (and the devices' memory) at scrape time."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self._scheduler = scheduler
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._scheduler.statistics()
+        yield _gauge("trioshed_queued_requests", "Requests waiting for a runner.", stats.queued)
+        yield _gauge("trioshed_leases", "Requests holding a runner slot now.", stats.leased)
+        runners = GaugeMetricFamily("trioshed_runners", "Runners by state.", labels=["state"])
+        for state, value in (("ready", stats.loaded), ("loading", stats.loading), ("unloading", stats.unloading)):
+            runners.add_metric([state], value)
+        yield runners
+        for name, doc in SNAPSHOT_COUNTERS.items():
+            yield CounterMetricFamily(f"trioshed_{name}", doc, value=getattr(stats, name))
+
+        size = GaugeMetricFamily("trioshed_runner_bytes", "Memory a runner takes (kind: total or vram).", labels=["model", "kind"])
+        leases = GaugeMetricFamily("trioshed_runner_leases", "Requests holding a slot on the model's runners.", labels=["model"])
+        by_model: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
+        for r in stats.runners:
+            m = by_model[r.model]
+            m[0] += r.size
+            m[1] += r.size_vram
+            m[2] += r.leases
+        for model, (total, vram, held) in by_model.items():
+            size.add_metric([model, "total"], total)
+            size.add_metric([model, "vram"], vram)
+            leases.add_metric([model], held)
+        yield size
+        yield leases
+        yield self._device_memory(stats)
+        if stats.remote:  # TRIOSHED_RPC_SERVERS: one series per server
+            up = GaugeMetricFamily("trioshed_rpc_server_up", "Whether an RPC server answers its probe (1) or not (0).", labels=["endpoint"])
+            rpc = GaugeMetricFamily("trioshed_rpc_server_bytes", "An RPC server's memory (kind: total, used by trioshed's runners).", labels=["endpoint", "kind"])
+            for server in stats.remote:
+                up.add_metric([server.address], int(server.up))
+                rpc.add_metric([server.address, "total"], server.total)
+                rpc.add_metric([server.address, "used"], server.used)
+            yield up
+            yield rpc
+
+    def _device_memory(self, stats: SchedulerStatistics) -> Metric:
+        family = GaugeMetricFamily(
+            "trioshed_device_memory_bytes",
+            "Memory per device (cpu = system memory); kind: total, free (as the device reports "
+            "it; NVIDIA GPUs and system memory only), used (what trioshed's runners take by its accounting).",
+            labels=["device", "kind"],
+        )
+        used: dict[str, int] = defaultdict(int)
+        for r in stats.runners:
+            for device_id, nbytes in r.usage:
+                used[device_id] += nbytes
+        source = self._scheduler.devices
+        for device in (*source.poll(), source.system()):
+            family.add_metric([device.id, "total"], device.total)
+            if source.kind == "nvml" or device.id == "cpu":
+                family.add_metric([device.id, "free"], device.free)
+            family.add_metric([device.id, "used"], used.pop(device.id, 0))
+        for device_id, nbytes in used.items():  # accounted somewhere no longer listed
+            family.add_metric([device_id, "used"], nbytes)
+        return family
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+class Metrics:
+    """The app's registry: the scheduler's snapshot plus what is counted as it happens."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(SchedulerCollector(scheduler))  # type: ignore[arg-type]
+        ProcessCollector(registry=self.registry)  # process_resident_memory_bytes, cpu seconds, fds
+        r = self.registry
+        self.model_loads = Counter("trioshed_model_loads", "Runner loads started, by model.", ["model"], registry=r)
+        self.load_duration = Histogram(
+            "trioshed_load_duration_seconds", "Time from starting llama-server to ready, by model.",
+            ["model"], buckets=_SECONDS_LOAD, registry=r,
+        )  # fmt: skip
+        self.load_failures = Counter("trioshed_model_load_failures", "Failed loads, by model.", ["model"], registry=r)
+        self.evictions = Counter(
+            "trioshed_evictions", "Runners chosen to be unloaded early (reason: make_room, options_changed, health_check).",
+            ["model", "reason"], registry=r,
+        )  # fmt: skip
+        self.unloads = Counter(
+            "trioshed_model_unloads",
+            "Runners unloaded, by model and reason (keep_alive_expired, keep_alive_0, make_room, "
+            "options_changed, unload_requested, health_check).",
+            ["model", "reason"], registry=r,
+        )  # fmt: skip
+        self.crashes = Counter("trioshed_model_crashes", "llama-server exits while serving, by model.", ["model"], registry=r)
+        self.requests = Counter(
+            "trioshed_http_requests", "HTTP requests answered, by route, method and status (0: the client left first).",
+            ["route", "method", "status"], registry=r,
+        )  # fmt: skip
+        self.request_duration = Histogram(
+            "trioshed_request_duration_seconds", "HTTP request time to the end of the response body, by model and route.",
+            ["model", "route"], buckets=_SECONDS_REQUEST, registry=r,
+        )  # fmt: skip
+        self.queue_wait = Histogram(
+            "trioshed_queue_wait_seconds", "Time from arrival at the scheduler to a runner slot (loads included), by model and route.",
+            ["model", "route"], buckets=_SECONDS_WAIT, registry=r,
+        )  # fmt: skip
+        self.unavailable = Counter(
+            "trioshed_unavailable", "503 answers by cause (queue_full, cooldown, shutting_down, rpc_server_down).", ["cause"], registry=r,
+        )  # fmt: skip
+        for cause in CAUSES.values():
+            self.unavailable.labels(cause)  # present at 0 from the start
+        self._children: dict[tuple[str, str, int, str], tuple[Any, Any, Any]] = {}
+        scheduler.observer = self.scheduler_event
+
+    def scheduler_event(self, event: str, model: str, reason: str, seconds: float) -> None:
+        if event == "load":
+            self.model_loads.labels(model).inc()
+        elif event == "ready":
+            self.load_duration.labels(model).observe(seconds)
+        elif event == "evict":
+            self.evictions.labels(model, reason_label(reason)).inc()
+        elif event == "unloaded":
+            self.unloads.labels(model, reason_label(reason)).inc()
+        elif event == "crashed":
+            self.crashes.labels(model).inc()
+        elif event == "load failed":
+            self.load_failures.labels(model).inc()
+
+    def request_finished(self, trace: RequestTrace, duration: float) -> None:
+        method = trace.method if trace.method in _METHODS else "other"  # clients choose it: keep labels few
+        key = (trace.route, method, trace.status, trace.model)
+        children = self._children.get(key)
+        if children is None:  # labels() costs a few microseconds: once per label set, not per request
+            route = trace.route or "unmatched"
+            children = self._children[key] = (
+                self.requests.labels(route, method, str(trace.status)),
+                self.request_duration.labels(trace.model, route),
+                self.queue_wait.labels(trace.model, route),
+            )
+        children[0].inc()
+        children[1].observe(duration)
+        if trace.queue_wait is not None:
+            children[2].observe(trace.queue_wait)
+        if trace.status == 503:
+            self.unavailable.labels(trace.error or "other").inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
 
 
 @bp.get("/metrics")
 async def metrics() -> Response:
-    stats = current_app.config["TRIOSHED"].scheduler.statistics()
-    lines = [
-        "# HELP trioshed_queued_requests Requests waiting for a runner.",
-        "# TYPE trioshed_queued_requests gauge",
-        f"trioshed_queued_requests {stats.queued}",
-        "# TYPE trioshed_leases gauge",
-        f"trioshed_leases {stats.leased}",
-        "# TYPE trioshed_runners gauge",
-        f'trioshed_runners{{state="ready"}} {stats.loaded}',
-        f'trioshed_runners{{state="loading"}} {stats.loading}',
-        f'trioshed_runners{{state="unloading"}} {stats.unloading}',
-    ]
-    for name in ("loads", "unloads", "crashes", "load_failures", "rejected", "room_waits"):
-        if name == "room_waits":
-            lines.append("# HELP trioshed_room_waits_total Requests that had to wait for memory, each counted once.")
-        lines += [f"# TYPE trioshed_{name}_total counter", f"trioshed_{name}_total {getattr(stats, name)}"]
-    lines.append("# TYPE trioshed_runner_bytes gauge")
-    for r in stats.runners:
-        lines.append(f'trioshed_runner_bytes{{model="{r.model}",kind="total"}} {r.size}')
-        lines.append(f'trioshed_runner_bytes{{model="{r.model}",kind="vram"}} {r.size_vram}')
-        lines.append(f'trioshed_runner_leases{{model="{r.model}"}} {r.leases}')
-    if stats.remote:  # TRIOSHED_RPC_SERVERS: one series per server
-        lines.append("# TYPE trioshed_rpc_server_up gauge")
-        lines += [f'trioshed_rpc_server_up{{endpoint="{s.address}"}} {int(s.up)}' for s in stats.remote]
-        lines.append("# TYPE trioshed_rpc_server_bytes gauge")
-        for s in stats.remote:
-            lines.append(f'trioshed_rpc_server_bytes{{endpoint="{s.address}",kind="total"}} {s.total}')
-            lines.append(f'trioshed_rpc_server_bytes{{endpoint="{s.address}",kind="used"}} {s.used}')
-    return Response("\n".join(lines) + "\n", content_type="text/plain; version=0.0.4")
+    metrics: Metrics = current_app.config["TRIOSHED_METRICS"]
+    return Response(metrics.render(), content_type=CONTENT_TYPE_PLAIN_0_0_4)

@@ -29,6 +29,7 @@ from trioshed.errors import BadRequest, TrioshedError
 from trioshed.models.capabilities import capabilities
 from trioshed.models.ollama_store import OllamaManifest
 from trioshed.scheduler import Lease, RunnerStats
+from trioshed.trace import current as current_trace
 
 log = logging.getLogger(__name__)
 bp = Blueprint("ollama", __name__)
@@ -92,6 +93,8 @@ async def _ollama_stream(
         last = stream.finish(load_duration_ns=_ns(lease.load_duration), total_duration_ns=_ns(time.monotonic() - started))
         if stream.kind == "generate":
             last["context"] = NO_CONTEXT
+        if (trace := current_trace.get()) is not None:
+            trace.counted(last)
         yield ndjson(last)
     except TrioshedError as exc:
         log.warning("stream for %s ended with an error: %s", lease.model.name, exc.message)
@@ -154,6 +157,8 @@ async def _serve(kind: translate.Kind) -> Response:
             )
         if kind == "generate":
             result["context"] = NO_CONTEXT
+        if (trace := current_trace.get()) is not None:
+            trace.counted(result)
         return Response(json.dumps(result, ensure_ascii=False), content_type="application/json")
 
     return await leased_stream(

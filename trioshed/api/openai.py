@@ -22,6 +22,7 @@ from trioshed.api.upstream import crash_or, leased_stream, open_upstream
 from trioshed.core.model import ModelSpec, RunnerOptions
 from trioshed.errors import BadRequest, TrioshedError
 from trioshed.scheduler import Lease
+from trioshed.trace import current as current_trace
 
 bp = Blueprint("openai", __name__)
 
@@ -91,6 +92,8 @@ async def _proxy(path: str) -> Response:
             data = {"error": {"message": response.text[:500]}}
         if isinstance(data, dict):
             data = openai_model_rewrite(data, name)
+            if (trace := current_trace.get()) is not None:
+                trace.counted(data)
         return Response(json.dumps(data), status=response.status_code, content_type="application/json")
     return await leased_stream(
         st.scheduler, model, options, keep_alive, lambda lease: _relay(lease, path, body, name), "text/event-stream"

@@ -35,6 +35,7 @@ from trioshed.core.sched import Dispatch, Evict, Fail, Load, Machine, RunnerStat
 from trioshed.devices import DeviceSource
 from trioshed.devices.rpc import RemoteDevices, RemoteStats
 from trioshed.errors import LoadFailed, QueueFull, RunnerCrashed, ShuttingDown, TrioshedError
+from trioshed.trace import current as current_trace
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,9 @@ class RunnerHandle(Protocol):
 
 
 RunnerFactory = Callable[[ModelSpec, RunnerOptions, Placement], AbstractAsyncContextManager[Any]]
+# (event, model name, reason, seconds): "load", "ready" (seconds: the load's
+# duration), "evict" and "unloaded" (reason: the text given), "crashed", "load failed".
+Observer = Callable[[str, str, str, float], None]
 Estimator = Callable[[ModelSpec, RunnerOptions], MemoryEstimate]
 
 
@@ -220,6 +224,7 @@ class RunnerStats:
     estimate: MemoryEstimate
     measured: MeasuredMemory | None
     options: RunnerOptions = field(default_factory=RunnerOptions)  # what the runner was started with
+    usage: tuple[tuple[str, int], ...] = ()  # bytes per device id ("cpu" = system memory)
 
 
 @dataclass(frozen=True)
@@ -269,6 +274,9 @@ class Scheduler:
         self._overhead = gpu_overhead
         self._spread = spread
         self.record = record  # (event, model) in order: for tests and debugging
+        # Told of loads, evictions, unloads and crashes as they happen (what /metrics counts by
+        # reason and times; a snapshot cannot hold every load's duration). Synchronous; must not block.
+        self.observer: Observer | None = None
         # Requests enter here; the buffer is the queue bound (TRIOSHED_MAX_QUEUE).
         self._pending_send, self._pending_recv = trio.open_memory_channel[_Request](max_queue)
         self._waiting: dict[int, _Request] = {}  # arrival order
@@ -324,6 +332,7 @@ class Scheduler:
     async def wait_for_lease(self, model: ModelSpec, options: RunnerOptions, keep_alive: float | None) -> Lease:
         if self._closing or self._nursery is None:
             raise ShuttingDown()
+        trace, arrived = current_trace.get(), trio.current_time()
         try:
             estimate = self._estimator(model, options)  # cached GGUF header read: microseconds once warm
         except (OSError, ValueError) as exc:
@@ -342,6 +351,8 @@ class Scheduler:
             await trio.lowlevel.checkpoint_if_cancelled()
             self._dispatch(req, runner)
             await trio.lowlevel.cancel_shielded_checkpoint()
+            if trace is not None:
+                trace.leased(model.name, 0.0, req.load_duration)
             return Lease(self, runner, req.load_duration)
         self.submit_nowait(req)
         try:
@@ -352,6 +363,8 @@ class Scheduler:
         if req.error is not None:
             raise req.error
         assert req.runner is not None
+        if trace is not None:
+            trace.leased(model.name, trio.current_time() - arrived, req.load_duration)
         return Lease(self, req.runner, req.load_duration)
 
     def _nothing_ahead(self, req: _Request) -> bool:
@@ -406,6 +419,10 @@ class Scheduler:
                 return stats
             await self._wait_changed()
 
+    @property
+    def devices(self) -> DeviceSource:
+        return self._devices
+
     def statistics(self) -> SchedulerStatistics:
         now, wall = trio.current_time(), time.time()
         runners = []
@@ -439,6 +456,7 @@ class Scheduler:
                     estimate=r.estimate,
                     measured=r.handle.measured if r.handle is not None else None,
                     options=r.options,
+                    usage=view.usage,
                 )
             )
         states = [r.view().state for r in self._runners.values()]
@@ -469,10 +487,12 @@ class Scheduler:
     async def _wait_changed(self) -> None:
         await self._changes.wait()
 
-    def _note(self, event: str, model: ModelSpec) -> None:
+    def _note(self, event: str, model: ModelSpec, reason: str = "", seconds: float = 0.0) -> None:
         log.log(logging.DEBUG if event == "dispatch" else logging.INFO, "%s %s", event, model.name)
         if self.record is not None:
             self.record.append((event, model.short_name))
+        if self.observer is not None and event != "dispatch":
+            self.observer(event, model.name, reason, seconds)
 
     async def _receive_requests(self) -> None:
         async with self._pending_recv:
@@ -630,7 +650,7 @@ class Scheduler:
     def _evict(self, runner: _Runner, reason: str) -> None:
         runner.evicting = True
         runner.unload_reason = reason
-        self._note("evict", runner.model)
+        self._note("evict", runner.model, reason)
         if runner.leases == 0:
             runner.stop(reason)
 
@@ -678,7 +698,8 @@ class Scheduler:
                         runner.state = RunnerState.UNLOADING
                         baseline = self._vram_baseline(runner)
                     self._counters["unloads"] += 1
-                    self._note("unloaded", runner.model)
+                    expired = "keep_alive 0" if runner.keep_alive <= 0 else "keep_alive expired"
+                    self._note("unloaded", runner.model, runner.unload_reason or expired)
                     if baseline is not None:
                         await self._wait_for_vram_recovery(runner, baseline)
                 except LoadFailed as exc:
@@ -719,7 +740,7 @@ class Scheduler:
         runner.load_duration = trio.current_time() - runner.load_started
         self._cooldowns.pop(runner.model.path, None)
         self._backoff.pop(runner.model.path, None)
-        self._note("ready", runner.model)
+        self._note("ready", runner.model, seconds=runner.load_duration)
         self._wake()
 
     async def _lost_remote(self, runner: _Runner) -> list[str]:

@@ -1,0 +1,347 @@
+"""``GET /openapi.json``: an OpenAPI 3.1 document of every route trioshed serves.
+
+Written by hand, from what the routes accept and answer; ``tests/test_openapi.py`` keeps it true
+(every url rule and method of the app is documented and nothing else is; the document is valid
+OpenAPI 3.1). Request schemas say what a client may send, with the constraints the routes check
+(``model`` a string, ``options`` an object, ``messages`` an array of messages); fields the
+routes pass through or ignore stay allowed (``additionalProperties``), as Ollama's API does.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from quart import Blueprint, current_app
+
+from trioshed import __version__
+from trioshed.models.store import ModelStore
+
+bp = Blueprint("openapi", __name__)
+
+Schema = dict[str, Any]
+NDJSON = "application/x-ndjson"
+SSE = "text/event-stream"
+
+
+def _ref(name: str) -> Schema:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _obj(properties: Schema, required: tuple[str, ...] = (), *, extra: bool = True) -> Schema:
+    schema: Schema = {"type": "object", "properties": properties}
+    if required:
+        schema["required"] = list(required)
+    if not extra:
+        schema["additionalProperties"] = False
+    return schema
+
+
+_STR: Schema = {"type": "string"}
+_INT: Schema = {"type": "integer"}
+_NUM: Schema = {"type": "number"}
+_BOOL: Schema = {"type": "boolean"}
+_STRINGS: Schema = {"type": "array", "items": _STR}
+_PART = "[A-Za-z0-9][A-Za-z0-9._-]*"
+# What the stores accept: model[:tag], letters, digits, '.', '_', '-'; with an Ollama store in
+# TRIOSHED_MODELS also [host[:port]/][namespace/]model[:tag] (Ollama's "@sha256:..." suffix left out).
+MODEL_NAME_PATTERN = rf"^\s*{_PART}(?::(?:{_PART})?)?\s*$"
+OLLAMA_NAME_PATTERN = rf"^\s*(?:{_PART}(?::[0-9]+)?/)?(?:{_PART}/)?{_PART}(?::(?:{_PART})?)?\s*$"
+_MODEL = _ref("ModelName")
+
+
+def _model_name(ollama_names: bool) -> Schema:
+    return {
+        "type": "string",
+        "pattern": OLLAMA_NAME_PATTERN if ollama_names else MODEL_NAME_PATTERN,
+        "description": "a model name: `tiny`, `tiny:latest`"
+        + (", `user/model:tag`, `registry.ollama.ai/library/llama3.2:1b`" if ollama_names else ""),
+        "examples": ["gemma3-270m", "llama3.2:1b"],
+    }
+
+# Ollama's options: sampling (passed to llama-server) and runner options (choose the runner).
+_OPTIONS_SAMPLING: Schema = {
+    "num_predict": _INT, "temperature": _NUM, "top_k": _INT, "top_p": _NUM, "min_p": _NUM,
+    "typical_p": _NUM, "seed": _INT, "stop": {"anyOf": [_STR, _STRINGS]}, "repeat_penalty": _NUM,
+    "repeat_last_n": _INT, "presence_penalty": _NUM, "frequency_penalty": _NUM, "num_keep": _INT,
+    "mirostat": _INT, "mirostat_tau": _NUM, "mirostat_eta": _NUM,
+}  # fmt: skip
+_OPTIONS_RUNNER: Schema = {
+    "num_ctx": {"type": "integer", "minimum": 1}, "num_batch": {"type": "integer", "minimum": 1},
+    "num_gpu": _INT, "main_gpu": {"type": "integer", "minimum": 0}, "use_mmap": _BOOL,
+    "num_thread": {"type": "integer", "minimum": 0},
+}  # fmt: skip
+
+_ERROR_STATUSES = {
+    "400": "Bad input: malformed JSON, a field of the wrong type, an unsafe model name.",
+    "401": "TRIOSHED_API_KEY is set and the bearer token is missing or wrong.",
+    "403": "The model is in a read-only Ollama store.",
+    "404": "No such model in the store.",
+    "409": "The change would break another models.toml entry, or models.toml cannot be edited safely.",
+    "413": "The request body is larger than 64 MiB.",
+    "500": "The model failed to load (llama-server's own message) or an internal error.",
+    "502": "llama-server answered with an error.",
+    "503": "Queue full, the model is in its load back-off, or trioshed is shutting down (Retry-After).",
+    "507": "The model cannot fit even with every other model unloaded, or only by evicting pinned models.",
+}
+
+
+def _schemas(ollama_names: bool) -> Schema:
+    message = _obj(
+        {
+            "role": {"type": "string", "enum": ["system", "user", "assistant", "tool"]},
+            "content": {"type": ["string", "null"]},
+            "images": _STRINGS,
+            "thinking": _STR,
+            "tool_calls": {"type": "array", "items": {"type": "object"}},
+            "tool_name": _STR,
+        },
+        ("role",),
+    )
+    common = {
+        "model": _MODEL,
+        "stream": {"type": "boolean", "default": True},
+        "keep_alive": _ref("KeepAlive"),
+        "options": _ref("Options"),
+        "format": {"anyOf": [{"type": "string", "enum": ["json"]}, {"type": "object"}]},
+        "think": {"anyOf": [_BOOL, {"type": "string", "enum": ["low", "medium", "high"]}]},
+        "logprobs": _BOOL,
+        "top_logprobs": {"type": "integer", "minimum": 0},
+    }
+    timings = {
+        "total_duration": _INT, "load_duration": _INT, "prompt_eval_count": _INT,
+        "prompt_eval_duration": _INT, "eval_count": _INT, "eval_duration": _INT,
+    }  # fmt: skip
+    details = _obj(
+        {
+            "parent_model": _STR, "format": _STR, "family": _STR,
+            "families": {"type": ["array", "null"], "items": _STR}, "parameter_size": _STR,
+            "quantization_level": _STR,
+        }
+    )  # fmt: skip
+    openai_extras = {"model": _MODEL, "keep_alive": _ref("KeepAlive"), "options": _ref("Options"), "stream": _BOOL}
+    return {
+        "ModelName": _model_name(ollama_names),
+        "Error": _obj({"error": _STR}, ("error",)),
+        "OpenAIError": _obj(
+            {"error": _obj({"message": _STR, "type": {"type": ["string", "null"]}, "param": {"type": ["string", "null"]}, "code": {"type": ["string", "integer", "null"]}}, ("message", "type"))},
+            ("error",),
+        ),
+        "KeepAlive": {
+            "description": "seconds, or a duration like `5m`, `1h`; negative: keep loaded forever; 0: unload when idle",
+            "anyOf": [_NUM, {"type": "string", "minLength": 1}],
+        },
+        "Options": {
+            "type": "object",
+            "description": "Ollama's options: sampling, and runner options (a different value may reload the model). Unknown keys are ignored.",
+            "properties": {**_OPTIONS_SAMPLING, **_OPTIONS_RUNNER},
+        },
+        "Message": message,
+        "GenerateRequest": _obj(
+            {
+                **common, "prompt": _STR, "suffix": _STR, "system": _STR, "template": _STR, "raw": _BOOL,
+                "images": _STRINGS, "context": {"type": "array", "items": _INT},
+            },
+            ("model",),
+        ),
+        "GenerateResponse": _obj(
+            {"model": _STR, "created_at": _STR, "response": _STR, "thinking": _STR, "done": _BOOL, "done_reason": _STR, "context": {"type": "array", "items": _INT}, **timings},
+            ("model", "done"),
+        ),
+        "ChatRequest": _obj(
+            {**common, "messages": {"type": "array", "items": _ref("Message")}, "tools": {"type": "array", "items": {"type": "object"}}},
+            ("model",),
+        ),
+        "ChatResponse": _obj(
+            {"model": _STR, "created_at": _STR, "message": _ref("Message"), "done": _BOOL, "done_reason": _STR, **timings},
+            ("model", "done"),
+        ),
+        "EmbedRequest": _obj(
+            {
+                "model": _MODEL, "input": {"anyOf": [_STR, _STRINGS]}, "truncate": _BOOL,
+                "dimensions": {"type": "integer", "minimum": 1}, "keep_alive": _ref("KeepAlive"), "options": _ref("Options"),
+            },
+            ("model",),
+        ),
+        "EmbedResponse": _obj(
+            {"model": _STR, "embeddings": {"type": "array", "items": {"type": "array", "items": _NUM}}, "total_duration": _INT, "load_duration": _INT, "prompt_eval_count": _INT},
+            ("model", "embeddings"),
+        ),
+        "EmbeddingsRequest": _obj({"model": _MODEL, "prompt": _STR, "keep_alive": _ref("KeepAlive"), "options": _ref("Options")}, ("model",)),
+        "EmbeddingsResponse": _obj({"embedding": {"type": "array", "items": _NUM}}, ("embedding",)),
+        "ModelRequest": {
+            **_obj({"model": _MODEL, "name": {**_MODEL, "description": "the same as model (older clients)"}}),
+            "anyOf": [{"required": ["model"]}, {"required": ["name"]}],
+        },
+        "CopyRequest": _obj({"source": _MODEL, "destination": _MODEL}, ("source", "destination")),
+        "Details": details,
+        "ModelEntry": _obj(
+            {"name": _STR, "model": _STR, "modified_at": _STR, "size": _INT, "digest": _STR, "details": details},
+            ("name", "model", "size", "digest"),
+        ),
+        "TagsResponse": _obj({"models": {"type": "array", "items": _ref("ModelEntry")}}, ("models",)),
+        "RunningModel": _obj(
+            {
+                "name": _STR, "model": _STR, "size": _INT, "size_vram": _INT, "digest": _STR, "details": {"type": "object"},
+                "expires_at": _STR, "context_length": _INT,
+            },
+            ("name", "model", "size", "size_vram", "expires_at"),
+        ),
+        "PsResponse": _obj({"models": {"type": "array", "items": _ref("RunningModel")}}, ("models",)),
+        "ShowResponse": _obj(
+            {
+                "modelfile": _STR, "parameters": _STR, "template": _STR, "details": details,
+                "model_info": {"type": "object"}, "capabilities": _STRINGS, "modified_at": _STR,
+            },
+            ("details", "model_info", "capabilities"),
+        ),
+        "VersionResponse": _obj({"version": _STR}, ("version",)),
+        "OpenAIChatRequest": _obj(
+            {
+                **openai_extras,
+                "messages": {"type": "array", "minItems": 1, "items": _obj({"role": _STR, "content": {}}, ("role",))},
+                "max_tokens": {"type": ["integer", "null"]}, "max_completion_tokens": {"type": ["integer", "null"]},
+                "temperature": {"type": ["number", "null"]}, "top_p": {"type": ["number", "null"]},
+                "seed": {"type": ["integer", "null"]}, "stop": {"anyOf": [_STR, _STRINGS, {"type": "null"}]},
+                "tools": {"type": "array", "items": {"type": "object"}}, "response_format": {"type": "object"},
+                "stream_options": {"type": ["object", "null"]},
+            },
+            ("model", "messages"),
+        ),
+        "OpenAICompletionRequest": _obj(
+            {
+                **openai_extras, "prompt": {"anyOf": [_STR, _STRINGS]}, "max_tokens": {"type": ["integer", "null"]},
+                "temperature": {"type": ["number", "null"]}, "top_p": {"type": ["number", "null"]},
+                "seed": {"type": ["integer", "null"]}, "stop": {"anyOf": [_STR, _STRINGS, {"type": "null"}]},
+                "suffix": {"type": ["string", "null"]}, "stream_options": {"type": ["object", "null"]},
+            },
+            ("model", "prompt"),
+        ),
+        "OpenAIEmbeddingRequest": _obj(
+            {
+                "model": _MODEL, "input": {"anyOf": [_STR, _STRINGS]}, "encoding_format": {"type": "string", "enum": ["float", "base64"]},
+                "dimensions": {"type": "integer", "minimum": 1}, "keep_alive": _ref("KeepAlive"), "options": _ref("Options"),
+            },
+            ("model", "input"),
+        ),
+        "OpenAIResponse": {"type": "object", "description": "OpenAI's answer as llama-server gives it, naming the model as the client did", "properties": {"object": _STR, "model": _STR}},
+        "OpenAIModel": _obj({"id": _STR, "object": {"const": "model"}, "created": _INT, "owned_by": _STR}, ("id", "object")),
+        "OpenAIModelList": _obj({"object": {"const": "list"}, "data": {"type": "array", "items": _ref("OpenAIModel")}}, ("object", "data")),
+    }
+
+
+def _errors(*statuses: str, openai: bool = False) -> Schema:
+    schema = _ref("OpenAIError") if openai else _ref("Error")
+    return {s: {"description": _ERROR_STATUSES[s], "content": {"application/json": {"schema": schema}}} for s in statuses}
+
+
+_MODEL_ERRORS = ("400", "401", "404", "413", "500", "502", "503", "507")
+
+
+def _json_op(summary: str, request: str, response: Schema, *, stream: str | None = None, errors: tuple[str, ...] = _MODEL_ERRORS, openai: bool = False) -> Schema:
+    content: Schema = {"application/json": {"schema": response}}
+    if stream is not None:
+        content[stream] = {"schema": response if stream == NDJSON else _STR}
+    return {
+        "summary": summary,
+        "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}},
+        "responses": {"200": {"description": "the answer" + (" (streamed unless `stream` is false)" if stream == NDJSON else ""), "content": content}, **_errors(*errors, openai=openai)},
+    }
+
+
+def _get_op(summary: str, content_type: str, schema: Schema, *, auth: bool = True) -> Schema:
+    op: Schema = {"summary": summary, "responses": {"200": {"description": "OK", "content": {content_type: {"schema": schema}}}}}
+    if auth:
+        op["responses"].update(_errors("401"))
+    else:
+        op["security"] = []
+    return op
+
+
+def _not_implemented(summary: str) -> Schema:
+    return {
+        "summary": summary,
+        "responses": {"501": {"description": "not supported: add a model by dropping a GGUF into the store, or point TRIOSHED_MODELS at an Ollama store",
+                              "content": {"application/json": {"schema": _ref("Error")}}}, **_errors("401")},
+    }  # fmt: skip
+
+
+def _paths() -> Schema:
+    ollama = ("400", "401", "404", "413", "500", "502", "503", "507")
+    digest = {"name": "digest", "in": "path", "required": True, "schema": {"type": "string", "description": "sha256:<hex> (any value: the route answers 501)"}}
+    return {
+        "/": {
+            "get": _get_op("Liveness: `Ollama is running`", "text/plain", _STR, auth=False),
+            "head": {"summary": "Liveness", "security": [], "responses": {"200": {"description": "OK"}}},
+        },
+        "/api/version": {"get": _get_op("trioshed's version", "application/json", _ref("VersionResponse"), auth=False)},
+        "/api/generate": {"post": _json_op("Generate a completion (Ollama); no prompt: load, or unload with keep_alive 0", "GenerateRequest", _ref("GenerateResponse"), stream=NDJSON, errors=ollama)},
+        "/api/chat": {"post": _json_op("Chat (Ollama); no messages: load, or unload with keep_alive 0", "ChatRequest", _ref("ChatResponse"), stream=NDJSON, errors=ollama)},
+        "/api/embed": {"post": _json_op("Embeddings for one input or several (Ollama)", "EmbedRequest", _ref("EmbedResponse"))},
+        "/api/embeddings": {"post": _json_op("One embedding (Ollama's older route)", "EmbeddingsRequest", _ref("EmbeddingsResponse"))},
+        "/api/tags": {"get": _get_op("Models in the store", "application/json", _ref("TagsResponse"))},
+        "/api/ps": {"get": _get_op("Loaded models", "application/json", _ref("PsResponse"))},
+        "/api/show": {"post": _json_op("A model's details, GGUF metadata and memory estimate", "ModelRequest", _ref("ShowResponse"), errors=("400", "401", "404", "413", "500"))},
+        "/api/delete": {
+            "delete": {
+                "summary": "Delete a model from trioshed's own store (unloaded first); an Ollama store is read-only (403)",
+                "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("ModelRequest")}}},
+                "responses": {"200": {"description": "deleted"}, **_errors("400", "401", "403", "404", "409", "413", "500")},
+            }
+        },
+        "/api/copy": {
+            "post": {
+                "summary": "Add an alias for a model (in models.toml)",
+                "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("CopyRequest")}}},
+                "responses": {"200": {"description": "copied"}, **_errors("400", "401", "404", "409", "413", "500")},
+            }
+        },
+        "/api/pull": {"post": _not_implemented("Not supported (501)")},
+        "/api/push": {"post": _not_implemented("Not supported (501)")},
+        "/api/create": {"post": _not_implemented("Not supported (501)")},
+        "/api/blobs/{digest}": {
+            "parameters": [digest],
+            "head": _not_implemented("Not supported (501)"),
+            "post": _not_implemented("Not supported (501)"),
+        },
+        "/v1/chat/completions": {"post": _json_op("Chat completions (OpenAI)", "OpenAIChatRequest", _ref("OpenAIResponse"), stream=SSE, openai=True)},
+        "/v1/completions": {"post": _json_op("Completions (OpenAI)", "OpenAICompletionRequest", _ref("OpenAIResponse"), stream=SSE, openai=True)},
+        "/v1/embeddings": {"post": _json_op("Embeddings (OpenAI)", "OpenAIEmbeddingRequest", _ref("OpenAIResponse"), openai=True)},
+        "/v1/models": {"get": _get_op("Models in the store (OpenAI)", "application/json", _ref("OpenAIModelList"))},
+        "/v1/models/{model}": {
+            "parameters": [{"name": "model", "in": "path", "required": True, "schema": _MODEL}],
+            "get": {
+                "summary": "One model (OpenAI)",
+                "responses": {"200": {"description": "OK", "content": {"application/json": {"schema": _ref("OpenAIModel")}}}, **_errors("400", "401", "404", openai=True)},
+            },
+        },
+        "/metrics": {"get": _get_op("Prometheus metrics (text exposition format 0.0.4)", "text/plain", _STR)},
+        "/openapi.json": {"get": _get_op("This document", "application/json", {"type": "object"})},
+    }
+
+
+@functools.cache
+def document(ollama_names: bool = False) -> Schema:
+    """The document; ``ollama_names``: an Ollama store is among TRIOSHED_MODELS (names with '/')."""
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "trioshed",
+            "version": __version__,
+            "description": "Ollama's API (/api/*) and OpenAI's (/v1/*) over llama.cpp runners that trioshed schedules.",
+            "license": {"name": "MIT", "identifier": "MIT"},
+        },
+        "servers": [{"url": "http://127.0.0.1:11434"}],
+        "security": [{}, {"bearer": []}],
+        "paths": _paths(),
+        "components": {
+            "schemas": _schemas(ollama_names),
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer", "description": "required when TRIOSHED_API_KEY is set"}},
+        },
+    }
+
+
+@bp.get("/openapi.json")
+async def openapi() -> Schema:
+    store = current_app.config["TRIOSHED"].store
+    return document(any(not isinstance(b, ModelStore) for b in store.backends()))
