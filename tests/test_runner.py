@@ -14,6 +14,7 @@ import trio._core._thread_cache as thread_cache
 from trioshed.core.model import ModelSpec, Placement, RunnerOptions
 from trioshed.errors import LoadFailed
 from trioshed.runner.binary import find_llama_server
+from trioshed.runner.client import KEEP_IDLE, MAX_REQUESTS
 from trioshed.runner.command import LaunchConfig
 from trioshed.runner.process import open_llama_server
 
@@ -112,3 +113,19 @@ async def test_exit_is_seen_at_once(tiny_model: Path) -> None:
             assert server.pid is not None
             os.kill(server.pid, signal.SIGKILL)
             assert await server.wait_exited() == -signal.SIGKILL
+
+
+async def test_pool_stays_inside_llama_servers_keep_alive_limits(tiny_model: Path) -> None:
+    # The pool's limits are chosen against what llama-server announces (b10068: timeout=5,
+    # max=100); a build that announces less would make pooled connections go stale.
+    with trio.fail_after(60):
+        async with open_llama_server(ModelSpec("tiny:latest", str(tiny_model)), OPTIONS, Placement(0), config()) as server:
+            async with server.upstream.request("GET", "/health") as response:
+                await response.read()
+                announced = dict(p.strip().split("=") for p in response.headers["keep-alive"].split(","))
+            before = server.upstream.statistics()
+            assert await server.health() and await server.health()
+            after = server.upstream.statistics()
+    assert KEEP_IDLE < float(announced["timeout"]) / 2 and MAX_REQUESTS < int(announced["max"])
+    # the connection that answered stays open and serves the next requests
+    assert after.opened == before.opened and after.reused == before.reused + 2

@@ -12,13 +12,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import Any
 
-import httpx
 import trio
 from quart import Blueprint, Response
 
 from trioshed.api.ollama import json_body, keep_alive_of, state
 from trioshed.api.translate import openai_model_rewrite, parse_sse_line, split_options
-from trioshed.api.upstream import crash_or, leased_stream, open_upstream
+from trioshed.api.upstream import leased_stream, open_upstream, post_upstream_raw
 from trioshed.core.model import ModelSpec, RunnerOptions
 from trioshed.errors import BadRequest, TrioshedError
 from trioshed.scheduler import Lease
@@ -82,19 +81,16 @@ async def _proxy(path: str) -> Response:
     streaming = bool(body.get("stream", False))
     if not streaming:
         async with st.scheduler.acquire(model, options, keep_alive) as lease:
-            try:
-                response = await lease.handle.http.post(path, json=body)
-            except httpx.HTTPError as exc:
-                raise await crash_or(lease, exc) from None
+            status, raw = await post_upstream_raw(lease, path, body)
         try:
-            data = response.json()
+            data = json.loads(raw)
         except ValueError:
-            data = {"error": {"message": response.text[:500]}}
+            data = {"error": {"message": raw.decode("utf-8", "replace")[:500]}}
         if isinstance(data, dict):
             data = openai_model_rewrite(data, name)
             if (trace := current_trace.get()) is not None:
                 trace.counted(data)
-        return Response(json.dumps(data), status=response.status_code, content_type="application/json")
+        return Response(json.dumps(data), status=status, content_type="application/json")
     return await leased_stream(
         st.scheduler, model, options, keep_alive, lambda lease: _relay(lease, path, body, name), "text/event-stream"
     )

@@ -13,13 +13,13 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
 from typing import Any
 
-import httpx
 import trio
 import trio.lowlevel
 from quart import Response
 
 from trioshed.core.model import ModelSpec, RunnerOptions
 from trioshed.errors import RunnerCrashed, TrioshedError, UpstreamError
+from trioshed.runner.client import ConnectionFailed, UpstreamPool
 from trioshed.scheduler import Lease, Scheduler
 
 log = logging.getLogger(__name__)
@@ -52,25 +52,34 @@ async def truncated(lease: Lease) -> TrioshedError:
 
 
 @asynccontextmanager
-async def open_upstream(lease: Lease, path: str, body: dict[str, Any]) -> AsyncIterator[AsyncIterator[list[bytes]]]:
+async def open_upstream_bytes(lease: Lease, path: str, body: dict[str, Any] | bytes) -> AsyncIterator[AsyncIterator[bytes]]:
+    """POST ``body`` (JSON, or bytes already encoded) to the runner; yield its answer's body as
+    it arrives, one piece per socket read.
+
+    Raises UpstreamError (with llama-server's own message) for a non-200 answer, and the
+    runner's crash error when the connection breaks because the child died (also mid-iteration).
+    """
+    pool: UpstreamPool = lease.handle.upstream
+    payload = body if isinstance(body, bytes) else _encode(body)
+    try:
+        async with pool.request("POST", path, payload) as response:
+            if response.status != 200:
+                raise UpstreamError(upstream_message(await response.read(), response.status), status=response.status)
+            yield response.batches()
+    except ConnectionFailed as exc:
+        raise await crash_or(lease, exc) from None
+
+
+@asynccontextmanager
+async def open_upstream(lease: Lease, path: str, body: dict[str, Any] | bytes) -> AsyncIterator[AsyncIterator[list[bytes]]]:
     """POST ``body`` to the runner; yield its streamed answer as batches of complete lines.
 
     A batch is what one read from the socket held: under load llama-server's events arrive
     several at a time, and handling them together means one write downstream instead of one
-    per token. Raises UpstreamError (with llama-server's own message) for a non-200 answer,
-    and the runner's crash error when the connection breaks because the child died (also
-    mid-iteration).
+    per token. Errors as in :func:`open_upstream_bytes`.
     """
-    http: httpx.AsyncClient = lease.handle.http
-    try:
-        async with http.stream("POST", path, json=body) as response:
-            if response.status_code != 200:
-                raw = await response.aread()
-                raise UpstreamError(upstream_message(raw, response.status_code), status=response.status_code)
-            async with aclosing(_line_batches(response.aiter_raw())) as batches:
-                yield batches
-    except httpx.HTTPError as exc:
-        raise await crash_or(lease, exc) from None
+    async with open_upstream_bytes(lease, path, body) as pieces, aclosing(_line_batches(pieces)) as batches:
+        yield batches
 
 
 async def _line_batches(chunks: AsyncIterator[bytes]) -> AsyncGenerator[list[bytes], None]:
@@ -83,19 +92,28 @@ async def _line_batches(chunks: AsyncIterator[bytes]) -> AsyncGenerator[list[byt
         yield [rest]
 
 
+def _encode(body: dict[str, Any]) -> bytes:
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+async def post_upstream_raw(lease: Lease, path: str, body: dict[str, Any] | bytes) -> tuple[int, bytes]:
+    """POST ``body`` to the runner and return its status and whole answer, whatever the status."""
+    pool: UpstreamPool = lease.handle.upstream
+    try:
+        return await pool.post(path, body if isinstance(body, bytes) else _encode(body))
+    except ConnectionFailed as exc:
+        raise await crash_or(lease, exc) from None
+
+
 async def post_upstream(lease: Lease, path: str, body: dict[str, Any]) -> dict[str, Any]:
     """POST ``body`` to the runner and return its JSON answer (errors as in :func:`open_upstream`)."""
-    http: httpx.AsyncClient = lease.handle.http
+    status, raw = await post_upstream_raw(lease, path, body)
+    if status != 200:
+        raise UpstreamError(upstream_message(raw, status), status=status)
     try:
-        response = await http.post(path, json=body)
-    except httpx.HTTPError as exc:
-        raise await crash_or(lease, exc) from None
-    if response.status_code != 200:
-        raise UpstreamError(upstream_message(response.content, response.status_code), status=response.status_code)
-    try:
-        data = response.json()
+        data = json.loads(raw)
     except ValueError:
-        raise UpstreamError(f"llama-server answered with invalid JSON: {response.text[:200]!r}") from None
+        raise UpstreamError(f"llama-server answered with invalid JSON: {raw[:200]!r}") from None
     if not isinstance(data, dict):
         raise UpstreamError("llama-server answered with something other than a JSON object")
     return data

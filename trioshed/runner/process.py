@@ -23,7 +23,6 @@ from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-import httpx
 import trio
 
 from trioshed._util import single_error
@@ -31,6 +30,7 @@ from trioshed.core.estimate import effective_kv_type
 from trioshed.core.model import MeasuredMemory, ModelSpec, Placement, RunnerOptions
 from trioshed.errors import LoadFailed
 from trioshed.models.gguf_meta import read_metadata
+from trioshed.runner.client import ConnectionFailed, UpstreamPool
 from trioshed.runner.command import LaunchConfig, build_command
 
 try:
@@ -161,10 +161,9 @@ class LlamaServer:
         self._progress: trio.CancelScope | None = None
         self._output_hint = trio.Event()  # set by a line saying the server is up
         self._load_timeout = math.inf
-        # Plain HTTP on loopback: verify=False skips loading the CA bundle (~90 ms per load here).
-        self.http = httpx.AsyncClient(
-            base_url=self.base_url, timeout=httpx.Timeout(None, connect=10.0), verify=False
-        )
+        # The runner's pool of keep-alive connections (closed in open_llama_server before the
+        # child is stopped); every request to this child goes through it.
+        self.upstream = UpstreamPool(port, max_idle=max(8, 4 * options.num_parallel))
 
     @property
     def pid(self) -> int | None:
@@ -192,10 +191,10 @@ class LlamaServer:
             return False
         try:
             with trio.fail_after(10):
-                response = await self.http.get("/health")
-        except (httpx.HTTPError, trio.TooSlowError):
+                status, _ = await self.upstream.get("/health")
+        except (ConnectionFailed, trio.TooSlowError):
             return False
-        return response.status_code == 200
+        return status == 200
 
     def _on_line(self, line: str) -> None:
         self.tail.append(line)
@@ -225,12 +224,13 @@ class LlamaServer:
             with trio.CancelScope(deadline=trio.current_time() + load_timeout) as self._progress:
                 started = trio.current_time()
                 while not self.exited:
-                    try:
-                        response = await self.http.get("/health", timeout=5.0)
-                        if response.status_code == 200:
-                            return
-                    except httpx.HTTPError:
-                        pass
+                    with trio.move_on_after(5):
+                        try:
+                            status, _ = await self.upstream.get("/health")
+                            if status == 200:
+                                return
+                        except ConnectionFailed:
+                            pass
                     # Poll fast while a small model would be ready, then back off; the child's
                     # "listening" line or its exit cut the wait short.
                     delay = 0.005 if trio.current_time() - started < 2 else 0.1
@@ -300,11 +300,11 @@ async def open_llama_server(
                 try:
                     yield server
                 finally:
-                    # Our idle keep-alive connection makes llama-server take ~110 ms to exit on
-                    # SIGTERM (under 10 ms without one): close it first.
+                    # Our idle keep-alive connections make llama-server take ~110 ms to exit on
+                    # SIGTERM (under 10 ms without them): close them first.
                     with trio.move_on_after(1, shield=True):
-                        await server.http.aclose()
+                        await server.upstream.aclose()
                     nursery.cancel_scope.cancel(reason="runner stopped")
     finally:
         with trio.move_on_after(1, shield=True):
-            await server.http.aclose()
+            await server.upstream.aclose()

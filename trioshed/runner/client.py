@@ -1,0 +1,267 @@
+"""A runner's HTTP/1.1 client: one pool of keep-alive connections to its llama-server (loopback).
+
+The hot path of every request: httpx + httpcore cost a third of trioshed's CPU per streamed
+request (bench findings, 2026-12-02); this does only what llama-server needs, on Trio streams,
+with :mod:`trioshed.runner.wire` reading the answers.
+
+Stale connections. llama-server (cpp-httplib, measured on the bundled b10068 with
+``/tmp``-style raw sockets: ``Keep-Alive: timeout=5, max=100``) closes a keep-alive connection
+after **5 s idle** and after **100 requests** (the 100th answer carries ``Connection: close``).
+A request written to a connection in the instant the upstream closes it gets no answer at all
+(seen as "502 ... Server disconnected without sending a response"). So:
+
+* an idle connection is reused only within :data:`KEEP_IDLE` (2 s, well inside 5 s), for at
+  most :data:`MAX_REQUESTS` requests, and only when a non-blocking peek shows it still open;
+* a request on a *reused* connection that the upstream closes (or resets) before sending a
+  single byte of answer is sent once more on a *fresh* connection: the upstream never saw it,
+  so this is safe even for a generation. A fresh connection that fails is a real failure
+  (usually the child died), and so is an answer cut after its first byte.
+
+Cancellation: a request cancelled mid-answer closes its connection (llama-server then stops the
+generation); only connections whose answer was read to the end go back to the pool.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import trio
+
+from trioshed.runner.wire import ProtocolError, ResponseReader, request_head
+
+__all__ = ["KEEP_IDLE", "MAX_REQUESTS", "ConnectionFailed", "PoolStats", "UpstreamPool", "UpstreamResponse"]
+
+#: Seconds an idle connection is kept for reuse (llama-server closes it after 5 s idle).
+KEEP_IDLE = 2.0
+#: Requests per connection before it is retired (llama-server closes it after 100).
+MAX_REQUESTS = 90
+_READ = 65536
+
+
+class ConnectionFailed(Exception):
+    """The connection to llama-server failed: refused, reset, closed or answered garbage."""
+
+    def __init__(self, message: str, *, received: int = 0) -> None:
+        super().__init__(message)
+        self.received = received  # bytes of the answer received before the failure
+
+
+class _Connection:
+    __slots__ = ("idle_since", "raw", "requests", "stream")
+
+    def __init__(self, raw: socket.socket, stream: trio.SocketStream) -> None:
+        self.raw = raw  # the same socket, for the non-blocking liveness peek
+        self.stream = stream
+        self.requests = 0
+        self.idle_since = 0.0
+
+    def still_open(self) -> bool:
+        """Whether the upstream has not closed (or written to) this idle connection."""
+        try:
+            self.raw.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return True  # nothing to read: open
+        except OSError:
+            return False
+        return False  # closed (b"") or unexpected bytes: not usable for a new request
+
+    def close(self) -> None:
+        self.stream.socket.close()
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    idle: int
+    active: int
+    opened: int
+    reused: int
+    retried: int
+
+
+class UpstreamResponse:
+    """An answer whose head was read; its body is read with :meth:`batches` or :meth:`read`."""
+
+    def __init__(self, connection: _Connection, reader: ResponseReader, first: bytes) -> None:
+        self._connection = connection
+        self._reader = reader
+        self._first = first
+        self.status: int = reader.status or 0
+        self.headers = reader.headers
+
+    @property
+    def complete(self) -> bool:
+        return self._reader.done
+
+    @property
+    def reusable(self) -> bool:
+        return self._reader.done and self._reader.keep_alive
+
+    async def batches(self) -> AsyncIterator[bytes]:
+        """The body, de-chunked, one piece per socket read (never an empty piece)."""
+        first, self._first = self._first, b""
+        if first:
+            yield first
+        reader, stream = self._reader, self._connection.stream
+        while not reader.done:
+            try:
+                data = await stream.receive_some(_READ)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                raise ConnectionFailed(f"reading llama-server's answer failed: {exc}", received=reader.received) from None
+            try:
+                if not data:
+                    reader.feed_eof()
+                    break
+                body = reader.feed(data)
+            except ProtocolError as exc:
+                raise ConnectionFailed(str(exc), received=reader.received) from None
+            if body:
+                yield body
+
+    async def read(self) -> bytes:
+        """The whole body."""
+        return b"".join([piece async for piece in self.batches()])
+
+
+class UpstreamPool:
+    """Keep-alive connections to one llama-server; ``request()`` borrows one per request.
+
+    Owned by its runner, which closes it (``aclose``) before the child stops.
+    """
+
+    def __init__(self, port: int, *, host: str = "127.0.0.1", max_idle: int = 16, connect_timeout: float = 10.0) -> None:
+        self.host = host
+        self.port = port
+        self.max_idle = max_idle
+        self.connect_timeout = connect_timeout
+        self._idle: list[_Connection] = []
+        self._active = 0
+        self._opened = 0
+        self._reused = 0
+        self._retried = 0
+        self._closed = False
+
+    def statistics(self) -> PoolStats:
+        return PoolStats(len(self._idle), self._active, self._opened, self._reused, self._retried)
+
+    @asynccontextmanager
+    async def request(
+        self, method: str, path: str, body: bytes = b"", *, content_type: str = "application/json"
+    ) -> AsyncIterator[UpstreamResponse]:
+        """Send a request and yield its answer once the head arrived; the body is read inside.
+
+        Raises :class:`ConnectionFailed` when no answer could be had (after the one retry that
+        a stale pooled connection earns).
+        """
+        data = request_head(method, path, self.port, len(body), content_type) + body
+        connection = self._take_idle()
+        reused = connection is not None
+        if connection is None:
+            connection = await self._connect()
+        self._active += 1
+        try:
+            try:
+                response = await self._send(connection, data, method)
+            except ConnectionFailed as exc:
+                connection.close()
+                if not (reused and exc.received == 0):
+                    raise
+                self._retried += 1  # the upstream closed it as we wrote: it never saw the request
+                connection = await self._connect()
+                response = await self._send(connection, data, method)
+            yield response
+        except BaseException:
+            connection.close()
+            raise
+        finally:
+            self._active -= 1
+        self._give_back(connection, response)
+
+    async def get(self, path: str) -> tuple[int, bytes]:
+        async with self.request("GET", path) as response:
+            return response.status, await response.read()
+
+    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        async with self.request("POST", path, body) as response:
+            return response.status, await response.read()
+
+    async def _send(self, connection: _Connection, data: bytes, method: str) -> UpstreamResponse:
+        reader = ResponseReader(head_only=method == "HEAD")
+        stream = connection.stream
+        connection.requests += 1
+        try:
+            await stream.send_all(data)
+            first = b""
+            while reader.status is None:
+                chunk = await stream.receive_some(_READ)
+                if not chunk:
+                    reader.feed_eof()
+                first = reader.feed(chunk)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            raise ConnectionFailed(f"connection to llama-server failed: {_describe(exc)}", received=reader.received) from None
+        except ProtocolError as exc:
+            raise ConnectionFailed(str(exc), received=reader.received) from None
+        return UpstreamResponse(connection, reader, first)
+
+    async def _connect(self) -> _Connection:
+        if self._closed:
+            raise ConnectionFailed("the runner's connections are closed (it is stopping)")
+        raw = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        raw.setblocking(False)
+        sock = trio.socket.from_stdlib_socket(raw)
+        try:
+            with trio.fail_after(self.connect_timeout):
+                await sock.connect((self.host, self.port))
+        except (OSError, trio.TooSlowError) as exc:
+            sock.close()
+            raise ConnectionFailed(f"cannot connect to llama-server on port {self.port}: {_describe(exc)}") from None
+        except BaseException:
+            sock.close()
+            raise
+        self._opened += 1
+        return _Connection(raw, trio.SocketStream(sock))
+
+    def _take_idle(self) -> _Connection | None:
+        now = trio.current_time()
+        while self._idle:
+            connection = self._idle.pop()  # the most recently used: the least likely to be stale
+            if now - connection.idle_since < KEEP_IDLE and connection.still_open():
+                self._reused += 1
+                return connection
+            connection.close()
+        return None
+
+    def _give_back(self, connection: _Connection, response: UpstreamResponse) -> None:
+        if (
+            self._closed
+            or not response.reusable
+            or connection.requests >= MAX_REQUESTS
+            or len(self._idle) >= self.max_idle
+        ):
+            connection.close()
+            return
+        now = trio.current_time()
+        # Connections idle too long are closed now rather than kept until the next request.
+        while self._idle and now - self._idle[0].idle_since >= KEEP_IDLE:
+            self._idle.pop(0).close()
+        connection.idle_since = now
+        self._idle.append(connection)
+
+    async def aclose(self) -> None:
+        """Close every idle connection; connections in use close when their request ends."""
+        self._closed = True
+        idle, self._idle = self._idle, []
+        for connection in idle:
+            connection.close()
+        await trio.lowlevel.checkpoint()
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, trio.TooSlowError):
+        return "timed out"
+    if isinstance(exc, OSError) and exc.errno is not None:
+        return f"{errno.errorcode.get(exc.errno, exc.errno)} ({exc.strerror})"
+    return str(exc) or type(exc).__name__
