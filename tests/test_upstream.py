@@ -141,10 +141,26 @@ async def test_stream_on_a_connection_the_upstream_closed_is_sent_again_on_a_fre
     with trio.fail_after(10):
         async with ClosingUpstream(answer=1).serving() as upstream:
             lease = _Lease(upstream.port)
-            assert await _stream_text(lease) == "Hello"
+            await post_upstream(lease, "/health", {})  # type: ignore[arg-type]
             assert await _stream_text(lease) == "Hello"
             await lease.handle.upstream.aclose()
-    assert upstream.requests == [(1, "/completion"), (1, "/completion"), (2, "/completion")]
+    assert upstream.requests == [(1, "/health"), (1, "/completion"), (2, "/completion")]
+
+
+async def test_a_connection_that_carried_a_stream_is_not_reused() -> None:
+    # llama-server closes the connection right after a streamed answer's last chunk (measured on
+    # b10068) although it announced keep-alive: reusing it would race that close.
+    with trio.fail_after(10):
+        async with ClosingUpstream(answer=100).serving() as upstream:
+            lease = _Lease(upstream.port)
+            assert await _stream_text(lease) == "Hello"
+            assert await _stream_text(lease) == "Hello"
+            await post_upstream(lease, "/health", {})  # type: ignore[arg-type]
+            await post_upstream(lease, "/health", {})  # type: ignore[arg-type]
+            stats = lease.handle.upstream.statistics()
+            await lease.handle.upstream.aclose()
+    assert [c for c, _ in upstream.requests] == [1, 2, 3, 3]
+    assert (stats.opened, stats.reused, stats.retried) == (3, 1, 0)
 
 
 async def test_a_fresh_connection_closed_without_an_answer_is_an_error_not_a_loop() -> None:

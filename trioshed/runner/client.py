@@ -10,6 +10,11 @@ after **5 s idle** and after **100 requests** (the 100th answer carries ``Connec
 A request written to a connection in the instant the upstream closes it gets no answer at all
 (seen as "502 ... Server disconnected without sending a response"). So:
 
+* llama-server closes the connection right after the last chunk of a *streamed* (chunked)
+  answer, although it announced keep-alive (measured: the FIN is there as soon as the final
+  ``0\r\n\r\n`` is read, on ``/completion`` and ``/v1/chat/completions`` alike); reusing such
+  a connection races that close, so it is closed on our side too and a stream always gets a
+  fresh connection (direct clients of llama-server pay the same connect);
 * an idle connection is reused only within :data:`KEEP_IDLE` (2 s, well inside 5 s), for at
   most :data:`MAX_REQUESTS` requests, and only when a non-blocking peek shows it still open;
 * a request on a *reused* connection that the upstream closes (or resets) before sending a
@@ -98,7 +103,10 @@ class UpstreamResponse:
 
     @property
     def reusable(self) -> bool:
-        return self._reader.done and self._reader.keep_alive
+        """Whether the connection may carry another request: the answer was read to its end,
+        the upstream did not say ``close``, and it was not a stream (see the module's notes)."""
+        reader = self._reader
+        return reader.done and reader.keep_alive and not reader.chunked
 
     async def batches(self) -> AsyncIterator[bytes]:
         """The body, de-chunked, one piece per socket read (never an empty piece)."""

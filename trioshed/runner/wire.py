@@ -45,7 +45,7 @@ class ResponseReader:
         self._head_only = head_only
         self._buffer = bytearray()
         self._length: int | None = None  # bytes of body left (Content-Length framing)
-        self._chunked = False
+        self.chunked = False  # the body is chunked (llama-server's streams)
         self._chunk_left = 0  # bytes left of the current chunk's data
         self._until_close = False
 
@@ -70,7 +70,7 @@ class ResponseReader:
                 if data:
                     raise ProtocolError("llama-server sent a body where none belongs")
                 return b""
-        if self._chunked:
+        if self.chunked:
             return self._feed_chunked(data)
         if self._until_close:
             return data
@@ -112,7 +112,7 @@ class ResponseReader:
         if self._head_only or self.status in (204, 304) or 100 <= self.status < 200:
             self.done = True
         elif "chunked" in self.headers.get("transfer-encoding", "").lower():
-            self._chunked = True
+            self.chunked = True
         elif "content-length" in self.headers:
             try:
                 self._length = int(self.headers["content-length"])
