@@ -67,6 +67,7 @@ async def test_official_openai_client(model_store: Path) -> None:
                 )
             )
             assert stream and stream[-1].choices[0].finish_reason in ("stop", "length")
+            assert {c.model for c in stream} == {"tiny"}  # relayed bytes, the model renamed
             models = await in_thread(client.models.list)
             assert [m.id for m in models.data] == ["tiny"]
 

@@ -42,6 +42,11 @@ def state() -> AppState:
 
 
 async def json_body() -> dict[str, Any]:
+    return (await json_body_raw())[1]
+
+
+async def json_body_raw() -> tuple[bytes, dict[str, Any]]:
+    """The request body as sent, and parsed (a JSON object, else BadRequest)."""
     raw = await request.get_data(as_text=False)
     if not raw:
         raise BadRequest("missing request body")
@@ -51,7 +56,7 @@ async def json_body() -> dict[str, Any]:
         raise BadRequest(f"invalid JSON in request body: {exc}") from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
-    return body
+    return raw if isinstance(raw, bytes) else raw.encode(), body
 
 
 def keep_alive_of(body: Mapping[str, Any]) -> float | None:

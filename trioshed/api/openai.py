@@ -15,9 +15,9 @@ from typing import Any
 import trio
 from quart import Blueprint, Response
 
-from trioshed.api.ollama import json_body, keep_alive_of, state
-from trioshed.api.translate import openai_model_rewrite, parse_sse_line, split_options
-from trioshed.api.upstream import leased_stream, open_upstream, post_upstream_raw
+from trioshed.api.ollama import json_body_raw, keep_alive_of, state
+from trioshed.api.translate import ModelRenamer, openai_model_rewrite, split_options
+from trioshed.api.upstream import leased_stream, open_upstream_bytes, post_upstream_raw
 from trioshed.core.model import ModelSpec, RunnerOptions
 from trioshed.errors import BadRequest, TrioshedError
 from trioshed.scheduler import Lease
@@ -26,21 +26,16 @@ from trioshed.trace import current as current_trace
 bp = Blueprint("openai", __name__)
 
 
-def _rewrite(line: bytes, model: str) -> bytes:
-    """One upstream SSE line for the client: events name the model as the client did."""
-    event = parse_sse_line(line) if line.startswith(b"data: ") else None
-    if event is None:  # "[DONE]", comments (keep-alive pings), blank separators: as they are
-        return line.rstrip(b"\r") + b"\n\n" if line.strip() else b""
-    return b"data: " + json.dumps(openai_model_rewrite(event, model)).encode() + b"\n\n"
-
-
-async def _relay(lease: Lease, path: str, body: dict[str, Any], model: str) -> AsyncIterator[bytes]:
+async def _relay(lease: Lease, path: str, body: dict[str, Any] | bytes, model: str) -> AsyncIterator[bytes]:
+    """llama-server's SSE bytes as they come, with ``model`` named as the client did."""
+    renamer = ModelRenamer(lease.model.name, model)
     try:
-        async with open_upstream(lease, path, body) as batches:
-            async for lines in batches:
-                out = b"".join(_rewrite(line, model) for line in lines)
-                if out:
+        async with open_upstream_bytes(lease, path, body) as pieces:
+            async for piece in pieces:
+                if out := renamer.feed(piece):
                     yield out
+        if out := renamer.finish():
+            yield out
     except TrioshedError as exc:
         yield b"data: " + json.dumps({"error": {"message": exc.message, "type": "server_error", "code": exc.status}}).encode() + b"\n\n"
 
@@ -52,17 +47,23 @@ class OpenAIRequest:
     model: ModelSpec
     options: RunnerOptions
     keep_alive: float | None
+    #: The body as the client sent it, when it can go upstream unchanged (no trioshed extras;
+    #: llama-server ignores ``model`` and names its alias, which the relay renames).
+    raw: bytes | None = None
 
 
 async def openai_request(*, embedding: bool = False) -> OpenAIRequest:
     """Parse an OpenAI-style body: model, and trioshed's extras ``keep_alive`` and ``options``."""
     st = state()
-    body = await json_body()
+    sent, body = await json_body_raw()
+    raw: bytes | None = sent
     name = body.get("model")
     if not isinstance(name, str) or not name:
         raise BadRequest("model is required")
     model = st.store.resolve(name)
     keep_alive = keep_alive_of(body)
+    if "keep_alive" in body or "options" in body:
+        raw = None
     body.pop("keep_alive", None)
     overrides = body.pop("options", None) or {}
     if not isinstance(overrides, dict):
@@ -70,18 +71,18 @@ async def openai_request(*, embedding: bool = False) -> OpenAIRequest:
     options = st.runner_options(model, split_options({**dict(model.defaults), **overrides})[1])
     if embedding:
         options = replace(options, embedding=True)
-    return OpenAIRequest(body, name, model, options, keep_alive)
+    return OpenAIRequest(body, name, model, options, keep_alive, raw)
 
 
 async def _proxy(path: str) -> Response:
     st = state()
     req = await openai_request()
     body, name, model, options, keep_alive = req.body, req.name, req.model, req.options, req.keep_alive
-    body["model"] = model.name
     streaming = bool(body.get("stream", False))
+    upstream: dict[str, Any] | bytes = req.raw if req.raw is not None else {**body, "model": model.name}
     if not streaming:
         async with st.scheduler.acquire(model, options, keep_alive) as lease:
-            status, raw = await post_upstream_raw(lease, path, body)
+            status, raw = await post_upstream_raw(lease, path, upstream)
         try:
             data = json.loads(raw)
         except ValueError:
@@ -92,7 +93,7 @@ async def _proxy(path: str) -> Response:
                 trace.counted(data)
         return Response(json.dumps(data), status=status, content_type="application/json")
     return await leased_stream(
-        st.scheduler, model, options, keep_alive, lambda lease: _relay(lease, path, body, name), "text/event-stream"
+        st.scheduler, model, options, keep_alive, lambda lease: _relay(lease, path, upstream, name), "text/event-stream"
     )
 
 

@@ -46,6 +46,7 @@ __all__ = [
     "RUNNER_OPTION_KEYS",
     "SAMPLING_OPTION_NAMES",
     "Kind",
+    "ModelRenamer",
     "OllamaStream",
     "Upstream",
     "chat_upstream",
@@ -678,6 +679,73 @@ def openai_model_rewrite(chunk: dict[str, Any], model: str) -> dict[str, Any]:
     if "model" not in chunk:
         return chunk
     return {**chunk, "model": model}
+
+
+class ModelRenamer:
+    """llama-server's SSE bytes for the client, unchanged except ``"model"`` named as the client did.
+
+    Pass-through for OpenAI routes: no event is parsed. Every llama-server chunk carries
+    ``"model":"<alias>"`` (the runner is started with ``--alias`` = trioshed's model name, and
+    serializes without spaces); inside a JSON string a quote is escaped, so those bytes can only be
+    the field itself, and one ``bytes.replace`` per batch renames it. Only complete lines are
+    passed on (a batch may end inside an event; the rest waits for the next one). Should the
+    field not read as expected, the first event that names a model is parsed to learn it, and
+    if that fails too every event is parsed and rewritten (correct, slower).
+    """
+
+    def __init__(self, upstream_name: str, client_name: str) -> None:
+        self._needle = self._field(upstream_name)
+        self._replacement = self._field(client_name)
+        self._checked = upstream_name == client_name  # nothing to rename: never look
+        self._slow = False
+        self._client_name = client_name
+        self._rest = b""
+
+    @staticmethod
+    def _field(name: str) -> bytes:
+        return b'"model":' + json.dumps(name, ensure_ascii=False).encode()
+
+    def feed(self, data: bytes) -> bytes:
+        """The bytes to send now for ``data`` (complete lines only)."""
+        data = self._rest + data
+        cut = data.rfind(b"\n") + 1
+        self._rest = data[cut:]
+        return self._rename(data[:cut]) if cut else b""
+
+    def finish(self) -> bytes:
+        """Whatever is left (a last line without its newline)."""
+        rest, self._rest = self._rest, b""
+        return self._rename(rest) if rest else b""
+
+    def _rename(self, data: bytes) -> bytes:
+        if not self._checked:
+            self._learn(data)
+        if self._slow:
+            return b"".join(self._rewrite_line(line) for line in data.splitlines(keepends=True))
+        if self._needle == self._replacement:
+            return data
+        return data.replace(self._needle, self._replacement)
+
+    def _learn(self, data: bytes) -> None:
+        for line in data.splitlines():
+            if b'"model":' not in line or not line.startswith(b"data:"):
+                continue
+            self._checked = True
+            if self._needle in line:
+                return
+            event = parse_sse_line(line)
+            actual = event.get("model") if event else None
+            if isinstance(actual, str) and self._field(actual) in line:
+                self._needle = self._field(actual)
+            else:
+                self._slow = True
+            return
+
+    def _rewrite_line(self, line: bytes) -> bytes:
+        event = parse_sse_line(line) if line.startswith(b"data:") else None
+        if event is None or "model" not in event:
+            return line
+        return b"data: " + json.dumps(openai_model_rewrite(event, self._client_name)).encode() + b"\n"
 
 
 _DONE_REASONS = {"eos": "stop", "word": "stop", "limit": "length", "length": "length"}
