@@ -9,7 +9,7 @@ Groups of servers, each started for its scenarios and stopped after them:
 
 | group | direct | router | trioshed | scenarios |
 | --- | --- | --- | --- | --- |
-| steady | one server per model | ``--models-max 4`` | max loaded 4 | overhead, throughput, streaming |
+| steady | one server per model | ``--models-max 4`` | max loaded 4 | overhead (+ the inbound floor: hypercorn alone, quart-trio alone), throughput, streaming, concurrent streams |
 | overload | tiny-s | ``--models-max 4`` | max loaded 4, queue 8 | overload |
 | swap | cold starts / 3 servers | ``--models-max 1`` | max loaded 1 | swap, contention |
 | hol | tiny-s + cold starts | ``--models-max 2`` | max loaded 2 | head-of-line |
@@ -49,11 +49,15 @@ from bench.procs import (
     ServerFailed,
     llama_server_binary,
     open_direct,
+    open_floor,
     open_router,
     open_trioshed,
 )
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+#: The inbound floor (``bench/floor.py``): hypercorn alone and quart-trio alone, paired with the
+#: overhead scenario's "generate" requests.
+FLOORS = ("hypercorn", "quart")
 
 
 class Targets:
@@ -116,15 +120,27 @@ async def group_steady(run: scenarios.Run, models: dict[str, Path], wanted: Sequ
         rss: dict[str, Any] = {}
         for kind, server in g.servers.items():
             rss[kind] = {"ready_ms": round(server.ready_after * 1e3, 1), "idle_rss_mb_fresh": mb(server.rss())}
+        floors: dict[str, Target] = {}
+        for kind in FLOORS:
+            try:
+                server = await stack.enter_async_context(open_floor(kind, run.log_dir))
+            except ServerFailed as exc:
+                unavailable[f"floor-{kind}@steady"] = str(exc)[-1500:]
+                continue
+            floors[f"floor-{kind}"] = Target(f"floor-{kind}", server.base_url, "ollama-raw")
         gen = g.family("generate")
-        run.say(f"steady: targets {list(gen)}; warming up {list(models)}")
+        run.say(f"steady: targets {list(gen)} + {list(floors)}; warming up {list(models)}")
         meta["warmup"] = await scenarios.warm_up(run, gen, list(models))
         small = "tiny-s"
-        await scenarios.overhead(run, {f: g.family(f) for f in API_BY_FAMILY}, small)
+        by_family = {f: g.family(f) for f in API_BY_FAMILY}
+        by_family["generate"].update(floors)  # the inbound floor, paired with the same requests
+        await scenarios.overhead(run, by_family, small)
         if not run.out_of_time():
             await scenarios.throughput(run, gen, small)
         if GEMMA in models and not run.out_of_time():
             await scenarios.streaming(run, gen, GEMMA)
+        if GEMMA in models and not run.out_of_time():
+            await scenarios.concurrent_streams(run, g.family("chat"), GEMMA)
         await trio.sleep(1.0)
         for kind, server in g.servers.items():
             rss[kind]["idle_rss_mb_after"] = mb(server.rss())

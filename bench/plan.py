@@ -31,6 +31,10 @@ class Plan:
     # (c) streaming: gemma3-270m, paired requests at c=1
     stream_pairs: int = 6
     stream_n_predict: int = 128
+    # (c2) concurrent streams: gemma3-270m, this many chat streams at once on 4 slots
+    concurrent_streams: int = 8
+    concurrent_n_predict: int = 48
+    concurrent_rounds: int = 2
     # (d) swap: max loaded 1, the three tiny models in turn
     swap_cycles: int = 5
     # (e) head-of-line: model A hot at c=4, alone then with B swapping every few seconds
@@ -58,6 +62,8 @@ FULL = Plan(
     throughput=((4, 200), (16, 400)),
     throughput_rounds=4,
     stream_pairs=8,
+    concurrent_n_predict=128,
+    concurrent_rounds=3,
     swap_cycles=10,
     hol_seconds=20.0,
     overload_clients=96,
@@ -73,6 +79,7 @@ SMOKE = Plan(
     throughput=((4, 8),),
     throughput_rounds=1,
     stream_pairs=0,
+    concurrent_streams=0,
     swap_cycles=1,
     hol_seconds=1.0,
     hol_swap_every=0.5,

@@ -35,6 +35,7 @@ _LIVE_GROUPS: set[int] = set()
 #: Processes of ours (roots and their descendants) still alive after their tree was stopped.
 LEAKED: list[str] = []
 STOP_GRACE = 5.0
+_REPO = str(Path(__file__).resolve().parent.parent)  # where ``bench`` imports from
 LOG_TAIL_BYTES = 4000
 T = TypeVar("T")
 
@@ -357,5 +358,19 @@ async def open_trioshed(
         f"trioshed(max {max_loaded})", argv, env=env, base_url=f"http://127.0.0.1:{port}",
         ready_path="/api/version", log_path=log_dir / f"trioshed-max{max_loaded}-{port}.log",
         ready_timeout=ready_timeout,
+    ) as server:  # fmt: skip
+        yield server
+
+
+@asynccontextmanager
+async def open_floor(kind: str, log_dir: Path, *, ready_timeout: float = 60.0) -> AsyncIterator[Server]:
+    """``python -m bench.floor KIND PORT``: hypercorn alone or quart-trio alone (the inbound floor)."""
+    port = free_port()
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([_REPO, env.get("PYTHONPATH", "")])
+    argv = [sys.executable, "-m", "bench.floor", kind, str(port)]
+    async with open_server(
+        f"floor-{kind}", argv, env=env, base_url=f"http://127.0.0.1:{port}", ready_path="/",
+        log_path=log_dir / f"floor-{kind}-{port}.log", ready_timeout=ready_timeout,
     ) as server:  # fmt: skip
         yield server

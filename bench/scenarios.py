@@ -190,6 +190,42 @@ async def streaming(run: Run, targets: Mapping[str, Target], model: str) -> None
     _store_paired(run, name, recs, model=model, n_predict=sc.n_predict)
 
 
+async def concurrent_streams(run: Run, targets: Mapping[str, Target], model: str) -> None:
+    """Many chat streams at once on one model with 4 slots (``-np 4`` / ``TRIOSHED_NUM_PARALLEL=4``):
+    aggregate tokens/s over the block and time to first token p50/p99, rounds interleaved."""
+    plan = run.plan
+    conc = plan.concurrent_streams
+    if conc <= 0:
+        return
+    name = "concurrent-streams"
+    run.say(f"{name}: {conc} chat streams of {plan.concurrent_n_predict} tokens on {model}, "
+            f"{plan.concurrent_rounds} rounds")  # fmt: skip
+    sc = run.scenario(
+        name, models=(model,), n=conc, concurrency=conc, n_predict=plan.concurrent_n_predict,
+        prompt="Write a long story about a fox who learns to sail across the sea.",
+    )  # fmt: skip
+    for target in targets.values():  # the same prompt cached everywhere first
+        await single(run, target, replace(sc, n_predict=4), model, tag="warmup")
+    names = list(targets)
+    blocks: dict[str, list[Block]] = {t: [] for t in names}
+    for r in range(plan.concurrent_rounds):
+        for t in rotated(names, r):
+            blocks[t].append(await run_block(run.client, targets[t], sc, t0=run.t0, round=r, progress=run.progress))
+    per_target = {}
+    for t, bs in blocks.items():
+        recs = [rec for b in bs for rec in b.records]
+        run.keep(name, recs)
+        ttfts = [r.ttft for r in recs if r.ok and r.ttft is not None]
+        per_target[t] = {
+            "summary": summarize(recs, sum(b.wall for b in bs)).to_json(),
+            "tok_s_rounds": [b.summary.tok_s for b in bs],
+            "ttft_p50_ms": _ms(percentile(ttfts, 50)),
+            "ttft_p99_ms": _ms(percentile(ttfts, 99)),
+        }
+    run.results[name] = {"per_target": per_target, "model": model, "streams": conc,
+                         "n_predict": plan.concurrent_n_predict, "slots": plan.flags.parallel}  # fmt: skip
+
+
 # ---------------------------------------------------------------- (d) swap
 
 
