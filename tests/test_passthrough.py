@@ -54,3 +54,20 @@ def test_a_field_in_another_spelling_falls_back_to_parsing_each_event() -> None:
     out = ModelRenamer("tiny:latest", "tiny").feed(stream)
     events = [json.loads(line[6:]) for line in out.split(b"\n") if line.startswith(b"data: ")]
     assert events == [{"model": "tiny", "choices": []}] * 2
+
+
+def test_ollama_batch_translation_matches_event_by_event_with_one_stamp_per_batch() -> None:
+    from trioshed.api.translate import OllamaStream, parse_sse_line
+
+    lines = [
+        b'data: {"index":0,"content":"Hel","stop":false}', b"",
+        b'data: {"index":0,"content":"lo","stop":false}', b"",
+        b'data: {"index":0,"content":"","stop":true,"stop_type":"limit","tokens_evaluated":3,"tokens_predicted":2}', b"",
+    ]  # fmt: skip
+    stamps = iter(f"t{i}" for i in range(100))
+    batched = OllamaStream("generate", "m", created_at_fn=lambda: next(stamps))
+    chunks = batched.feed_lines(lines)
+    one_by_one = OllamaStream("generate", "m", created_at_fn=lambda: "t0")
+    expected = [c for line in lines if (e := parse_sse_line(line)) is not None for c in one_by_one.feed(e)]
+    assert chunks == expected and [c["response"] for c in chunks] == ["Hel", "lo"]
+    assert batched.finished and batched.finish(load_duration_ns=0, total_duration_ns=1)["created_at"] == "t1"

@@ -85,13 +85,7 @@ async def _ollama_stream(
     try:
         async with open_upstream(lease, upstream.path, upstream.body) as batches:
             async for lines in batches:
-                out = b"".join(
-                    ndjson(chunk)
-                    for event in map(translate.parse_sse_line, lines)
-                    if event is not None
-                    for chunk in stream.feed(event)
-                )
-                if out:
+                if out := b"".join(map(ndjson, stream.feed_lines(lines))):
                     yield out
         if not stream.finished:
             raise await truncated(lease)

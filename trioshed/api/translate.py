@@ -34,7 +34,7 @@ import binascii
 import json
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any, Literal
@@ -639,6 +639,8 @@ def parse_sse_line(line: bytes | str) -> dict[str, Any] | None:
     lines, so lines are read one at a time.)
     """
     if isinstance(line, bytes | bytearray):
+        if line.startswith(b"data: {"):  # llama-server's events: parse the bytes as they are
+            return _event(bytes(line[6:]))
         line = bytes(line).decode("utf-8", errors="replace")
     line = line.rstrip("\r\n")
     if line.startswith("data:"):
@@ -651,6 +653,10 @@ def parse_sse_line(line: bytes | str) -> dict[str, Any] | None:
         return None
     if payload.strip() == "[DONE]":
         return None
+    return _event(payload)
+
+
+def _event(payload: str | bytes) -> dict[str, Any]:
     try:
         event = json.loads(payload)
     except ValueError:
@@ -776,6 +782,7 @@ class OllamaStream:
         self.kind: Kind = kind
         self.model = model
         self._created_at = created_at_fn
+        self._stamp: str | None = None  # one created_at for the chunks of a batch
         self._text: list[str] = []
         self._thinking: list[str] = []
         self._tool_calls: dict[int, dict[str, Any]] = {}
@@ -802,6 +809,17 @@ class OllamaStream:
         return "".join(self._text)
 
     # -- feeding ------------------------------------------------------------------------------
+
+    def feed_lines(self, lines: Iterable[bytes | str]) -> list[dict[str, Any]]:
+        """The Ollama chunks for a batch of upstream stream lines (what one socket read held).
+
+        The chunks of one batch share their ``created_at``: they arrived together.
+        """
+        self._stamp = self._created_at()
+        try:
+            return [chunk for line in lines if (event := parse_sse_line(line)) is not None for chunk in self.feed(event)]
+        finally:
+            self._stamp = None
 
     def feed(self, event: Mapping[str, Any]) -> list[dict[str, Any]]:
         """The Ollama chunks for one upstream event (often one, possibly none).
@@ -916,7 +934,7 @@ class OllamaStream:
         return chunk
 
     def _head(self) -> dict[str, Any]:
-        return {"model": self.model, "created_at": self._created_at()}
+        return {"model": self.model, "created_at": self._stamp or self._created_at()}
 
     def _piece(
         self, *, content: str, thinking: str = "", logprobs: list[dict[str, Any]] | None = None
