@@ -56,8 +56,8 @@ from bench.procs import (
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 #: The inbound floor (``bench/floor.py``): hypercorn alone and quart-trio alone, paired with the
-#: overhead scenario's "generate" requests.
-FLOORS = ("hypercorn", "quart")
+#: overhead scenario's "generate" requests; "raw" (no HTTP library) is the client's own cost.
+FLOORS = ("raw", "hypercorn", "quart")
 
 
 class Targets:

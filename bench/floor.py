@@ -1,12 +1,14 @@
 """The inbound floor: hypercorn alone, and quart-trio alone, answering the bench's small POST.
 
-``python -m bench.floor {hypercorn,quart} PORT`` serves ``POST /api/generate`` on 127.0.0.1:PORT
+``python -m bench.floor {hypercorn,quart,raw} PORT`` serves ``POST /api/generate`` on 127.0.0.1:PORT
 the way trioshed's inbound stack would, with no scheduler and no upstream: read the body, parse
 its JSON, and answer a streamed NDJSON body of ``n`` token chunks and a ``done`` chunk (what an
 8-token raw generation answers), written at once. ``GET /`` answers 200 (readiness).
 
 * ``hypercorn``: a bare ASGI callable under hypercorn's Trio worker, with trioshed's config.
 * ``quart``: a quart-trio app with one route returning a streamed ``Response``, as trioshed's do.
+* ``raw``: no HTTP library at all, a Trio socket server writing a canned chunked answer: what
+  the bench client and loopback cost by themselves (subtract it to get a server's own cost).
 
 Read every trioshed figure against these: whatever trioshed adds per request on top of
 ``direct`` cannot be less than what its inbound stack costs on this machine.
@@ -92,6 +94,39 @@ def quart_app() -> Any:
     return app
 
 
+async def serve_raw(port: int) -> None:
+    """Answer every request on a connection with the canned chunked NDJSON (keep-alive)."""
+    canned: dict[bytes, bytes] = {}
+
+    async def connection(stream: trio.SocketStream) -> None:
+        buffer = b""
+        async with stream:
+            while True:
+                while b"\r\n\r\n" not in buffer:
+                    data = await stream.receive_some(65536)
+                    if not data:
+                        return
+                    buffer += data
+                head, _, buffer = buffer.partition(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":")[1])
+                while len(buffer) < length:
+                    buffer += await stream.receive_some(65536)
+                body, buffer = buffer[:length], buffer[length:]
+                if not head.startswith(b"POST"):
+                    await stream.send_all(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nfloor")
+                    continue
+                if body not in canned:  # the bench sends the same body every time
+                    payload = answer(body)
+                    canned[body] = (b"HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\n"
+                                    b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(payload), payload))  # fmt: skip
+                await stream.send_all(canned[body])
+
+    await trio.serve_tcp(connection, port, host="127.0.0.1")
+
+
 def config(port: int) -> Config:
     """trioshed's own hypercorn settings (``trioshed/server.py``)."""
     c = Config()
@@ -104,9 +139,12 @@ def config(port: int) -> Config:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2 or argv[0] not in ("hypercorn", "quart"):
-        print("usage: python -m bench.floor {hypercorn,quart} PORT", file=sys.stderr)
+    if len(argv) != 2 or argv[0] not in ("hypercorn", "quart", "raw"):
+        print("usage: python -m bench.floor {hypercorn,quart,raw} PORT", file=sys.stderr)
         return 2
+    if argv[0] == "raw":
+        trio.run(serve_raw, int(argv[1]))
+        return 0
     app = bare_app if argv[0] == "hypercorn" else quart_app()
     started = time.perf_counter()
     print(f"floor {argv[0]} on port {argv[1]} (import {time.perf_counter() - started:.3f}s)", flush=True)

@@ -33,7 +33,7 @@ class Plan:
     stream_n_predict: int = 128
     # (c2) concurrent streams: gemma3-270m, this many chat streams at once on 4 slots
     concurrent_streams: int = 8
-    concurrent_n_predict: int = 48
+    concurrent_n_predict: int = 32
     concurrent_rounds: int = 2
     # (d) swap: max loaded 1, the three tiny models in turn
     swap_cycles: int = 5

@@ -12,7 +12,7 @@ from typing import Any
 
 from bench.plan import TARGETS
 
-FLOORS = ("floor-hypercorn", "floor-quart")
+FLOORS = ("floor-raw", "floor-hypercorn", "floor-quart")
 
 Row = dict[str, Any]
 
@@ -54,10 +54,12 @@ def summary_rows(results: Mapping[str, Any]) -> list[Row]:
     floors = {k.removeprefix("floor-"): _get(floor, k, "summary", "p50") for k in FLOORS if k in floor}
     quart_floor = floors.get("quart")
     if floors:
-        rows.append(_row("inbound floor c=1 p50 ms (hypercorn alone / quart-trio alone, same POST)",
+        raw = floors.get("raw")
+        own = ", ".join(f"{k} {v - raw:+.2f} ms" for k, v in floors.items() if k != "raw" and v is not None and raw is not None)
+        rows.append(_row("inbound floor c=1 p50 ms (raw socket / hypercorn alone / quart-trio alone, same POST)",
                          {"trioshed": " / ".join(_fmt(v) for v in floors.values())}, ratios=False,
-                         note="what the inbound stack costs by itself, paired with the generate requests; "
-                              + ", ".join(f"{k} {_fmt(v)} ms" for k, v in floors.items())))  # fmt: skip
+                         note="what the inbound stack costs by itself, paired with the generate requests "
+                              f"(raw: no HTTP library, the client's own cost); over raw: {own}"))  # fmt: skip
     for family in ("generate", "chat"):
         pt = per(f"overhead-{family}")
         if not pt:

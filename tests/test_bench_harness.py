@@ -259,10 +259,11 @@ async def test_compare_smoke_writes_results_with_ratios(tmp_path: Path) -> None:
     assert doc["meta"]["leaked_llama_servers"] == []
     assert doc["unavailable"] == {}
     over = doc["results"]["overhead-generate"]["per_target"]
-    assert set(over) == {"direct", "trioshed", "floor-hypercorn", "floor-quart"}
+    assert set(over) == {"direct", "trioshed", "floor-raw", "floor-hypercorn", "floor-quart"}
     assert over["trioshed"]["summary"]["ok"] == over["trioshed"]["summary"]["n"] == 5
     # the inbound floor answered the same requests, and its row is in the summary
     assert over["floor-quart"]["summary"]["ok"] == over["floor-hypercorn"]["summary"]["ok"] == 5
+    assert over["floor-raw"]["summary"]["ok"] == 5
     assert over["trioshed"]["paired_delta_ms"]["n"] == 5
     rows = {r["metric"]: r for r in doc["summary"]}
     assert rows["req/s c=4"]["ratio"]["trioshed"] > 0
