@@ -82,10 +82,16 @@ def ndjson(obj: Mapping[str, Any]) -> bytes:
 async def _ollama_stream(
     lease: Lease, upstream: translate.Upstream, stream: translate.OllamaStream, started: float
 ) -> AsyncIterator[bytes]:
+    # Once upstream reported the end, only its usage/timings and the close follow (microseconds
+    # later): what is left goes out in one write with the done chunk (one send fewer per answer).
+    held = b""
     try:
         async with open_upstream(lease, upstream.path, upstream.body) as batches:
             async for lines in batches:
-                if out := b"".join(map(ndjson, stream.feed_lines(lines))):
+                out = b"".join(map(ndjson, stream.feed_lines(lines)))
+                if stream.finished:
+                    held += out
+                elif out:
                     yield out
         if not stream.finished:
             raise await truncated(lease)
@@ -94,10 +100,10 @@ async def _ollama_stream(
             last["context"] = NO_CONTEXT
         if (trace := current_trace.get()) is not None:
             trace.counted(last)
-        yield ndjson(last)
+        yield held + ndjson(last)
     except TrioshedError as exc:
         log.warning("stream for %s ended with an error: %s", lease.model.name, exc.message)
-        yield ndjson(exc.to_json())
+        yield held + ndjson(exc.to_json())
 
 
 def _ns(seconds: float) -> int:
