@@ -65,7 +65,8 @@ async def open_upstream_bytes(lease: Lease, path: str, body: dict[str, Any] | by
         async with pool.request("POST", path, payload) as response:
             if response.status != 200:
                 raise UpstreamError(upstream_message(await response.read(), response.status), status=response.status)
-            yield response.batches()
+            async with aclosing(response.batches()) as pieces:
+                yield pieces
     except ConnectionFailed as exc:
         raise await crash_or(lease, exc) from None
 

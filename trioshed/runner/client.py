@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import errno
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -108,7 +108,7 @@ class UpstreamResponse:
         reader = self._reader
         return reader.done and reader.keep_alive and not reader.chunked
 
-    async def batches(self) -> AsyncIterator[bytes]:
+    async def batches(self) -> AsyncGenerator[bytes, None]:
         """The body, de-chunked, one piece per socket read (never an empty piece)."""
         first, self._first = self._first, b""
         if first:
