@@ -34,7 +34,7 @@ class Plan:
     # (c2) concurrent streams: gemma3-270m, this many chat streams at once on 4 slots
     concurrent_streams: int = 8
     concurrent_n_predict: int = 32
-    concurrent_rounds: int = 2
+    concurrent_rounds: int = 3
     # (d) swap: max loaded 1, the three tiny models in turn
     swap_cycles: int = 5
     # (e) head-of-line: model A hot at c=4, alone then with B swapping every few seconds
