@@ -48,6 +48,8 @@ class ClosingUpstream:
     connections: int = 0
     requests: list[tuple[int, str]] = field(default_factory=list)  # (connection, path) as received
     dropped: int = 0
+    ended: int = 0  # connections that reached their end (EOF from the client, or dropped)
+    one_ended: trio.Event = field(default_factory=trio.Event)
 
     async def _read_request(self, stream: trio.SocketStream, buffer: bytearray) -> str | None:
         while b"\r\n\r\n" not in buffer:
@@ -70,6 +72,13 @@ class ClosingUpstream:
         self.connections += 1
         number = self.connections
         buffer = bytearray()
+        try:
+            await self._answer(stream, number, buffer)
+        finally:
+            self.ended += 1
+            self.one_ended.set()
+
+    async def _answer(self, stream: trio.SocketStream, number: int, buffer: bytearray) -> None:
         async with stream:
             served = 0
             while (path := await self._read_request(stream, buffer)) is not None:
@@ -253,3 +262,21 @@ def test_request_head() -> None:
         b"POST /completion HTTP/1.1\r\nHost: 127.0.0.1:8080\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n"
     )
     assert request_head("GET", "/health", 8080, 0) == b"GET /health HTTP/1.1\r\nHost: 127.0.0.1:8080\r\n\r\n"
+
+
+async def test_a_consumer_that_leaves_mid_answer_closes_the_connection() -> None:
+    # Cancellation (a client gone) closes the upstream connection: llama-server then stops the
+    # generation, and a half-read connection never goes back to the pool.
+    with trio.fail_after(10):
+        async with ClosingUpstream(answer=100).serving() as upstream:
+            pool = UpstreamPool(upstream.port)
+            with trio.CancelScope() as scope:
+                async with pool.request("POST", "/health", b"{}") as response:
+                    assert response.status == 200
+                    scope.cancel()
+                    await trio.sleep_forever()
+            stats = pool.statistics()
+            await upstream.one_ended.wait()  # the upstream saw the connection close (fail_after bounds it)
+            assert upstream.ended == 1
+            await pool.aclose()
+    assert (stats.active, stats.idle, stats.opened) == (0, 0, 1)
