@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import sys
 from pathlib import Path
 
 import psutil
@@ -18,6 +20,7 @@ from trioshed.runner.client import KEEP_IDLE, MAX_REQUESTS
 from trioshed.runner.command import LaunchConfig
 from trioshed.runner.process import open_llama_server
 
+REPO = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_leaked_runner")]
 
 
@@ -129,3 +132,31 @@ async def test_pool_stays_inside_llama_servers_keep_alive_limits(tiny_model: Pat
     assert KEEP_IDLE < float(announced["timeout"]) / 2 and MAX_REQUESTS < int(announced["max"])
     # the connection that answered stays open and serves the next requests
     assert after.opened == before.opened and after.reused == before.reused + 2
+
+
+@pytest.mark.parametrize("setpriv", [True, False], ids=["setpriv", "preexec_fn"])
+async def test_a_spawned_child_dies_with_trioshed(setpriv: bool) -> None:
+    # Both ways of giving the child its parent-death signal (setpriv + vfork, or preexec_fn +
+    # fork): a parent that dies without stopping its child (SIGKILL, crash) takes it along.
+    script = (
+        "import os, sys, trio\n"
+        "import trioshed.runner.process as p\n"
+        f"if not {setpriv}: p._setpriv = lambda: None\n"
+        "async def main():\n"
+        "    child, output = p._spawn(['sleep', '60'], None)\n"
+        "    print(child.pid, p._launch(['sleep'], None)[1] is None, flush=True)\n"
+        "trio.run(main)\n"
+        "os._exit(0)\n"
+    )
+    with trio.fail_after(30):
+        done = await trio.run_process([sys.executable, "-c", script], capture_stdout=True, cwd=REPO)
+        pid, vforked = done.stdout.decode().split()
+        child = psutil.Process(int(pid))
+        try:
+            gone, _ = await trio.to_thread.run_sync(psutil.wait_procs, [child], 10)
+        finally:
+            if child.is_running():
+                child.kill()
+    assert gone, "the child outlived its parent"
+    if setpriv and shutil.which("setpriv"):
+        assert vforked == "True"  # spawned through setpriv, no preexec_fn
