@@ -163,7 +163,10 @@ def totals(world: World, p: Plan) -> tuple[Counter[str], Counter[str], int, int]
             after.update(dict(w.needed))
     kept = sum(1 for r in world.runners if not leaving(r) and r.id not in evicted)
     reserved = sum(1 for w in p.waits if w.reserved)
-    return now, after, len(world.runners) + len(loads), kept + len(loads) + reserved
+    # An idle runner that is leaving (or evicted by this plan) is stopped at once: it holds its
+    # memory until it exits, but no longer counts as a loaded runner.
+    serving = sum(1 for r in world.runners if r.leases > 0 or not (leaving(r) or r.id in evicted))
+    return now, after, serving + len(loads), kept + len(loads) + reserved
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -214,6 +214,9 @@ class _Sim:
         # Loading ones: not yet allocated, so not yet missing from a device's reported free
         self.used_loading: Counter[str] = Counter()
         self.kept = 0
+        # Leaving with no lease: the scheduler stops them at once, so they do not count against
+        # max_loaded (their memory still does, until it is really free).
+        self.idle_leaving = 0
         self.unsettled = 0  # loading, leaving or being evicted
         self.reserved: dict[str, tuple[tuple[str, int], ...]] = {}  # model path -> usage waited for
         self.reserved_usage: Counter[str] = Counter()
@@ -234,6 +237,8 @@ class _Sim:
             self.kept += sign
         if _leaving(r) or r.state is not RunnerState.READY:
             self.unsettled += sign
+        if _leaving(r) and r.leases == 0:
+            self.idle_leaving += sign
 
     def add(self, r: RunnerView) -> None:
         self.runners[r.id] = r
@@ -295,9 +300,10 @@ class _Sim:
 
     def count(self, *, projected: bool, extra: int = 0) -> int:
         """Runners once pending evictions (and ``extra`` victims) are gone and reservations are
-        loaded (``projected``); else the larger of that and the processes alive now."""
+        loaded (``projected``); else the larger of that and the processes serving now (an idle
+        runner being stopped no longer serves: a swap loads beside its exit, as a cold start)."""
         after = self.kept - extra + len(self.reserved)
-        return after if projected else max(after, len(self.runners))
+        return after if projected else max(after, len(self.runners) - self.idle_leaving)
 
     def _place(self, place: Placer, req: RequestView, gpus: tuple[Device, ...], system_free: int) -> Placement | DoesNotFit:
         return place(
@@ -501,6 +507,17 @@ def _plan_one(
     for victim in chosen:
         actions.append(Evict(victim.id, f"make room for {req.model.name}"))
         sim.set(replace(victim, evicting=True))
+    if fit is not None and chosen and all(v.idle for v in chosen):
+        # Idle victims stop at once: where the request fits beside their exit (memory that is
+        # free now and after, e.g. a swap forced by max_loaded), load without waiting for it.
+        fit_now = sim.place(place, req, projected=False)
+        if (
+            isinstance(fit_now, Placement)
+            and fit_now.n_gpu_layers >= best_layers
+            and sim.count(projected=False) < machine.max_loaded
+        ):
+            load(req, fit_now)
+            return "loading"
     if fit is not None:
         usage = usage_of(sim.fits_after(place, req, [], best_layers) or fit)
         sim.reserve(req.model.path, usage)
