@@ -82,9 +82,18 @@ def test_victims_idle_first_then_shortest_keep_alive_then_least_recent() -> None
     assert [v.id for v in sorted(views, key=victim_order)] == [3, 4, 2, 1]
 
 
-def test_at_max_loaded_an_idle_victim_is_evicted_and_the_request_loads_beside_its_exit() -> None:
+def test_at_max_loaded_one_idle_victim_is_evicted_and_memory_reserved() -> None:
     runners = [runner(1, "a", 1), runner(2, "b", 1, leases=1)]
     actions = run([req(9, "c", 1), req(10, "d", 1)], runners, machine(24, max_loaded=2))
+    # c takes a's place (reserved: a's GPU memory is awaited); d then needs b's, which unloads
+    # when its lease ends
+    assert actions == [Evict(1, "make room for c:latest"), Evict(2, "make room for d:latest")]
+    assert run([req(9, "c", 1)], runners, machine(24, max_loaded=2)) == [Evict(1, "make room for c:latest")]
+
+
+def test_at_max_loaded_on_the_cpu_an_idle_victim_is_evicted_and_the_request_loads_beside_its_exit() -> None:
+    runners = [runner(1, "a", 1, device="cpu"), runner(2, "b", 1, leases=1, device="cpu")]
+    actions = run([req(9, "c", 1), req(10, "d", 1)], runners, machine(system=24, max_loaded=2))
     # c takes idle a's place at once (a is stopped in the same pass, memory fits both meanwhile);
     # d then needs b's place, which is freed only when b's lease ends: d reserves and waits.
     assert [type(a) for a in actions] == [Evict, Load, Evict]
@@ -93,9 +102,15 @@ def test_at_max_loaded_an_idle_victim_is_evicted_and_the_request_loads_beside_it
     assert [w.request for w in actions.waits if w.reserved] == [10]
 
 
+def test_a_gpu_swap_waits_for_the_victims_memory_even_when_both_would_fit() -> None:
+    # The freed GPU memory is awaited (VRAM recovery) before the next load, as in the reference.
+    actions = run([req(9, "c", 1)], [runner(1, "a", 1)], machine(24, max_loaded=1))
+    assert actions == [Evict(1, "make room for c:latest")]
+
+
 def test_a_swap_waits_for_the_victims_exit_when_memory_does_not_fit_both() -> None:
-    # 24 GiB: a (16, idle) must leave before c (16) fits: evict, reserve, load once a is gone.
-    actions = run([req(9, "c", 16)], [runner(1, "a", 16)], machine(24, max_loaded=1))
+    # 24 GiB of system memory: a (16, idle) must leave before c (16) fits: evict, reserve, wait.
+    actions = run([req(9, "c", 16)], [runner(1, "a", 16, device="cpu")], machine(system=24, max_loaded=1))
     assert actions == [Evict(1, "make room for c:latest")]
     assert [w.request for w in actions.waits if w.reserved] == [9]
 

@@ -198,6 +198,10 @@ def _leaving(r: RunnerView) -> bool:
     return r.evicting or r.state is RunnerState.UNLOADING
 
 
+def _in_system_memory(r: RunnerView) -> bool:
+    return all(dev == CPU_ID for dev, _ in r.usage)
+
+
 class _Sim:
     """The machine as this planning pass has committed it so far.
 
@@ -507,9 +511,10 @@ def _plan_one(
     for victim in chosen:
         actions.append(Evict(victim.id, f"make room for {req.model.name}"))
         sim.set(replace(victim, evicting=True))
-    if fit is not None and chosen and all(v.idle for v in chosen):
+    if fit is not None and chosen and all(v.idle and _in_system_memory(v) for v in chosen):
         # Idle victims stop at once: where the request fits beside their exit (memory that is
         # free now and after, e.g. a swap forced by max_loaded), load without waiting for it.
+        # Not for GPU victims: their freed memory is awaited (VRAM recovery) before a new load.
         fit_now = sim.place(place, req, projected=False)
         if (
             isinstance(fit_now, Placement)
