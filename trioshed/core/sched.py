@@ -486,13 +486,21 @@ def _plan_one(
             names = tuple(sorted({r.model.name for r in pinned}))
             actions.append(Fail(req.id, PinnedModelsInTheWay(req.model.name, req.estimate.total, names)))
             return "failed"
-    fit_now = sim.place(place, req, projected=False)
-    if (
-        isinstance(fit_now, Placement)
-        and fit_now.n_gpu_layers >= best_layers
-        and sim.count(projected=False) < machine.max_loaded
-    ):
-        load(req, fit_now)
+    def loaded_now() -> Placement | DoesNotFit | None:
+        """Load at once where memory free now (and after) and the runner count allow; returns
+        the placement there is now when it does not (None when it loaded)."""
+        fit_now = sim.place(place, req, projected=False)
+        if (
+            isinstance(fit_now, Placement)
+            and fit_now.n_gpu_layers >= best_layers
+            and sim.count(projected=False) < machine.max_loaded
+        ):
+            load(req, fit_now)
+            return None
+        return fit_now
+
+    fit_now = loaded_now()
+    if fit_now is None:
         return "loading"
     # Not now: make room. Victims in order (idle first, shortest keep-alive, least recently
     # used) until the request fits once they are gone; then drop any victim not needed.
@@ -515,13 +523,7 @@ def _plan_one(
         # Idle victims stop at once: where the request fits beside their exit (memory that is
         # free now and after, e.g. a swap forced by max_loaded), load without waiting for it.
         # Not for GPU victims: their freed memory is awaited (VRAM recovery) before a new load.
-        fit_now = sim.place(place, req, projected=False)
-        if (
-            isinstance(fit_now, Placement)
-            and fit_now.n_gpu_layers >= best_layers
-            and sim.count(projected=False) < machine.max_loaded
-        ):
-            load(req, fit_now)
+        if loaded_now() is None:
             return "loading"
     if fit is not None:
         usage = usage_of(sim.fits_after(place, req, [], best_layers) or fit)
