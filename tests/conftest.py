@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import uuid
 from collections.abc import Iterator
@@ -86,8 +87,9 @@ def unknown_arch_model(tmp_path: Path, tiny_model: Path) -> Path:  # noqa: F811
 
 @pytest.fixture
 def gemma_store(tmp_path: Path, gemma_model: Path) -> Path:  # noqa: F811
-    """A store folder holding the real ``gemma3-270m.gguf`` (a link to the cached file)."""
+    """A store folder naming the real cached ``gemma3-270m.gguf`` in its models.toml (a file
+    outside the store is used only when models.toml names it)."""
     store = tmp_path / "gemma-store"
     store.mkdir()
-    (store / "gemma3-270m.gguf").symlink_to(gemma_model)
+    (store / "models.toml").write_text(f'[models."gemma3-270m"]\npath = {json.dumps(str(gemma_model))}\n')
     return store

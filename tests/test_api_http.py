@@ -9,7 +9,7 @@ import httpx
 import pytest
 import trio
 
-from trioshed.api.app import MAX_BODY
+from trioshed.config import Settings
 from trioshed.testing.server import open_test_server
 
 
@@ -40,7 +40,7 @@ async def test_cors_allows_local_and_configured_origins_only(model_store: Path) 
 async def test_oversized_body_is_413_and_closes_the_connection(model_store: Path) -> None:
     with trio.fail_after(30):
         async with open_test_server(model_store) as server, httpx.AsyncClient(base_url=server.base_url) as http:
-            r = await http.post("/api/generate", content=b"x" * (MAX_BODY + 1), headers={"Content-Type": "application/json"})
+            r = await http.post("/api/generate", content=b"x" * (Settings().max_body + 1), headers={"Content-Type": "application/json"})
             assert r.status_code == 413 and r.headers["Connection"] == "close" and "error" in r.json()
             assert (await http.get("/api/version")).status_code == 200  # the client goes on
 

@@ -33,6 +33,12 @@ rpc_servers = ["10.0.0.2:50052=16GiB", "10.0.0.3:50052"]
 rpc_allow_public = false
 rpc_probe_interval = "1m"
 log_format = "json"
+shutdown_timeout = "20s"
+stream_idle_timeout = "2m"
+max_body = "16MiB"
+http_idle_timeout = 45
+max_connections = 256
+allow_symlinks = true
 """
 
 
@@ -54,6 +60,8 @@ def test_every_setting_can_be_given_in_the_file(tmp_path: Path) -> None:
     assert [(r.address, r.declared) for r in s.rpc_servers] == [("10.0.0.2:50052", 16 * 2**30), ("10.0.0.3:50052", None)]
     assert (s.rpc_allow_public, s.rpc_probe_interval) == (False, 60)
     assert s.log_format == "json"
+    assert (s.shutdown_timeout, s.stream_idle_timeout, s.max_body) == (20, 120, 16 * 2**20)
+    assert (s.http_idle_timeout, s.max_connections, s.allow_symlinks) == (45, 256, True)
     # the file covers every TRIOSHED_* setting there is
     assert set(load_settings_file(path)) - {"port"} == set(SETTING_NAMES)
 

@@ -35,7 +35,7 @@ def parse_duration(value: str | int | float | None) -> float:
     """
     if value is None:
         raise ValueError("duration is missing")
-    if isinstance(value, bool):
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
         raise ValueError(f"invalid duration {value!r}")
     if isinstance(value, int | float):
         seconds = float(value)
@@ -188,6 +188,12 @@ class Settings:
     rpc_allow_public: bool = False
     rpc_probe_interval: float = 30.0
     log_format: str = "text"  # "json": one JSON object per log line, one line per request
+    shutdown_timeout: float = 10.0
+    stream_idle_timeout: float = 300.0
+    max_body: int = 32 * 1024 * 1024
+    http_idle_timeout: float = 30.0
+    max_connections: int = 512
+    allow_symlinks: bool = False
 
     @classmethod
     def from_env(
@@ -276,6 +282,12 @@ _PARSERS: dict[str, Callable[[str], object]] = {
     "rpc_allow_public": _bool,
     "rpc_probe_interval": lambda v: _positive_timeout(parse_duration(v)),
     "log_format": _log_format,
+    "shutdown_timeout": parse_duration,
+    "stream_idle_timeout": lambda v: _positive_timeout(parse_duration(v)),
+    "max_body": parse_bytes,
+    "http_idle_timeout": lambda v: _positive_timeout(parse_duration(v)),
+    "max_connections": _at_least(1),
+    "allow_symlinks": _bool,
 }
 SETTING_NAMES = tuple(_PARSERS)
 

@@ -5,10 +5,12 @@
     TrioshedError (500)                  base: .status, .message, .headers
     ├── BadRequest (400)                 malformed JSON, wrong option types, unsafe model names
     ├── Unauthorized (401)               TRIOSHED_API_KEY set and the bearer token is missing/wrong
-    ├── Forbidden (403)                  a change to a read-only store (an Ollama store)
+    ├── Forbidden (403)                  a change to a read-only store (an Ollama store), a store
+    │                                    symlink pointing outside it (TRIOSHED_ALLOW_SYMLINKS)
     ├── ModelNotFound (404)              no such model in the store
     ├── Conflict (409)                   a store change that would break another model
     ├── PayloadTooLarge (413)
+    ├── UnsupportedMediaType (415)       a body that says it is not JSON
     ├── QueueFull (503, Retry-After)     the pending queue holds TRIOSHED_MAX_QUEUE requests
     ├── LoadCooldown (503, Retry-After)  the model failed to load recently; retried after a back-off
     ├── InsufficientMemory (507)         the model cannot fit even with every other model unloaded
@@ -16,7 +18,8 @@
     ├── RemoteUnavailable (503)          the model fits only with an RPC server that is down
     ├── RunnerError (500)                a runner failed
     │   ├── LoadFailed                   llama-server exited or timed out before it was ready
-    │   └── RunnerCrashed                llama-server exited while serving (the next request reloads)
+    │   ├── RunnerCrashed                llama-server exited while serving (the next request reloads)
+    │   └── RunnerStalled (504)          llama-server sent nothing for TRIOSHED_STREAM_IDLE_TIMEOUT
     ├── NotSupported (501)               Ollama routes trioshed does not serve (pull, push, create)
     ├── UpstreamError (502)              llama-server answered with an error status
     └── ShuttingDown (503)
@@ -72,6 +75,10 @@ class ModelNotFound(TrioshedError):
 
 class PayloadTooLarge(TrioshedError):
     status = 413
+
+
+class UnsupportedMediaType(TrioshedError):
+    status = 415
 
 
 class QueueFull(TrioshedError):
@@ -163,6 +170,16 @@ class RunnerCrashed(RunnerError):
         super().__init__(message + "; the next request reloads it")
         self.returncode = returncode
         self.stderr_tail = stderr_tail
+
+
+class RunnerStalled(RunnerError):
+    status = 504
+
+    def __init__(self, model: str, seconds: float) -> None:
+        super().__init__(
+            f"llama-server for model '{model}' sent nothing for {seconds:g}s "
+            "(TRIOSHED_STREAM_IDLE_TIMEOUT); it is being replaced, please retry"
+        )
 
 
 class UpstreamError(TrioshedError):

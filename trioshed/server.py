@@ -1,25 +1,29 @@
 """``serve()``: the root nursery holding the scheduler and hypercorn; signals; systemd notify.
 
 The scheduler owns the runners and is started first (``nursery.start``); hypercorn serves the
-Quart-Trio app until SIGINT/SIGTERM or cancellation; on the way out hypercorn stops accepting,
-then the scheduler stops and reaps every runner.
+Quart-Trio app (wrapped in the :class:`~trioshed.api.drain.Drain`) until cancelled or a shutdown
+is requested (SIGINT/SIGTERM). Shutdown drains: new requests get 503 + Retry-After, requests in
+flight get up to ``TRIOSHED_SHUTDOWN_TIMEOUT`` (a second signal ends the wait), then queued ones
+get 503 and the rest are cut (streams end with an error line); then hypercorn stops, and the
+scheduler stops and reaps every runner. SIGHUP re-reads ``models.toml`` (:mod:`trioshed.reload`).
 """
 
 from __future__ import annotations
 
 import functools
+import ipaddress
 import logging
 import os
 import signal
-import socket
 from dataclasses import dataclass
 from functools import partial
 
 import trio
-from hypercorn.config import Config
-from hypercorn.trio import serve as hypercorn_serve
 
+from trioshed import systemd
 from trioshed.api.app import create_app
+from trioshed.api.drain import Drain
+from trioshed.api.http import ConnectionStats, hypercorn_config, serve_http
 from trioshed.api.state import AppState
 from trioshed.config import Settings
 from trioshed.core import placement
@@ -66,6 +70,8 @@ class Server:
     state: AppState
     urls: list[str]
     devices: DeviceSource
+    drain: Drain
+    connections: ConnectionStats
 
     @property
     def scheduler(self) -> Scheduler:
@@ -116,20 +122,6 @@ async def llama_build(binary: LlamaBinary) -> str:
     return describe_build(binary, (done.stdout + done.stderr).decode(errors="replace"))
 
 
-def _notify_systemd(message: str) -> None:
-    address = os.environ.get("NOTIFY_SOCKET")
-    if not address:
-        return
-    if address.startswith("@"):
-        address = "\0" + address[1:]
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-        try:
-            sock.connect(address)
-            sock.sendall(message.encode())
-        except OSError as exc:
-            log.warning("systemd notify failed: %s", exc)
-
-
 async def serve(
     settings: Settings,
     *,
@@ -144,16 +136,17 @@ async def serve(
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream request otherwise
     devices = discover(settings.devices)
     scheduler = build_scheduler(settings, devices, binary, record)
-    state = AppState(settings=settings, store=Stores(settings.models), scheduler=scheduler)
-    app = create_app(state)
-    config = Config()
-    host = f"[{settings.host}]" if ":" in settings.host else settings.host
-    config.bind = [f"{host}:{settings.port}"]
-    config.accesslog = None
-    config.errorlog = logging.getLogger("hypercorn.error")
-    config.read_timeout = None
-    config.graceful_timeout = 3
-    config.keep_alive_timeout = 75
+    store = Stores(settings.models, allow_symlinks=settings.allow_symlinks)
+    state = AppState(settings=settings, store=store, scheduler=scheduler)
+    app = Drain(create_app(state), idle_timeout=settings.stream_idle_timeout)  # type: ignore[arg-type]
+    config = hypercorn_config(settings)
+    connections = ConnectionStats(settings.max_connections)
+    if not settings.api_key and not is_loopback(settings.host):
+        log.warning(
+            "listening on %s without TRIOSHED_API_KEY: anyone who can reach this address can run and "
+            "unload models; set TRIOSHED_API_KEY or bind to 127.0.0.1",
+            settings.host,
+        )
     log.info(
         "devices: %s (%s); llama-server: %s, %s; RPC servers: %s",
         ", ".join(f"{d.id} {d.total / 2**30:.1f} GiB" for d in devices.gpus) or "CPU only",
@@ -162,7 +155,7 @@ async def serve(
         binary.path,
         ", ".join(s.address for s in settings.rpc_servers) or "none",
     )
-    shutdown = trio.Event()
+    http_stopped = trio.Event()
     async with trio.open_nursery() as nursery:
         await nursery.start(scheduler.run)
         catalogue = state.store.catalogue()  # parsed now: its problems are logged at start-up
@@ -173,21 +166,54 @@ async def serve(
             )  # fmt: skip
         await preload_models(state)  # before listening: the first request finds them loaded
         if handle_signals:
-            nursery.start_soon(_wait_for_signals, shutdown)
+            nursery.start_soon(_receive_signals, app)
+        nursery.start_soon(_drain_on_request, app, scheduler, settings.shutdown_timeout, http_stopped)
         async with trio.open_nursery() as http_nursery:
-            urls = await http_nursery.start(partial(hypercorn_serve, app, config, shutdown_trigger=shutdown.wait))
+            urls = await http_nursery.start(partial(serve_http, app, config, connections, shutdown_trigger=http_stopped.wait))
             urls = [u.replace("0.0.0.0", "127.0.0.1") for u in urls]
             log.info("trioshed listening on %s", ", ".join(urls))
-            _notify_systemd("READY=1")
-            task_status.started(Server(settings, state, urls, devices))
+            systemd.notify("READY=1")
+            nursery.start_soon(systemd.run_notifier, partial(_status, scheduler, app))
+            task_status.started(Server(settings, state, urls, devices, app, connections))
         # hypercorn has finished its graceful shutdown: now stop and reap the runners
-        _notify_systemd("STOPPING=1")
+        systemd.notify("STOPPING=1")
         nursery.cancel_scope.cancel(reason="shutdown")
+    log.info("trioshed stopped")
 
 
-async def _wait_for_signals(shutdown: trio.Event) -> None:
+async def _drain_on_request(drain: Drain, scheduler: Scheduler, grace: float, http_stopped: trio.Event) -> None:
+    """Once a shutdown is requested: drain (see the module docstring), then stop hypercorn."""
+    await drain.requested.wait()
+    systemd.notify("STOPPING=1")
+    drain.begin()
+    log.info("draining %d request(s) in flight for up to %gs (TRIOSHED_SHUTDOWN_TIMEOUT)", drain.inflight, grace)
+    with trio.move_on_after(grace):
+        await drain.wait_idle()
+    if drain.inflight:
+        log.warning("shutdown: cutting %d request(s) still in flight", drain.inflight)
+    scheduler.close_queue()
+    await drain.cut()
+    http_stopped.set()
+
+
+def is_loopback(host: str) -> bool:
+    """``127.0.0.1``, ``::1``, ``localhost``: reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _status(scheduler: Scheduler, drain: Drain) -> str:
+    stats = scheduler.statistics()
+    return systemd.status_line(stats.loaded, stats.loading, stats.queued, drain.inflight, drain.draining)
+
+
+async def _receive_signals(drain: Drain) -> None:
+    """SIGINT/SIGTERM: the first starts the drain, a second ends its wait."""
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for signum in signals:
             log.info("received %s, shutting down", signal.Signals(signum).name)
-            shutdown.set()
-            return
+            drain.request_shutdown()

@@ -6,21 +6,21 @@ status and headers (on ``/v1/`` OpenAI's ``{"error": {"message", "type", "param"
 
 from __future__ import annotations
 
+import hmac
 import logging
-import secrets
 from typing import Any
 
 from quart import Response, has_request_context, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
-from trioshed.api import embed, manage, metrics, observe, ollama, openai, openapi
+from trioshed.api import embed, limits, manage, metrics, observe, ollama, openai, openapi
 from trioshed.api.state import AppState
 from trioshed.errors import ModelNotFound, PayloadTooLarge, TrioshedError, Unauthorized
 
 log = logging.getLogger(__name__)
 
-MAX_BODY = 64 * 1024 * 1024
+BODY_TIMEOUT = 120  # seconds for a whole request body (408 after): 32 MiB at >= 0.27 MB/s
 _LOCAL_ORIGINS = ("http://localhost", "https://localhost", "http://127.0.0.1", "https://127.0.0.1", "app://", "file://", "tauri://")
 
 
@@ -55,8 +55,9 @@ def create_app(state: AppState) -> QuartTrio:
     app = QuartTrio("trioshed", static_folder=None)  # no /static/<path> route: nothing static is served
     app.config["TRIOSHED"] = state
     app.config["RESPONSE_TIMEOUT"] = None  # token streams may run for many minutes
-    app.config["BODY_TIMEOUT"] = None
-    app.config["MAX_CONTENT_LENGTH"] = MAX_BODY
+    app.config["BODY_TIMEOUT"] = BODY_TIMEOUT
+    max_body = state.settings.max_body
+    app.config["MAX_CONTENT_LENGTH"] = max_body  # also bounds chunked bodies while they are read
     app.register_blueprint(ollama.bp)
     app.register_blueprint(openai.bp)
     app.register_blueprint(metrics.bp)
@@ -67,18 +68,23 @@ def create_app(state: AppState) -> QuartTrio:
     observe.install(app, app.config["TRIOSHED_METRICS"], log_json=state.settings.log_format == "json")
     origins = state.settings.origins
     api_key = state.settings.api_key
+    expected_auth = f"Bearer {api_key}".encode()
 
     @app.before_request
     async def _guard() -> Response | None:
         if request.method == "OPTIONS":
-            return Response("", status=204)
-        if api_key and request.path not in ("/", "/api/version"):
+            return Response("", status=204)  # CORS preflight: browsers send it without credentials
+        if api_key and not (request.path == "/" and request.method in ("GET", "HEAD")):
             auth = request.headers.get("Authorization", "")
-            if not secrets.compare_digest(auth.encode(), f"Bearer {api_key}".encode()):
+            # constant time: the comparison must not tell how much of a guess was right
+            if not hmac.compare_digest(auth.encode(), expected_auth):
                 raise Unauthorized("missing or wrong API key: send 'Authorization: Bearer <TRIOSHED_API_KEY>'")
         length = request.content_length
-        if length is not None and length > MAX_BODY and not request.path.startswith(_UNREAD_BODIES):
-            raise PayloadTooLarge(f"request body of {length} bytes exceeds the {MAX_BODY} byte limit")
+        if request.path.startswith(_UNREAD_BODIES):
+            return None
+        if length is not None and length > max_body:
+            raise PayloadTooLarge(f"request body of {length} bytes exceeds the {max_body} byte limit (TRIOSHED_MAX_BODY)")
+        limits.check_content_type(request.headers.get("Content-Type"), request.method)
         return None
 
     @app.after_request

@@ -14,6 +14,7 @@ from typing import Any
 from quart import Blueprint, Response
 
 from trioshed.api import translate
+from trioshed.api.limits import check_embedding_input
 from trioshed.api.ollama import json_body, keep_alive_of, state
 from trioshed.api.openai import openai_request
 from trioshed.api.upstream import post_upstream
@@ -75,6 +76,7 @@ async def embeddings() -> Response:
 @bp.post("/v1/embeddings")
 async def openai_embeddings() -> Response:
     req = await openai_request(embedding=True)
+    check_embedding_input(req.body.get("input"))
     async with state().scheduler.acquire(req.model, req.options, req.keep_alive) as lease:
         answer = await post_upstream(lease, "/v1/embeddings", req.body)
     return _json(translate.openai_model_rewrite(answer, req.name))

@@ -20,6 +20,7 @@ from quart import Blueprint, Response, current_app, request
 
 from trioshed import __version__
 from trioshed.api import translate
+from trioshed.api.limits import check_body_fields
 from trioshed.api.state import AppState
 from trioshed.api.upstream import leased_stream, open_upstream, post_upstream, truncated
 from trioshed.config import parse_duration
@@ -54,8 +55,11 @@ async def json_body_raw() -> tuple[bytes, dict[str, Any]]:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise BadRequest(f"invalid JSON in request body: {exc}") from None
+    except RecursionError:
+        raise BadRequest("invalid JSON in request body: nested too deeply") from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
+    check_body_fields(body)
     return raw if isinstance(raw, bytes) else raw.encode(), body
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import trio
 
+from trioshed.api.limits import check_runner_options
 from trioshed.config import Settings
 from trioshed.core.model import ModelSpec, RunnerOptions
 from trioshed.errors import BadRequest
@@ -38,6 +39,7 @@ class AppState:
         )
         merged = {k: v for k, v in model.defaults if k in _RUNNER_FIELDS}
         merged.update({k: v for k, v in overrides.items() if k in _RUNNER_FIELDS and v is not None})
+        check_runner_options(merged)
         try:
             options = replace(options, **merged)  # type: ignore[arg-type]
         except TypeError as exc:

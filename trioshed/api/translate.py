@@ -39,6 +39,7 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any, Literal
 
+from trioshed.api.limits import check_num_predict
 from trioshed.errors import BadRequest, UpstreamError
 
 __all__ = [
@@ -192,6 +193,8 @@ def split_options(options: Mapping[str, Any] | None) -> tuple[dict[str, Any], di
         if key in _SAMPLING:
             name, kind = _SAMPLING[key]
             value = _check_option(key, value, kind)
+            if key == "num_predict":
+                check_num_predict(value)
             if key == "num_predict" and value < 0:
                 value = -1
             sampling[name] = value

@@ -10,15 +10,16 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from contextlib import aclosing, asynccontextmanager
+from contextlib import AsyncExitStack, aclosing, asynccontextmanager
 from typing import Any
 
 import trio
 import trio.lowlevel
 from quart import Response
 
+from trioshed.api.drain import bounded
 from trioshed.core.model import ModelSpec, RunnerOptions
-from trioshed.errors import RunnerCrashed, TrioshedError, UpstreamError
+from trioshed.errors import RunnerCrashed, RunnerStalled, TrioshedError, UpstreamError
 from trioshed.runner.client import ConnectionFailed, UpstreamPool
 from trioshed.scheduler import Lease, Scheduler
 
@@ -51,6 +52,25 @@ async def truncated(lease: Lease) -> TrioshedError:
     return await crash_or(lease, RuntimeError("llama-server closed the stream early"))
 
 
+async def step(lease: Lease, fn: Callable[[], Any]) -> Any:
+    """One wait on the runner, bounded (:func:`trioshed.api.drain.bounded`): a runner that sends
+    nothing for TRIOSHED_STREAM_IDLE_TIMEOUT is hung, so it is replaced once its leases end."""
+    try:
+        return await bounded(fn, lease.model.name)
+    except RunnerStalled:
+        lease.evict("stalled: no output within TRIOSHED_STREAM_IDLE_TIMEOUT")
+        raise
+
+
+async def _bounded_pieces(lease: Lease, pieces: AsyncIterator[bytes]) -> AsyncGenerator[bytes, None]:
+    while True:
+        try:
+            piece = await step(lease, pieces.__anext__)
+        except StopAsyncIteration:
+            return
+        yield piece
+
+
 @asynccontextmanager
 async def open_upstream_bytes(lease: Lease, path: str, body: dict[str, Any] | bytes) -> AsyncIterator[AsyncIterator[bytes]]:
     """POST ``body`` (JSON, or bytes already encoded) to the runner; yield its answer's body as
@@ -62,11 +82,13 @@ async def open_upstream_bytes(lease: Lease, path: str, body: dict[str, Any] | by
     pool: UpstreamPool = lease.handle.upstream
     payload = body if isinstance(body, bytes) else _encode(body)
     try:
-        async with pool.request("POST", path, payload) as response:
+        async with AsyncExitStack() as stack:
+            response = await step(lease, lambda: stack.enter_async_context(pool.request("POST", path, payload)))
             if response.status != 200:
-                raise UpstreamError(upstream_message(await response.read(), response.status), status=response.status)
-            async with aclosing(response.batches()) as pieces:
-                yield pieces
+                raw = await step(lease, response.read)
+                raise UpstreamError(upstream_message(raw, response.status), status=response.status)
+            async with aclosing(response.batches()) as pieces, aclosing(_bounded_pieces(lease, pieces)) as bounded_pieces:
+                yield bounded_pieces
     except ConnectionFailed as exc:
         raise await crash_or(lease, exc) from None
 
@@ -101,7 +123,8 @@ async def post_upstream_raw(lease: Lease, path: str, body: dict[str, Any] | byte
     """POST ``body`` to the runner and return its status and whole answer, whatever the status."""
     pool: UpstreamPool = lease.handle.upstream
     try:
-        return await pool.post(path, body if isinstance(body, bytes) else _encode(body))
+        result: tuple[int, bytes] = await step(lease, lambda: pool.post(path, body if isinstance(body, bytes) else _encode(body)))
+        return result
     except ConnectionFailed as exc:
         raise await crash_or(lease, exc) from None
 

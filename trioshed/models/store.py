@@ -24,11 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trioshed.core.model import ModelSpec
-from trioshed.errors import BadRequest, ModelNotFound
+from trioshed.errors import BadRequest, Forbidden, ModelNotFound
 from trioshed.models.catalogue import Catalogue, Entry, load_catalogue
 
 log = logging.getLogger(__name__)
 
+MAX_NAME = 255  # a file name's limit on Linux filesystems
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _TAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -37,6 +38,8 @@ def split_name(name: str) -> tuple[str, str]:
     """``"gemma3-270m:latest"`` → ``("gemma3-270m", "latest")``; names that could escape → 400."""
     if not isinstance(name, str) or not name.strip():
         raise BadRequest("model is required")
+    if len(name) > MAX_NAME:
+        raise BadRequest(f"invalid model name: {len(name)} characters, the limit is {MAX_NAME}")
     base, _, tag = name.strip().partition(":")
     tag = tag or "latest"
     if "/" in base or "\\" in base or ".." in base or not _NAME.match(base) or not _TAG.match(tag):
@@ -55,10 +58,21 @@ class _DigestCacheEntry:
 class ModelStore:
     """Resolves model names to :class:`ModelSpec` and lists what the folder holds."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, allow_symlinks: bool = False) -> None:
         self.root = Path(root)
+        self.allow_symlinks = allow_symlinks
         self._digests: dict[str, _DigestCacheEntry] = {}
         self._catalogue: tuple[tuple[int, int, int] | None, Catalogue] | None = None
+
+    def _inside(self, file: Path) -> bool:
+        """Whether ``file`` (in the store folder) really lies in it: a symlink pointing out of the
+        store is followed only with TRIOSHED_ALLOW_SYMLINKS (models.toml can name any path)."""
+        if self.allow_symlinks:
+            return True
+        try:
+            return file.resolve().is_relative_to(self.root.resolve())
+        except OSError:
+            return False
 
     @property
     def toml_path(self) -> Path:
@@ -124,13 +138,18 @@ class ModelStore:
         file = self.root / f"{base}.gguf"
         if not file.is_file():
             raise ModelNotFound(name)
+        if not self._inside(file):
+            raise Forbidden(
+                f"model '{name}' is a symlink to a file outside the model store; name that file in "
+                "models.toml, or set TRIOSHED_ALLOW_SYMLINKS=1 to follow such links"
+            )
         return self._spec_from_file(full, file)
 
     def list(self) -> list[ModelSpec]:
         specs: dict[str, ModelSpec] = {}
         if self.root.is_dir():
             for path in sorted(self.root.glob("*.gguf")):
-                if path.is_file() and _NAME.match(path.stem):
+                if path.is_file() and _NAME.match(path.stem) and self._inside(path):
                     specs[f"{path.stem}:latest"] = self._spec_from_file(f"{path.stem}:latest", path)
         for name, entry in self.catalogue().names.items():  # entries and their aliases
             try:

@@ -44,9 +44,9 @@ def store_folders(models: Path | str) -> list[Path]:
 class Stores:
     """Name resolution over every folder of ``TRIOSHED_MODELS``, and the changes the API makes."""
 
-    def __init__(self, models: Path | str) -> None:
+    def __init__(self, models: Path | str, *, allow_symlinks: bool = False) -> None:
         self.folders = store_folders(models)
-        self._folder_stores = {folder: ModelStore(folder) for folder in self.folders}
+        self._folder_stores = {folder: ModelStore(folder, allow_symlinks=allow_symlinks) for folder in self.folders}
         self._lock = threading.Lock()  # copy/delete edit models.toml: one at a time
 
     def backends(self) -> list[Backend]:

@@ -197,6 +197,15 @@ class Lease:
         """The RPC servers the runner uses (its crash is reported once they are checked)."""
         return self._runner.placement.endpoints
 
+    def evict(self, reason: str) -> None:
+        """The runner misbehaved under this lease (hung): replace it once its leases end."""
+        runner = self._runner
+        if not runner.evicting:
+            runner.evicting = True
+            runner.unload_reason = reason
+            self._scheduler._note("evict", runner.model)
+            self._scheduler._wake()
+
     def release(self) -> None:
         if not self.released:
             self.released = True
@@ -386,6 +395,19 @@ class Scheduler:
             ):
                 return runner
         return None
+
+    def close_queue(self) -> None:
+        """Shutdown: fail every queued request with ShuttingDown (503); leases held go on."""
+        self._closing = True
+        while True:
+            try:
+                req = self._pending_recv.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                break
+            self._finish(req, error=ShuttingDown())
+        for req in list(self._waiting.values()):
+            self._finish(req, error=ShuttingDown())
+        self._wake()
 
     def submit_nowait(self, req: _Request) -> None:
         if self._queued_count() >= self.max_queue:

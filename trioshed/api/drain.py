@@ -1,0 +1,164 @@
+"""Graceful drain and bounded upstream waits: the requests in flight, as the ASGI layer sees them.
+
+:class:`Drain` wraps the Quart app (an ASGI callable). Every HTTP request runs inside a
+:class:`RequestGuard` (a cancel scope plus the state of its current upstream wait), found by the
+upstream code through a context variable. ``serve()`` drives the shutdown:
+
+1. ``begin()``: new requests are answered 503 with ``Retry-After`` (at the ASGI layer, before
+   Quart), requests in flight go on;
+2. ``wait_idle()`` for up to ``TRIOSHED_SHUTDOWN_TIMEOUT`` (a second signal, ``force()``, ends it);
+3. ``cut()``: every guarded upstream wait raises :class:`ShuttingDown`, so a stream ends with its
+   final error line and a plain answer becomes a 503; after a short grace what is left is cancelled.
+
+The same guard bounds each upstream wait by ``TRIOSHED_STREAM_IDLE_TIMEOUT``: a runner that sends
+nothing for that long (hung, not dead) ends the request with :class:`RunnerStalled`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
+from typing import Any, TypeVar
+
+import trio
+from trio_util import RepeatedEvent
+
+from trioshed.api.bodypump import run_with_pump
+from trioshed.errors import RunnerStalled, ShuttingDown, TrioshedError
+
+T = TypeVar("T")
+ASGIApp = Callable[[dict[str, Any], Callable[[], Awaitable[dict[str, Any]]], Callable[[dict[str, Any]], Awaitable[None]]], Awaitable[None]]
+
+_current: ContextVar[RequestGuard | None] = ContextVar("trioshed_request_guard", default=None)
+CUT_GRACE = 2.0  # seconds for cut requests to write their final line before they are cancelled
+
+
+class RequestGuard:
+    """One request in flight: its cancel scope, and the upstream wait it is in (if any)."""
+
+    def __init__(self, idle_timeout: float) -> None:
+        self.idle_timeout = idle_timeout
+        self.scope = trio.CancelScope()
+        self._stop: TrioshedError | None = None
+        self._waiting: trio.CancelScope | None = None
+
+    async def bounded(self, step: Callable[[], Awaitable[T]], what: str) -> T:
+        """``await step()`` unless the request is cut (raises its error) or ``step`` takes longer
+        than the idle timeout (raises RunnerStalled naming ``what``).
+
+        Cancellation: only this wait is cancelled; the caller's scopes are untouched.
+        """
+        if self._stop is not None:
+            raise self._stop
+        with trio.CancelScope(deadline=trio.current_time() + self.idle_timeout) as scope:
+            self._waiting = scope
+            try:
+                return await step()
+            finally:
+                self._waiting = None
+        if self._stop is not None:
+            raise self._stop
+        raise RunnerStalled(what, self.idle_timeout)
+
+    def stop(self, error: TrioshedError) -> None:
+        """Make the current and every later upstream wait raise ``error``."""
+        self._stop = error
+        if self._waiting is not None:
+            self._waiting.cancel(reason="request cut")
+
+
+async def bounded(step: Callable[[], Awaitable[T]], what: str) -> T:
+    """:meth:`RequestGuard.bounded` for the current request (unbounded outside one)."""
+    guard = _current.get()
+    if guard is None:
+        return await step()
+    return await guard.bounded(step, what)
+
+
+class Drain:
+    """The ASGI wrapper counting requests in flight; see the module docstring for the sequence."""
+
+    def __init__(self, app: ASGIApp, *, idle_timeout: float, retry_after: int = 5) -> None:
+        self.app = app
+        self.idle_timeout = idle_timeout
+        self.retry_after = retry_after
+        self.draining = False
+        self.requested = trio.Event()  # a shutdown was asked for (signal, or a test)
+        self.forced = trio.Event()  # a second signal: stop waiting
+        self.refused = 0
+        self._inflight: set[RequestGuard] = set()
+        self._changed = RepeatedEvent()
+
+    @property
+    def inflight(self) -> int:
+        return len(self._inflight)
+
+    async def __call__(
+        self,
+        scope: dict[str, Any],
+        receive: Callable[[], Awaitable[dict[str, Any]]],
+        send: Callable[[dict[str, Any]], Awaitable[None]],
+    ) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.draining:
+            self.refused += 1
+            await run_with_pump(self._refuse, scope, receive, send)
+            return
+        guard = RequestGuard(self.idle_timeout)
+        token = _current.set(guard)
+        self._inflight.add(guard)
+        try:
+            with guard.scope:
+                await run_with_pump(self.app, scope, receive, send)
+        finally:
+            self._inflight.discard(guard)
+            _current.reset(token)
+            self._changed.set()
+
+    async def _refuse(
+        self,
+        scope: dict[str, Any],
+        receive: Callable[[], Awaitable[dict[str, Any]]],
+        send: Callable[[dict[str, Any]], Awaitable[None]],
+    ) -> None:
+        body = json.dumps(ShuttingDown().to_json()).encode()
+        await send({
+            "type": "http.response.start",
+            "status": ShuttingDown.status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"retry-after", str(self.retry_after).encode()),
+                (b"connection", b"close"),
+            ],
+        })  # fmt: skip
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    def request_shutdown(self) -> None:
+        """First signal: start the drain. Later ones: stop waiting for requests in flight."""
+        if self.requested.is_set():
+            self.forced.set()
+        self.requested.set()
+
+    def begin(self) -> None:
+        self.draining = True
+
+    async def wait_idle(self) -> None:
+        """Until no request is in flight or ``forced``."""
+        while self._inflight and not self.forced.is_set():
+            with trio.move_on_after(0.5):  # also re-checks ``forced`` twice a second
+                await self._changed.wait()
+
+    async def cut(self, grace: float = CUT_GRACE) -> None:
+        """End what is still in flight: guarded waits raise ShuttingDown, then (after ``grace``)
+        whatever has not finished is cancelled."""
+        for guard in list(self._inflight):
+            guard.stop(ShuttingDown())
+        with trio.move_on_after(grace):
+            while self._inflight:
+                await self._changed.wait()
+        for guard in list(self._inflight):
+            guard.scope.cancel(reason="shutdown: drain timeout")

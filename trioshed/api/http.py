@@ -1,0 +1,147 @@
+"""The HTTP listener: hypercorn's limits, and at most ``TRIOSHED_MAX_CONNECTIONS`` connections.
+
+hypercorn's trio worker accepts without bound; :func:`serve_http` is its ``worker_serve`` for
+plain-HTTP sockets with one change: the listener takes a connection slot (a semaphore) before
+each ``accept()`` and the connection gives it back when it closes. Connections beyond the bound
+wait in the kernel's accept backlog (``config.backlog``) instead of costing a task, a socket and
+an h11 buffer each. The limits, and why these values:
+
+- ``h11_max_incomplete_size`` 32 KiB: the request line plus headers must fit (a long API key and
+  a browser's cookies do, by far); a 100 KB request line is refused with 431 and closed.
+- ``keep_alive_timeout`` = ``TRIOSHED_HTTP_IDLE_TIMEOUT`` (30 s): closes an idle keep-alive
+  connection, and also bounds the time a client has to finish sending its headers (hypercorn's
+  idle timer runs until the request line and headers are complete), which is what defeats
+  slowloris. The official clients (httpx underneath) drop pooled connections after 5 s; behind a
+  proxy, set it above the proxy's own idle timeout.
+- ``read_timeout`` stays unset: it would apply to every read, also while a long token stream is
+  being written to a client that has nothing more to send.
+- ``TRIOSHED_MAX_CONNECTIONS`` (512): above any sane number of concurrent clients of one box
+  (the load test runs 200), below the default open-file limit of 1024 that the runners share.
+- the request body: ``TRIOSHED_MAX_BODY`` and Quart's ``BODY_TIMEOUT`` (see ``app.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+from typing import Any
+
+import trio
+from hypercorn.config import Config
+from hypercorn.trio.lifespan import Lifespan
+from hypercorn.trio.statsd import StatsdLogger
+from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.trio.worker_context import WorkerContext
+from hypercorn.typing import ConnectionState
+from hypercorn.utils import ShutdownError, raise_shutdown, repr_socket_addr, wrap_app
+
+from trioshed.config import Settings
+
+MAX_HEADER_BYTES = 32 * 1024
+GRACEFUL_TIMEOUT = 3.0  # seconds for connections to finish once the listener stopped
+
+
+def hypercorn_config(settings: Settings) -> Config:
+    config = Config()
+    host = f"[{settings.host}]" if ":" in settings.host else settings.host
+    config.bind = [f"{host}:{settings.port}"]
+    config.accesslog = None
+    config.errorlog = logging.getLogger("hypercorn.error")
+    config.read_timeout = None
+    config.graceful_timeout = GRACEFUL_TIMEOUT
+    config.keep_alive_timeout = settings.http_idle_timeout
+    config.h11_max_incomplete_size = MAX_HEADER_BYTES
+    return config
+
+
+class _Connection(TCPServer):
+    """hypercorn's connection, which once the client has closed no longer waits out its
+    keep-alive timer (it did: every closed connection held its slot for up to 30 s, so clients
+    opening a connection per request would have been limited to ~17 requests/s)."""
+
+    async def _read_data(self) -> None:
+        await super()._read_data()
+        await self.idle_task.stop()
+
+
+class ConnectionStats:
+    """The connection bound and what is open now (for tests and STATUS)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.slots = trio.Semaphore(limit)
+        self.accepted = 0
+        self.open = 0
+
+
+class BoundedListener(trio.abc.Listener[trio.SocketStream]):
+    """A SocketListener that accepts only while fewer than ``slots`` connections are open."""
+
+    def __init__(self, inner: trio.SocketListener, stats: ConnectionStats) -> None:
+        self.inner = inner
+        self.stats = stats
+
+    async def accept(self) -> trio.SocketStream:
+        await self.stats.slots.acquire()
+        try:
+            stream = await self.inner.accept()
+        except BaseException:
+            self.stats.slots.release()
+            raise
+        self.stats.accepted += 1
+        return stream
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def serve_http(
+    app: Any,
+    config: Config,
+    connections: ConnectionStats,
+    *,
+    shutdown_trigger: Any,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """hypercorn's ``worker_serve`` (plain HTTP) with bounded connections; returns the URLs bound."""
+    config.set_statsd_logger_class(StatsdLogger)
+    app = wrap_app(app, config.wsgi_max_body_size, "asgi")
+    lifespan_state: dict[str, Any] = {}
+    lifespan = Lifespan(app, config, lifespan_state)
+    context = WorkerContext(None)
+    async with trio.open_nursery() as lifespan_nursery:
+        await lifespan_nursery.start(lifespan.handle_lifespan)
+        await lifespan.wait_for_startup()
+        async with trio.open_nursery() as server_nursery:
+            sockets = config.create_sockets()
+            listeners, binds = [], []
+            for sock in sockets.insecure_sockets:
+                sock.listen(config.backlog)
+                listeners.append(BoundedListener(trio.SocketListener(trio.socket.from_stdlib_socket(sock)), connections))
+                binds.append(f"http://{repr_socket_addr(sock.family, sock.getsockname())}")
+            connection = partial(_Connection, app, config, context, ConnectionState(lifespan_state.copy()))
+
+            async def handle(stream: trio.SocketStream) -> None:
+                connections.open += 1
+                try:
+                    await connection(stream)  # type: ignore[arg-type]  # hypercorn types it as SSL only
+                finally:
+                    connections.open -= 1
+                    connections.slots.release()
+
+            task_status.started(binds)
+            try:
+                async with trio.open_nursery(strict_exception_groups=True) as nursery:
+                    nursery.start_soon(raise_shutdown, shutdown_trigger)
+                    nursery.start_soon(raise_shutdown, context.terminate.wait)
+                    nursery.start_soon(partial(trio.serve_listeners, handle, listeners, handler_nursery=server_nursery))
+                    await trio.sleep_forever()
+            except BaseExceptionGroup as error:
+                _, other_errors = error.split((ShutdownError, KeyboardInterrupt))
+                if other_errors is not None:
+                    raise other_errors from None
+            finally:
+                await context.terminated.set()
+                server_nursery.cancel_scope.deadline = trio.current_time() + config.graceful_timeout
+        await lifespan.wait_for_shutdown()
+        lifespan_nursery.cancel_scope.cancel()
