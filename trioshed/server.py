@@ -34,6 +34,7 @@ from trioshed.devices.rpc import RemoteDevices, check_addresses
 from trioshed.models.gguf_meta import read_metadata
 from trioshed.models.stores import Stores
 from trioshed.preload import preload_models
+from trioshed.reload import reload_on_sighup
 from trioshed.runner.binary import LlamaBinary, describe_build, find_llama_server
 from trioshed.runner.command import LaunchConfig
 from trioshed.runner.process import open_llama_server
@@ -167,6 +168,7 @@ async def serve(
         await preload_models(state)  # before listening: the first request finds them loaded
         if handle_signals:
             nursery.start_soon(_receive_signals, app)
+            nursery.start_soon(reload_on_sighup, state)
         nursery.start_soon(_drain_on_request, app, scheduler, settings.shutdown_timeout, http_stopped)
         async with trio.open_nursery() as http_nursery:
             urls = await http_nursery.start(partial(serve_http, app, config, connections, shutdown_trigger=http_stopped.wait))

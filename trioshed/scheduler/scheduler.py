@@ -396,6 +396,10 @@ class Scheduler:
                 return runner
         return None
 
+    def runner_models(self) -> list[ModelSpec]:
+        """The model each runner was started from (a models.toml reload compares them)."""
+        return [r.model for r in self._runners.values()]
+
     def close_queue(self) -> None:
         """Shutdown: fail every queued request with ShuttingDown (503); leases held go on."""
         self._closing = True

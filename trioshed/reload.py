@@ -1,0 +1,72 @@
+"""SIGHUP: re-read ``models.toml`` and replace only the runners whose model changed.
+
+A runner was started from a :class:`ModelSpec` (file, adapters, projector, options, flags...).
+After the reload each runner's name is resolved again; a runner whose spec is unchanged keeps
+serving untouched, one whose entry changed or disappeared is unloaded (once its requests end:
+the scheduler's ``unload``) so that the next request starts it from the new entry.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import trio
+
+from trioshed.api.state import AppState
+from trioshed.core.model import ModelSpec
+from trioshed.errors import TrioshedError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ReloadReport:
+    kept: tuple[str, ...]
+    unloaded: tuple[str, ...]
+    problems: int
+
+
+def stale(loaded: list[ModelSpec], resolve: Callable[[str], ModelSpec]) -> list[ModelSpec]:
+    """The loaded specs that no longer resolve to themselves (pure; ``resolve`` may raise)."""
+    out = []
+    for spec in loaded:
+        try:
+            current = resolve(spec.name)
+        except TrioshedError:
+            current = None
+        if current != spec:
+            out.append(spec)
+    return out
+
+
+async def reload_models(state: AppState) -> ReloadReport:
+    """Re-read every ``models.toml`` now; unload the runners whose model changed."""
+    catalogue = await trio.to_thread.run_sync(state.store.reload)
+    loaded = state.scheduler.runner_models()
+    changed = await trio.to_thread.run_sync(stale, loaded, state.store.resolve)
+    async with trio.open_nursery() as nursery:
+        for spec in {s.path: s for s in changed}.values():
+            nursery.start_soon(state.scheduler.unload, spec)
+    report = ReloadReport(
+        kept=tuple(s.name for s in loaded if s not in changed),
+        unloaded=tuple(s.name for s in changed),
+        problems=len(catalogue.problems),
+    )
+    log.info(
+        "models.toml reloaded: %d runner(s) kept, unloaded %s, %d problem(s)",
+        len(report.kept), ", ".join(report.unloaded) or "none", report.problems,
+    )  # fmt: skip
+    return report
+
+
+async def reload_on_sighup(state: AppState) -> None:
+    """Until cancelled: each SIGHUP reloads (one at a time; a burst coalesces into the next)."""
+    with trio.open_signal_receiver(signal.SIGHUP) as signals:
+        async for _ in signals:
+            try:
+                await reload_models(state)
+            except TrioshedError as exc:
+                log.warning("models.toml reload failed: %s", exc.message)
