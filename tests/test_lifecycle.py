@@ -59,6 +59,8 @@ async def _refused_while_draining(served: ServeProcess) -> None:
         assert r.json() == {"error": "trioshed is shutting down"}
         r = await other.get("/api/tags")
         assert r.status_code == 503
+        r = await other.get("/v1/models")  # OpenAI's error shape on /v1/
+        assert r.status_code == 503 and r.json()["error"]["message"] == "trioshed is shutting down"
 
 
 @pytest.mark.parametrize("ending", ["timeout", "second signal"])

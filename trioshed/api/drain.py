@@ -124,7 +124,11 @@ class Drain:
         receive: Callable[[], Awaitable[dict[str, Any]]],
         send: Callable[[dict[str, Any]], Awaitable[None]],
     ) -> None:
-        body = json.dumps(ShuttingDown().to_json()).encode()
+        message = ShuttingDown().message
+        error: object = message
+        if scope.get("path", "").startswith("/v1/"):  # OpenAI's error shape, as the app answers there
+            error = {"message": message, "type": "api_error", "param": None, "code": None}
+        body = json.dumps({"error": error}).encode()
         await send({
             "type": "http.response.start",
             "status": ShuttingDown.status,
