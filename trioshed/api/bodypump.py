@@ -9,6 +9,13 @@ connection is held forever and never read again (seen: a 413 whose connection st
 :class:`BodyPump` sits between hypercorn and the app: it forwards body messages while the
 application may want them and discards them once the response is complete, until hypercorn's
 ``http.disconnect`` arrives.
+
+It also keeps keep-alive honest. An answer that starts before the request body was received in
+full (a 401 decided from the headers while the body's segment is still in flight) made hypercorn
+close the connection after the response, although the response did not say so: the client's next
+request on that connection failed with "Server disconnected without sending a response". So when
+the response starts early, a small rest of the body (at most :data:`LINGER_BYTES`, announced) is
+read and discarded first; otherwise the response says ``Connection: close``.
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ import trio
 
 Message = dict[str, Any]
 DISCONNECT_WAIT = 10.0  # seconds to wait for hypercorn's disconnect after the app finished
+LINGER_BYTES = 1 << 20  # an announced body up to this size is received before an early answer
+LINGER_SECONDS = 2.0  # ... for at most this long
 
 
 class BodyPump:
@@ -28,7 +37,9 @@ class BodyPump:
         # Unbuffered: a message is taken from hypercorn only when the application asks for one.
         self._send_chan, self._recv_chan = trio.open_memory_channel[Message](0)
         self._done = False
+        self._discard_body = False
         self._forwarding: trio.CancelScope | None = None
+        self.body_received = trio.Event()  # the last http.request message came
 
     async def receive(self) -> Message:
         """The application's ``receive``."""
@@ -42,6 +53,12 @@ class BodyPump:
                 await trio.sleep_forever()
             return {"type": "http.disconnect"}
 
+    def discard_body(self) -> None:
+        """The application answers without (the rest of) the body: stop handing it over."""
+        self._discard_body = True
+        if self._forwarding is not None:
+            self._forwarding.cancel(reason="body not wanted")
+
     def response_complete(self) -> None:
         """From now on, body messages are discarded (nobody will read them)."""
         self._done = True
@@ -53,12 +70,41 @@ class BodyPump:
         with self._send_chan:
             while True:
                 message = await self._receive()
+                if message["type"] == "http.request":
+                    if not message.get("more_body", False):
+                        self.body_received.set()
+                    if self._discard_body:
+                        continue
                 if not self._done:
                     with trio.CancelScope() as self._forwarding:
                         await self._send_chan.send(message)
                     self._forwarding = None
                 if message["type"] == "http.disconnect":
                     return
+
+
+def _announced_length(scope: Message) -> int | None:
+    """The body's size from the headers: Content-Length, 0 for none, None when chunked."""
+    headers = {name.lower(): value for name, value in scope.get("headers", [])}
+    if b"transfer-encoding" in headers:
+        return None
+    try:
+        return int(headers.get(b"content-length", b"0"))
+    except ValueError:
+        return None
+
+
+async def _answer_early(pump: BodyPump, scope: Message, start: Message) -> Message:
+    """The response starts before the whole body came: receive a small rest, else say close."""
+    pump.discard_body()
+    length = _announced_length(scope)
+    if length is not None and length <= LINGER_BYTES:
+        with trio.move_on_after(LINGER_SECONDS):
+            await pump.body_received.wait()
+    if pump.body_received.is_set():
+        return start
+    headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"connection"]
+    return {**start, "headers": [*headers, (b"connection", b"close")]}
 
 
 async def run_with_pump(
@@ -71,6 +117,8 @@ async def run_with_pump(
     pump = BodyPump(receive)
 
     async def send_through(message: Message) -> None:
+        if message["type"] == "http.response.start" and not pump.body_received.is_set():
+            message = await _answer_early(pump, scope, message)
         if message["type"] == "http.response.body" and not message.get("more_body", False):
             pump.response_complete()
         await send(message)
