@@ -186,7 +186,7 @@ async def test_counters_move_with_real_requests(model_store: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.usefixtures("no_leaked_runner")
 async def test_503s_are_counted_by_cause(model_store: Path, unknown_arch_model: Path, tmp_path: Path) -> None:
-    (model_store / "broken.gguf").symlink_to(unknown_arch_model)
+    os.link(unknown_arch_model, model_store / "broken.gguf")  # a hard link: a symlink out of the store is refused
     # llama-server behind a gate: the load stays in progress until the test opens it
     real, gate, gated = find_llama_server(), tmp_path / "gate", tmp_path / "llama-server-gated"
     exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in real.env.items() if os.environ.get(k) != v)

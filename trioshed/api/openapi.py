@@ -274,7 +274,7 @@ def _paths() -> Schema:
             "get": _get_op("Liveness: `Ollama is running`", "text/plain", _STR, auth=False),
             "head": {"summary": "Liveness", "security": [], "responses": {"200": {"description": "OK"}}},
         },
-        "/api/version": {"get": _get_op("trioshed's version", "application/json", _ref("VersionResponse"), auth=False)},
+        "/api/version": {"get": _get_op("trioshed's version", "application/json", _ref("VersionResponse"))},
         "/api/generate": {"post": _json_op("Generate a completion (Ollama); no prompt: load, or unload with keep_alive 0", "GenerateRequest", _ref("GenerateResponse"), stream=NDJSON, errors=ollama)},
         "/api/chat": {"post": _json_op("Chat (Ollama); no messages: load, or unload with keep_alive 0", "ChatRequest", _ref("ChatResponse"), stream=NDJSON, errors=ollama)},
         "/api/embed": {"post": _json_op("Embeddings for one input or several (Ollama)", "EmbedRequest", _ref("EmbedResponse"))},
