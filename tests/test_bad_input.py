@@ -36,7 +36,7 @@ BAD_VALUES: list[tuple[str, Any]] = [  # (field, value) merged into a valid body
     ("options", "fast"), ("options", [1]), ("options", 5),
     ("options", {"num_ctx": 0}), ("options", {"num_ctx": 10**9}), ("options", {"num_ctx": -1}),
     ("options", {"num_ctx": "big"}), ("options", {"num_predict": -5}), ("options", {"num_gpu": 10**6}),
-    ("options", {"num_batch": 0}), ("options", {"num_thread": -3}), ("options", {"main_gpu": -2}),
+    ("options", {"num_batch": 0}), ("options", {"num_batch": 1}), ("options", {"num_thread": -3}), ("options", {"main_gpu": -2}),
     ("options", {"temperature": "hot"}), ("options", {"use_mmap": "perhaps"}), ("options", {"num_ctx": "2.5x"}),
 ]  # fmt: skip
 KIND_VALUES: dict[str, list[tuple[str, Any]]] = {
@@ -61,7 +61,8 @@ def cases() -> list[tuple[str, str, bytes, dict[str, str]]]:
     for route, extra in ROUTES.items():
         good = {"model": "tiny", **extra}
         for raw in (b"", b"{", b'{"model": "tiny",}', b"\xff\xfe", b"null", b"[]", b'"tiny"', b"5", b"true",
-                    b'{"model": "tiny"}' + b"x", b"[" * 100_000):  # fmt: skip
+                    b'{"model": "tiny"}' + b"x", b"[" * 100_000,
+                    b'{"model": "tiny", "prompt": "\\ud800", "input": "\\udfff", "messages": [{"role": "user", "content": "\\udaac"}]}'):  # fmt: skip
             out.append((f"{route} body {raw[:20]!r}", route, raw, js))
         for name in BAD_NAMES:
             out.append((f"{route} model {name[:20]!r}", route, json.dumps({**good, "model": name}).encode(), js))

@@ -8,6 +8,8 @@ meaning holds (``num_gpu`` above the layer count offloads everything, ``num_ctx`
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -28,7 +30,10 @@ RUNNER_BOUNDS: dict[str, tuple[int, int]] = {
     "num_gpu": (-1, MAX_NUM_GPU),
     "main_gpu": (0, 1 << 10),
     "num_thread": (0, MAX_NUM_THREAD),
-    "num_batch": (1, MAX_NUM_BATCH),
+    # llama-server's warm-up decodes 2 tokens in one batch: num_batch 1 aborts it at start-up
+    # (GGML_ASSERT n_tokens_all <= n_batch, found by fuzzing), and the model's load back-off then
+    # refused everyone's requests for it
+    "num_batch": (2, MAX_NUM_BATCH),
 }
 
 
@@ -82,3 +87,18 @@ def json_type(value: object) -> str:
     return {bool: "boolean", int: "number", float: "number", str: "string", list: "array", dict: "object"}.get(
         type(value), "null" if value is None else type(value).__name__
     )
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def check_unicode(raw: bytes, body: Mapping[str, Any]) -> None:
+    """JSON may escape half of a UTF-16 surrogate pair (``"\\ud800"``): Python reads it, but it is
+    no text, and llama-server fails on it with a 500 ("_Map_base::at", found by fuzzing). Such a
+    body is refused with 400. The full check runs only when an escape of that range appears."""
+    if not _SURROGATE_ESCAPE.search(raw):
+        return
+    try:
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise BadRequest("invalid JSON in request body: a lone UTF-16 surrogate (\\ud800-\\udfff) is not text") from None

@@ -20,7 +20,7 @@ from quart import Blueprint, Response, current_app, request
 
 from trioshed import __version__
 from trioshed.api import translate
-from trioshed.api.limits import check_body_fields
+from trioshed.api.limits import check_body_fields, check_unicode
 from trioshed.api.state import AppState
 from trioshed.api.upstream import leased_stream, open_upstream, post_upstream, truncated
 from trioshed.config import parse_duration
@@ -60,6 +60,7 @@ async def json_body_raw() -> tuple[bytes, dict[str, Any]]:
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     check_body_fields(body)
+    check_unicode(raw if isinstance(raw, bytes) else raw.encode(), body)
     return raw if isinstance(raw, bytes) else raw.encode(), body
 
 

@@ -17,7 +17,12 @@ from quart import Blueprint, Response
 
 from trioshed.api.ollama import json_body_raw, keep_alive_of, state
 from trioshed.api.translate import ModelRenamer, openai_model_rewrite, split_options
-from trioshed.api.upstream import leased_stream, open_upstream_bytes, post_upstream_raw
+from trioshed.api.upstream import (
+    client_status,
+    leased_stream,
+    open_upstream_bytes,
+    post_upstream_raw,
+)
 from trioshed.core.model import ModelSpec, RunnerOptions
 from trioshed.errors import BadRequest, TrioshedError
 from trioshed.scheduler import Lease
@@ -100,7 +105,7 @@ async def _proxy(path: str) -> Response:
             data = openai_model_rewrite(data, name)
             if (trace := current_trace.get()) is not None:
                 trace.counted(data)
-        return Response(json.dumps(data), status=status, content_type="application/json")
+        return Response(json.dumps(data), status=client_status(status, raw), content_type="application/json")
     return await leased_stream(
         st.scheduler, model, options, keep_alive, lambda lease: _relay(lease, path, upstream, name), "text/event-stream"
     )

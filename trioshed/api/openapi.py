@@ -238,10 +238,18 @@ def _errors(*statuses: str, openai: bool = False) -> Schema:
 _MODEL_ERRORS = ("400", "401", "404", "413", "500", "502", "503", "507")
 
 
+#: One server-sent event as OpenAPI 3.2 (and schemathesis) read a text/event-stream: ``data`` is a
+#: JSON chunk, an error object, or "[DONE]"; a plain string schema failed every event (fuzzing).
+_SSE_EVENT: Schema = {
+    "type": "object",
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}},
+}
+
+
 def _json_op(summary: str, request: str, response: Schema, *, stream: str | None = None, errors: tuple[str, ...] = _MODEL_ERRORS, openai: bool = False) -> Schema:
     content: Schema = {"application/json": {"schema": response}}
     if stream is not None:
-        content[stream] = {"schema": response if stream == NDJSON else _STR}
+        content[stream] = {"schema": response if stream == NDJSON else _SSE_EVENT}
     return {
         "summary": summary,
         "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}},

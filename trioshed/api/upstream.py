@@ -133,7 +133,7 @@ async def post_upstream(lease: Lease, path: str, body: dict[str, Any]) -> dict[s
     """POST ``body`` to the runner and return its JSON answer (errors as in :func:`open_upstream`)."""
     status, raw = await post_upstream_raw(lease, path, body)
     if status != 200:
-        raise UpstreamError(upstream_message(raw, status), status=status)
+        raise UpstreamError(upstream_message(raw, status), status=client_status(status, raw))
     try:
         data = json.loads(raw)
     except ValueError:
@@ -141,6 +141,16 @@ async def post_upstream(lease: Lease, path: str, body: dict[str, Any]) -> dict[s
     if not isinstance(data, dict):
         raise UpstreamError("llama-server answered with something other than a JSON object")
     return data
+
+
+def client_status(status: int, raw: bytes) -> int:
+    """llama-server's status, except two 500s that the request's text causes, so 400: an input
+    larger than the runner's batch (``num_batch``, embeddings), and "_Map_base::at", what its
+    tokenizer throws for characters the model's vocabulary cannot encode (no byte fallback; found
+    by fuzzing with the tiny test models)."""
+    if status == 500 and (b"too large to process" in raw or b"_Map_base::at" in raw):
+        return 400
+    return status
 
 
 def upstream_message(raw: bytes, status: int) -> str:
