@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
@@ -21,7 +22,7 @@ import trio
 
 from tests.conftest import add_tiny
 from trioshed.config import parse_rpc_servers
-from trioshed.core.model import Device, RunnerOptions
+from trioshed.core.model import Device, MemoryEstimate, RunnerOptions
 from trioshed.models.store import ModelStore
 from trioshed.runner.binary import BinaryNotFound
 from trioshed.server import estimate_model
@@ -52,21 +53,28 @@ async def _generate(http: httpx.AsyncClient, **options: object) -> httpx.Respons
     return await http.post("/api/generate", json=body)
 
 
-async def test_a_model_too_big_locally_runs_across_two_rpc_servers_and_survives_losing_one(
-    tmp_path: Path, two_rpc_servers: list[RpcServerProcess]
-) -> None:
-    a, b = two_rpc_servers
+def _too_big_locally(
+    tmp_path: Path, a: RpcServerProcess, b: RpcServerProcess
+) -> tuple[Path, Device, Any, MemoryEstimate, int]:
+    """A store with "big" and an inventory where it fits only across both servers: local room
+    for 2 layers, each server room for 4 (declared caps: the servers report this machine's
+    whole RAM). 9 layers (8 + output) -> 2 local, 4 on A, 3 on B."""
     store = tmp_path / "models"
     store.mkdir()
     add_tiny(store, "big", **SHAPE)
     est = estimate_model(ModelStore(store).resolve("big"), RunnerOptions(num_ctx=CTX, num_thread=1))
     layer = max(est.layers)
-    # local: room for 2 layers; each server: room for 4 (declared caps: the servers report
-    # this machine's whole RAM). 9 layers (8 + output) -> 2 local, 4 on A, 3 on B.
     local = est.compute_full + 2 * layer + layer // 2
     remote = est.compute_full + 4 * layer + layer // 2
     gpu = Device("cuda:0", "cuda", 0, local, local, name="declared cuda:0")
-    servers = parse_rpc_servers(f"{a.address}={remote},{b.address}={remote}")
+    return store, gpu, parse_rpc_servers(f"{a.address}={remote},{b.address}={remote}"), est, remote
+
+
+async def test_a_model_too_big_locally_runs_across_two_rpc_servers_and_survives_losing_one(
+    tmp_path: Path, two_rpc_servers: list[RpcServerProcess]
+) -> None:
+    a, b = two_rpc_servers
+    store, gpu, servers, est, remote = _too_big_locally(tmp_path, a, b)
     with trio.fail_after(180):
         async with open_test_server(
             store, devices=(gpu,), rpc_servers=servers, context_length=CTX
@@ -153,15 +161,7 @@ async def test_a_server_gone_before_the_load_is_left_out_without_a_back_off(
     tmp_path: Path, two_rpc_servers: list[RpcServerProcess]
 ) -> None:
     a, b = two_rpc_servers
-    store = tmp_path / "models"
-    store.mkdir()
-    add_tiny(store, "big", **SHAPE)
-    est = estimate_model(ModelStore(store).resolve("big"), RunnerOptions(num_ctx=CTX, num_thread=1))
-    layer = max(est.layers)
-    local = est.compute_full + 2 * layer + layer // 2
-    remote = est.compute_full + 4 * layer + layer // 2
-    gpu = Device("cuda:0", "cuda", 0, local, local, name="declared cuda:0")
-    servers = parse_rpc_servers(f"{a.address}={remote},{b.address}={remote}")
+    store, gpu, servers, _, _ = _too_big_locally(tmp_path, a, b)
     with trio.fail_after(120):
         async with open_test_server(
             store, devices=(gpu,), rpc_servers=servers, context_length=CTX

@@ -8,11 +8,11 @@ from dataclasses import replace
 
 import pytest
 
+from tests.test_placement import EST  # ten 1 GiB layers, 1 GiB output, 0.5 GiB input, 1 GiB graph
 from trioshed.core.model import (
     Device,
     DoesNotFit,
     GiB,
-    MemoryEstimate,
     ModelSpec,
     Placement,
     RunnerOptions,
@@ -30,17 +30,6 @@ from trioshed.core.sched import (
 )
 from trioshed.errors import InsufficientMemory, RemoteUnavailable
 from trioshed.runner.command import build_command, device_names
-
-# Ten 1 GiB layers, a 1 GiB output layer, 0.5 GiB input layer, 1 GiB graph (as in test_placement).
-EST = MemoryEstimate(
-    weights=10 * GiB,
-    kv=0,
-    output=1 * GiB,
-    token_embd=GiB // 2,
-    compute_full=1 * GiB,
-    compute_partial=1 * GiB,
-    layers=(1 * GiB,) * 10,
-)
 
 
 def gpu(index: int, free_gib: float, total_gib: float = 24) -> Device:
