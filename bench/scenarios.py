@@ -147,18 +147,24 @@ async def overhead(run: Run, targets_by_family: Mapping[str, Mapping[str, Target
 # ---------------------------------------------------------------- (b) throughput
 
 
-async def throughput(run: Run, targets: Mapping[str, Target], model: str) -> None:
+async def interleaved_blocks(
+    run: Run, targets: Mapping[str, Target], sc: Scenario, rounds: int
+) -> dict[str, list[Block]]:
+    """``rounds`` blocks of ``sc`` per target, the targets' order rotated each round."""
     names = list(targets)
+    blocks: dict[str, list[Block]] = {t: [] for t in names}
+    for r in range(rounds):
+        for t in rotated(names, r):
+            blocks[t].append(await run_block(run.client, targets[t], sc, t0=run.t0, round=r, progress=run.progress))
+    return blocks
+
+
+async def throughput(run: Run, targets: Mapping[str, Target], model: str) -> None:
     for conc, n in run.plan.throughput:
         name = f"throughput-c{conc}"
         run.say(f"{name}: {n} requests x {run.plan.throughput_rounds} rounds per target on {model}")
         sc = run.scenario(name, models=(model,), n=n, concurrency=conc, n_predict=8)
-        blocks: dict[str, list[Block]] = {t: [] for t in names}
-        for r in range(run.plan.throughput_rounds):
-            for t in rotated(names, r):
-                blocks[t].append(
-                    await run_block(run.client, targets[t], sc, t0=run.t0, round=r, progress=run.progress)
-                )
+        blocks = await interleaved_blocks(run, targets, sc, run.plan.throughput_rounds)
         per_target = {}
         for t, bs in blocks.items():
             recs = [rec for b in bs for rec in b.records]
@@ -206,11 +212,7 @@ async def concurrent_streams(run: Run, targets: Mapping[str, Target], model: str
     )  # fmt: skip
     for target in targets.values():  # the same prompt cached everywhere first
         await single(run, target, replace(sc, n_predict=4), model, tag="warmup")
-    names = list(targets)
-    blocks: dict[str, list[Block]] = {t: [] for t in names}
-    for r in range(plan.concurrent_rounds):
-        for t in rotated(names, r):
-            blocks[t].append(await run_block(run.client, targets[t], sc, t0=run.t0, round=r, progress=run.progress))
+    blocks = await interleaved_blocks(run, targets, sc, plan.concurrent_rounds)
     per_target = {}
     for t, bs in blocks.items():
         recs = [rec for b in bs for rec in b.records]
@@ -342,11 +344,7 @@ async def overload(run: Run, targets: Mapping[str, Target], model: str) -> None:
     run.say(f"{name}: {plan.overload_clients} simultaneous clients, trioshed queue {plan.overload_queue}")
     sc = run.scenario(name, models=(model,), n=plan.overload_clients,
                       concurrency=plan.overload_clients, n_predict=plan.overload_n_predict)  # fmt: skip
-    names = list(targets)
-    blocks: dict[str, list[Block]] = {t: [] for t in names}
-    for r in range(plan.overload_rounds):
-        for t in rotated(names, r):
-            blocks[t].append(await run_block(run.client, targets[t], sc, t0=run.t0, round=r, progress=run.progress))
+    blocks = await interleaved_blocks(run, targets, sc, plan.overload_rounds)
     per_target = {}
     for t, bs in blocks.items():
         recs = [rec for b in bs for rec in b.records]
