@@ -98,6 +98,8 @@ def test_store_paths_stay_in_the_store_unless_named_or_allowed(tmp_path: Path, t
         strict.resolve("linked")
     assert strict.resolve("inner").name == "inner:latest"  # a link within the store is fine
     assert {s.name for s in strict.list()} == {"inner:latest", "real:latest"}
+    assert strict.links_out() == [store / "linked.gguf"]  # what start-up warns about
+    assert ModelStore(store, allow_symlinks=True).links_out() == []
     assert ModelStore(store, allow_symlinks=True).resolve("linked").path == str(store / "linked.gguf")
     (store / "models.toml").write_text(f'[models.named]\npath = "{outside}"\n')
     assert ModelStore(store).resolve("named").path == str(outside)  # models.toml may name any path
@@ -126,3 +128,17 @@ async def test_a_401_decided_before_the_body_arrived_keeps_the_connection_usable
                     assert chunk, "the server closed the connection"
                     answer += chunk
                 assert answer.startswith(b"HTTP/1.1 200")
+
+
+async def test_start_up_says_which_store_files_are_links_out_of_it(
+    model_store: Path, tiny_model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    outside = tmp_path / "elsewhere.gguf"
+    os.link(tiny_model, outside)
+    (model_store / "linked.gguf").symlink_to(outside)
+    with caplog.at_level(logging.WARNING, logger="trioshed.server"), trio.fail_after(30):
+        async with open_test_server(model_store):
+            pass
+    warnings = [r.getMessage() for r in caplog.records if "symlinks out of the store" in r.getMessage()]
+    assert len(warnings) == 1 and str(model_store / "linked.gguf") in warnings[0], warnings
+    assert "TRIOSHED_ALLOW_SYMLINKS=1" in warnings[0]

@@ -159,6 +159,12 @@ async def serve(
     http_stopped = trio.Event()
     async with trio.open_nursery() as nursery:
         await nursery.start(scheduler.run)
+        if links := state.store.links_out():
+            log.warning(
+                "not serving %d model file(s) that are symlinks out of the store: %s; name them in "
+                "models.toml, or set TRIOSHED_ALLOW_SYMLINKS=1 to follow such links",
+                len(links), ", ".join(str(p) for p in links),
+            )  # fmt: skip
         catalogue = state.store.catalogue()  # parsed now: its problems are logged at start-up
         if catalogue.entries or catalogue.problems:
             log.info(

@@ -145,6 +145,12 @@ class ModelStore:
             )
         return self._spec_from_file(full, file)
 
+    def links_out(self) -> list[Path]:
+        """``*.gguf`` symlinks pointing out of the store: not served unless TRIOSHED_ALLOW_SYMLINKS."""
+        if not self.root.is_dir():
+            return []
+        return [p for p in sorted(self.root.glob("*.gguf")) if p.is_symlink() and not self._inside(p)]
+
     def list(self) -> list[ModelSpec]:
         specs: dict[str, ModelSpec] = {}
         if self.root.is_dir():

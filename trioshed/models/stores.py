@@ -67,6 +67,10 @@ class Stores:
         wins a name), and all their problems."""
         return _merged([b.catalogue() for b in self.backends() if isinstance(b, ModelStore)])
 
+    def links_out(self) -> list[Path]:
+        """Every folder store's ``*.gguf`` symlinks pointing out of it (not served by default)."""
+        return [p for b in self.backends() if isinstance(b, ModelStore) for p in b.links_out()]
+
     def reload(self) -> Catalogue:
         """Re-read every folder store's ``models.toml`` now (logging its problems)."""
         return _merged([b.reload() for b in self.backends() if isinstance(b, ModelStore)])
