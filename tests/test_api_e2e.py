@@ -175,3 +175,27 @@ async def test_chat_with_a_template_less_base_model_reads_as_a_transcript(gemma_
             content = reply.message.content
             assert content.strip() and "<|im" not in content and "User:" not in content, content
             assert reply.done_reason in ("stop", "length")
+            # The same conversation through OpenAI's API, whole and streamed: chat's shape, the
+            # transcript underneath (not llama-server's ChatML fallback, which echoes markup).
+            oai = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
+            question = [{"role": "user", "content": [{"type": "text", "text": "What is the capital of France?"}]}]
+            whole = await in_thread(
+                oai.chat.completions.create, model="gemma3-270m", messages=question, temperature=0, max_tokens=24
+            )
+            answer = whole.choices[0].message.content or ""
+            assert whole.object == "chat.completion" and whole.model == "gemma3-270m"
+            assert whole.choices[0].message.role == "assistant" and whole.choices[0].finish_reason in ("stop", "length")
+            assert answer.strip() and "<|im" not in answer and "User:" not in answer, answer
+            assert answer.strip() == content.strip()  # the same transcript as Ollama's chat
+
+            def streamed() -> tuple[str, list[str]]:
+                chunks = list(oai.chat.completions.create(
+                    model="gemma3-270m", messages=question, temperature=0, max_tokens=24, stream=True
+                ))  # fmt: skip
+                objects = {c.object for c in chunks}
+                assert objects == {"chat.completion.chunk"} and chunks[0].choices[0].delta.role == "assistant"
+                text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+                return text, [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+
+            text, reasons = await in_thread(streamed)
+            assert text == answer and reasons == [whole.choices[0].finish_reason]

@@ -211,24 +211,41 @@ def with_model_system(kind: translate.Kind, body: dict[str, Any], system: str) -
     return {**body, "messages": [{"role": "system", "content": system}, *messages]}
 
 
-def transcript_upstream(body: dict[str, Any]) -> translate.Upstream:
-    """Chat with a model that brings no chat template (a base model, like the demo's): a plain
-    transcript it can continue, cut at the next turn. ChatML, llama-server's fallback, makes such
-    a model echo markup ("<|im_end|>")."""
-    translate.chat_upstream(body)  # the same validation as templated chat
+#: Where a transcript's answer ends: the next turn (see :func:`transcript_prompt`).
+TURN_STOP = "\nUser:"
+
+
+def transcript_prompt(messages: list[dict[str, Any]]) -> str:
+    """A conversation as a plain transcript a base model can continue ("User: …", then
+    "Assistant:"); a message's content is its text (OpenAI's text parts joined)."""
     lines = []
-    for message in body.get("messages") or []:
+    for message in messages:
         role, content = message.get("role"), message.get("content") or ""
+        if isinstance(content, list):  # OpenAI's content parts
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
         if role == "system":
             lines.append(f"{content}\n")
         elif role in ("user", "tool"):
             lines.append(f"User: {content}")
         else:
             lines.append(f"Assistant: {content}")
-    prompt = "\n".join(lines) + "\nAssistant:"
+    return "\n".join(lines) + "\nAssistant:"
+
+
+def with_turn_stop(stop: object) -> list[Any]:
+    """The client's stop strings (one or a list) and the transcript's next turn."""
+    given = [stop] if isinstance(stop, str) else list(stop) if isinstance(stop, list) else []
+    return [*given, TURN_STOP]
+
+
+def transcript_upstream(body: dict[str, Any]) -> translate.Upstream:
+    """Chat with a model that brings no chat template (a base model, like the demo's): a plain
+    transcript it can continue, cut at the next turn. ChatML, llama-server's fallback, makes such
+    a model echo markup ("<|im_end|>")."""
+    translate.chat_upstream(body)  # the same validation as templated chat
+    prompt = transcript_prompt(body.get("messages") or [])
     options = dict(body.get("options") or {})
-    stop = options.get("stop") or []
-    options["stop"] = [*([stop] if isinstance(stop, str) else stop), "\nUser:"]
+    options["stop"] = with_turn_stop(options.get("stop"))
     raw = {k: v for k, v in body.items() if k not in ("messages", "tools")}
     return translate.generate_upstream({**raw, "prompt": prompt, "raw": True, "options": options})
 

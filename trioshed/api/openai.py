@@ -15,11 +15,19 @@ from typing import Any
 import trio
 from quart import Blueprint, Response
 
-from trioshed.api.ollama import json_body_raw, keep_alive_of, state
+from trioshed.api.ollama import (
+    has_chat_template,
+    json_body_raw,
+    keep_alive_of,
+    state,
+    transcript_prompt,
+    with_turn_stop,
+)
 from trioshed.api.translate import ModelRenamer, openai_model_rewrite, split_options
 from trioshed.api.upstream import (
     client_status,
     leased_stream,
+    open_upstream,
     open_upstream_bytes,
     post_upstream_raw,
 )
@@ -88,9 +96,11 @@ async def openai_request(*, embedding: bool = False) -> OpenAIRequest:
     return OpenAIRequest(body, name, model, options, keep_alive, raw)
 
 
-async def _proxy(path: str) -> Response:
+async def _proxy(path: str, req: OpenAIRequest | None = None, *, as_chat: bool = False) -> Response:
+    """Forward ``req`` (the request's body, parsed here when not given) to ``path``; ``as_chat``:
+    a /v1/completions answer is given in chat's shape (see :func:`_chat_as_transcript`)."""
     st = state()
-    req = await openai_request()
+    req = req or await openai_request()
     body, name, model, options, keep_alive = req.body, req.name, req.model, req.options, req.keep_alive
     streaming = bool(body.get("stream", False))
     upstream: dict[str, Any] | bytes = req.raw if req.raw is not None else {**body, "model": model.name}
@@ -102,18 +112,78 @@ async def _proxy(path: str) -> Response:
         except ValueError:
             data = {"error": {"message": raw.decode("utf-8", "replace")[:500]}}
         if isinstance(data, dict):
-            data = openai_model_rewrite(data, name)
+            data = openai_model_rewrite(_as_chat(data) if as_chat and status == 200 else data, name)
             if (trace := current_trace.get()) is not None:
                 trace.counted(data)
         return Response(json.dumps(data), status=client_status(status, raw), content_type="application/json")
-    return await leased_stream(
-        st.scheduler, model, options, keep_alive, lambda lease: _relay(lease, path, upstream, name), "text/event-stream"
-    )
+    if as_chat:
+        assert isinstance(upstream, dict)
+        relay = lambda lease: _relay_as_chat(lease, upstream, name)  # noqa: E731
+    else:
+        relay = lambda lease: _relay(lease, path, upstream, name)  # noqa: E731
+    return await leased_stream(st.scheduler, model, options, keep_alive, relay, "text/event-stream")
 
 
 @bp.post("/v1/chat/completions")
 async def chat_completions() -> Response:
-    return await _proxy("/v1/chat/completions")
+    req = await openai_request()
+    if not await has_chat_template(req.model):
+        return await _chat_as_transcript(req)
+    return await _proxy("/v1/chat/completions", req)
+
+
+async def _chat_as_transcript(req: OpenAIRequest) -> Response:
+    """Chat with a model that brings no chat template (a base model, like the demo's): the
+    conversation as a plain transcript on llama-server's /v1/completions, cut at the next turn,
+    answered in chat's shape. (llama-server's fallback, ChatML, makes such a model echo markup.)"""
+    messages = req.body.get("messages")
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        raise BadRequest("messages must be a list of objects")
+    body = {k: v for k, v in req.body.items() if k not in ("messages", "tools", "tool_choice", "parallel_tool_calls")}
+    body |= {"prompt": transcript_prompt(messages), "stop": with_turn_stop(body.get("stop"))}
+    if "max_completion_tokens" in body:
+        body.setdefault("max_tokens", body.pop("max_completion_tokens"))
+    return await _proxy("/v1/completions", replace(req, body=body, raw=None), as_chat=True)
+
+
+def _chat_choice(choice: dict[str, Any], *, delta: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A /v1/completions choice in chat's shape (``message``, or ``delta`` when streamed)."""
+    text = choice.get("text") or ""
+    out: dict[str, Any] = {"index": choice.get("index", 0), "finish_reason": choice.get("finish_reason")}
+    if delta is None:
+        out["message"] = {"role": "assistant", "content": text}
+    else:
+        out["delta"] = delta | ({"content": text} if text else {})
+    return out
+
+
+def _as_chat(data: dict[str, Any]) -> dict[str, Any]:
+    if not isinstance(data.get("choices"), list):
+        return data
+    return data | {"object": "chat.completion", "choices": [_chat_choice(c) for c in data["choices"]]}
+
+
+async def _relay_as_chat(lease: Lease, body: dict[str, Any], model: str) -> AsyncIterator[bytes]:
+    """llama-server's /v1/completions events as chat.completion.chunk events."""
+    first = True
+    try:
+        async with open_upstream(lease, "/v1/completions", body) as batches:
+            async for lines in batches:
+                out = []
+                for line in lines:
+                    if line.startswith(b"data: {"):
+                        event = json.loads(line[6:])
+                        if isinstance(event.get("choices"), list):
+                            role = {"role": "assistant"} if first else {}
+                            event["choices"] = [_chat_choice(c, delta=role) for c in event["choices"]]
+                            event["object"] = "chat.completion.chunk"
+                            first = False
+                        event["model"] = model
+                        line = b"data: " + json.dumps(event).encode()
+                    out.append(line)
+                yield b"\n".join(out) + b"\n"
+    except TrioshedError as exc:
+        yield b"data: " + json.dumps({"error": {"message": exc.message, "type": "server_error", "code": exc.status}}).encode() + b"\n\n"
 
 
 @bp.post("/v1/completions")
