@@ -86,7 +86,6 @@ class Drain:
         self.draining = False
         self.requested = trio.Event()  # a shutdown was asked for (signal, or a test)
         self.forced = trio.Event()  # a second signal: stop waiting
-        self.refused = 0
         self._inflight: set[RequestGuard] = set()
         self._changed = RepeatedEvent()
 
@@ -104,7 +103,6 @@ class Drain:
             await self.app(scope, receive, send)
             return
         if self.draining:
-            self.refused += 1
             await run_with_pump(self._refuse, scope, receive, send)
             return
         guard = RequestGuard(self.idle_timeout)
@@ -124,11 +122,12 @@ class Drain:
         receive: Callable[[], Awaitable[dict[str, Any]]],
         send: Callable[[dict[str, Any]], Awaitable[None]],
     ) -> None:
+        # The app's own error shapes; imported here: the app imports upstream, which imports us.
+        from trioshed.api.app import openai_error
+
         message = ShuttingDown().message
-        error: object = message
-        if scope.get("path", "").startswith("/v1/"):  # OpenAI's error shape, as the app answers there
-            error = {"message": message, "type": "api_error", "param": None, "code": None}
-        body = json.dumps({"error": error}).encode()
+        shaped = openai_error(ShuttingDown.status, message) if scope.get("path", "").startswith("/v1/") else {"error": message}
+        body = json.dumps(shaped).encode()
         await send({
             "type": "http.response.start",
             "status": ShuttingDown.status,

@@ -56,7 +56,12 @@ async def _relay(lease: Lease, path: str, body: dict[str, Any] | bytes, model: s
         if out := held + renamer.finish():
             yield out
     except TrioshedError as exc:
-        yield held + b"data: " + json.dumps({"error": {"message": exc.message, "type": "server_error", "code": exc.status}}).encode() + b"\n\n"
+        yield held + _error_event(exc)
+
+
+def _error_event(exc: TrioshedError) -> bytes:
+    """The last SSE event of a stream that failed after it started."""
+    return b"data: " + json.dumps({"error": {"message": exc.message, "type": "server_error", "code": exc.status}}).encode() + b"\n\n"
 
 
 _FINISHED = b'"finish_reason":"'  # a non-null finish reason, as llama-server serializes it
@@ -183,7 +188,7 @@ async def _relay_as_chat(lease: Lease, body: dict[str, Any], model: str) -> Asyn
                     out.append(line)
                 yield b"\n".join(out) + b"\n"
     except TrioshedError as exc:
-        yield b"data: " + json.dumps({"error": {"message": exc.message, "type": "server_error", "code": exc.status}}).encode() + b"\n\n"
+        yield _error_event(exc)
 
 
 @bp.post("/v1/completions")

@@ -130,8 +130,6 @@ class OllamaManifest:
 class OllamaStore:
     """Resolves names to :class:`ModelSpec` from an Ollama store's manifests; never writes."""
 
-    read_only = True
-
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
 
