@@ -55,6 +55,15 @@ class Harness:
         await ready.wait()
         return got[0]
 
+    def want(self, name: str, got: list[str]) -> None:
+        """Start a request in the background that appends ``name`` to ``got`` once it has a lease."""
+
+        async def user() -> None:
+            async with self.sched.acquire(spec(name), RunnerOptions()):
+                got.append(name)
+
+        self.nursery.start_soon(user)
+
     async def once(self, name: str, *, options: RunnerOptions | None = None, keep_alive: float | None = None) -> Lease:
         """One request in the calling task: acquire, then release at once."""
         async with self.sched.acquire(spec(name), options or RunnerOptions(), keep_alive) as lease:
@@ -271,12 +280,7 @@ async def test_a_model_that_fits_now_loads_while_another_waits_for_a_swap(
         stream = trio.Event()
         await h.hold("big", stream)
         got: list[str] = []
-
-        async def want(name: str) -> None:
-            async with h.sched.acquire(spec(name), RunnerOptions()):
-                got.append(name)
-
-        h.nursery.start_soon(want, "big2")
+        h.want("big2", got)
         await trio.sleep(1)
         assert got == [] and h.events("evict") == [("evict", "big")]
         started = trio.current_time()
@@ -336,14 +340,9 @@ async def test_no_starvation_requests_for_a_victim_queue_behind_the_swap(autojum
         busy = trio.Event()
         await h.hold("a", busy)
         order: list[str] = []
-
-        async def want(name: str) -> None:
-            async with h.sched.acquire(spec(name), RunnerOptions()):
-                order.append(name)
-
-        h.nursery.start_soon(want, "c")
+        h.want("c", order)
         await trio.testing.wait_all_tasks_blocked()
-        h.nursery.start_soon(want, "a")  # must not extend a's life past c's swap
+        h.want("a", order)  # must not extend a's life past c's swap
         await trio.sleep(1)
         assert order == []
         busy.set()
