@@ -5,9 +5,9 @@ clash):
 
 - at scrape time, :class:`SchedulerCollector` reads the scheduler's ``statistics()`` snapshot
   (queue, leases, runners by state, memory per device, the scheduler's own running totals);
-- as things happen, :class:`Metrics` counts and times: the scheduler tells it of loads,
-  evictions, unloads and crashes (``Scheduler.observer``), and the HTTP edge
-  (:mod:`trioshed.api.observe`) of every finished request.
+- as things happen, :class:`Metrics` counts and times: loads, evictions, unloads and crashes
+  from the scheduler's event history (``Scheduler.events``, read at each scrape from where the
+  last one stopped), and every finished request from the HTTP edge (:mod:`trioshed.api.observe`).
 
 The names below are part of the product (the README lists them); keep them stable.
 """
@@ -25,8 +25,8 @@ from prometheus_client.metrics import disable_created_metrics
 from prometheus_client.process_collector import ProcessCollector
 from quart import Blueprint, Response, current_app
 
-from trioshed.scheduler import Scheduler
-from trioshed.scheduler.scheduler import SchedulerStatistics
+from trioshed.scheduler import Scheduler, SchedulerStatistics
+from trioshed.scheduler.events import SchedulerEvent
 from trioshed.trace import RequestTrace
 
 bp = Blueprint("metrics", __name__)
@@ -191,13 +191,21 @@ class Metrics:
         for cause in CAUSES.values():
             self.unavailable.labels(cause)  # present at 0 from the start
         self._children: dict[tuple[str, str, int, str], tuple[Any, Any, Any]] = {}
-        scheduler.observer = self.scheduler_event
+        self._events = scheduler.events
+        self._seen = self._events.last_seq  # counted from here on
 
-    def scheduler_event(self, event: str, model: str, reason: str, seconds: float) -> None:
+    def _count_events(self) -> None:
+        """Count the scheduler's events since the last scrape (at most its history's length)."""
+        for event in self._events.after(self._seen):
+            self._count(event)
+        self._seen = self._events.last_seq
+
+    def _count(self, e: SchedulerEvent) -> None:
+        event, model, reason = e.kind, e.model, e.reason
         if event == "load":
             self.model_loads.labels(model).inc()
         elif event == "ready":
-            self.load_duration.labels(model).observe(seconds)
+            self.load_duration.labels(model).observe(e.seconds)
         elif event == "evict":
             self.evictions.labels(model, reason_label(reason)).inc()
         elif event == "unloaded":
@@ -226,6 +234,7 @@ class Metrics:
             self.unavailable.labels(trace.error or "other").inc()
 
     def render(self) -> bytes:
+        self._count_events()
         return generate_latest(self.registry)
 
 

@@ -6,9 +6,9 @@ into the waiting list. Every change (a request arrives or leaves, a lease ends, 
 or fails, a runner exits) marks the state dirty; the loop then asks the pure planner
 (:func:`trioshed.core.sched.plan`) what to do and performs it: dispatch, load, evict, fail.
 
-A runner's lifetime task wraps the child in a cancel scope: unloading is cancelling it, and the
-keep-alive timer *is* that scope's deadline (``inf`` while leased or kept forever, now + keep_alive
-once idle). An unexpected exit of the child is seen at once by the same task.
+The rest, one topic a module: a runner's fields and scopes (:mod:`.runner`) and its lifetime
+(:mod:`.lifetime`: load, health, crash, VRAM recovery), the lease the edge holds (:mod:`.lease`),
+the frozen snapshot (:mod:`.stats`) and the history of events readers follow (:mod:`.events`).
 
 Cancellation: a request cancelled while queued leaves the waiting list at once; a lease whose
 ``async with`` exits (client gone, handler cancelled) is released synchronously.
@@ -22,119 +22,35 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager, aclosing, asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
 
 import trio
 from trio_util import RepeatedEvent
 
 from trioshed.core import sched
-from trioshed.core.model import MeasuredMemory, MemoryEstimate, ModelSpec, Placement, RunnerOptions
+from trioshed.core.model import MemoryEstimate, ModelSpec, Placement, RunnerOptions
 from trioshed.core.sched import Dispatch, Evict, Fail, Load, Machine, RunnerState
 from trioshed.devices import DeviceSource
-from trioshed.devices.rpc import RemoteDevices, RemoteStats
-from trioshed.errors import LoadFailed, QueueFull, RunnerCrashed, ShuttingDown, TrioshedError
+from trioshed.devices.rpc import RemoteDevices
+from trioshed.errors import LoadFailed, QueueFull, ShuttingDown, TrioshedError
+from trioshed.scheduler.events import EventHistory
+from trioshed.scheduler.lease import Lease
+from trioshed.scheduler.lifetime import HEALTH_INTERVAL, RunnerLifetimes
+from trioshed.scheduler.runner import Estimator, Runner, RunnerFactory
+from trioshed.scheduler.stats import RunnerStats, SchedulerStatistics, runner_stats
 from trioshed.trace import current as current_trace
+
+__all__ = ["HEALTH_INTERVAL", "Lease", "RunnerStats", "Scheduler", "SchedulerStatistics"]
 
 log = logging.getLogger(__name__)
 
-COOLDOWN_FIRST = 10.0
-COOLDOWN_MAX = 300.0
-VRAM_RECOVERY_TIMEOUT = 5.0
-VRAM_POLL_INTERVAL = 0.25
-HEALTH_INTERVAL = 15.0
-REMOTE_CHECK_TIMEOUT = 3.0  # how long a crashed runner's RPC servers are checked before it is reported
+# What _note records in the event history (the rest is only logged: dispatch, left queue, failed).
+_EVENTS = frozenset({"load", "ready", "evict", "unloaded", "crashed", "load failed", "unhealthy"})
 
 
 def _gib(n: int) -> str:
     return f"{n / 1024**3:.2f} GiB"
-
-
-class RunnerHandle(Protocol):
-    """What the scheduler needs of a running child (real: LlamaServer; tests: a fake)."""
-
-    base_url: str
-
-    @property
-    def pid(self) -> int | None: ...
-    @property
-    def returncode(self) -> int | None: ...
-    @property
-    def measured(self) -> MeasuredMemory | None: ...
-    async def wait_exited(self) -> int | None: ...
-    async def health(self) -> bool: ...
-
-
-RunnerFactory = Callable[[ModelSpec, RunnerOptions, Placement], AbstractAsyncContextManager[Any]]
-# (event, model name, reason, seconds): "load", "ready" (seconds: the load's
-# duration), "evict" and "unloaded" (reason: the text given), "crashed", "load failed".
-Observer = Callable[[str, str, str, float], None]
-Estimator = Callable[[ModelSpec, RunnerOptions], MemoryEstimate]
-
-
-@dataclass(eq=False)
-class _Runner:
-    id: int
-    model: ModelSpec
-    options: RunnerOptions
-    placement: Placement
-    estimate: MemoryEstimate
-    state: RunnerState = RunnerState.LOADING
-    leases: int = 0
-    evicting: bool = False
-    keep_alive: float = 300.0
-    last_used: float = 0.0
-    # scope: the whole life (cancelling it aborts a load); timer: the serving phase, whose deadline
-    # is the keep-alive expiry and whose cancellation is an unload.
-    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
-    timer: trio.CancelScope = field(default_factory=lambda: trio.CancelScope(deadline=math.inf))
-    served: int = 0
-    _usage: tuple[tuple[str, int], ...] | None = None
-    handle: Any = None
-    load_started: float = 0.0
-    load_duration: float = 0.0
-    crash: RunnerCrashed | None = None
-    unload_reason: str = ""
-
-    def usage(self) -> tuple[tuple[str, int], ...]:
-        """Bytes per device: the placement's prediction, scaled to llama.cpp's measured total
-        (final once measured, so kept: every planning pass asks for every runner's usage)."""
-        if self._usage is not None:
-            return self._usage
-        usage = sched.usage_of(self.placement)
-        measured = self.handle.measured if self.handle is not None else None
-        predicted = self.placement.total
-        if measured is not None and measured.total > 0 and predicted > 0:
-            scale = measured.total / predicted
-            usage = tuple((dev, int(b * scale)) for dev, b in usage)
-            self._usage = usage
-        return usage
-
-    @property
-    def stopping(self) -> bool:
-        return self.scope.cancel_called or self.timer.cancel_called
-
-    def stop(self, reason: str) -> None:
-        """Unload: cancel the serving phase (or the load itself, if still loading)."""
-        self.timer.cancel(reason=reason)
-        if self.state is RunnerState.LOADING:
-            self.scope.cancel(reason=reason)
-
-    def view(self) -> sched.RunnerView:
-        state = RunnerState.UNLOADING if self.stopping else self.state
-        return sched.RunnerView(
-            id=self.id,
-            model=self.model,
-            options=self.options,
-            state=state,
-            leases=self.leases,
-            evicting=self.evicting,
-            keep_alive=self.keep_alive,
-            last_used=self.last_used,
-            usage=self.usage(),
-            pinned=self.model.pinned,
-        )
 
 
 def _keep_alive(requested: float | None, model: ModelSpec, default: float) -> float:
@@ -152,7 +68,7 @@ class _Request:
     keep_alive: float
     estimate: MemoryEstimate
     done: trio.Event = field(default_factory=trio.Event)
-    runner: _Runner | None = None
+    runner: Runner | None = None
     error: TrioshedError | None = None
     load_duration: float = 0.0
     room_wait: str = ""  # why it waits for memory, as last logged ("" = it has not)
@@ -162,99 +78,7 @@ class _Request:
         return sched.RequestView(self.id, self.model, self.options, self.estimate, priority=self.model.priority)
 
 
-class Lease:
-    """A request's hold on a runner slot, from dispatch until released (synchronous, idempotent)."""
-
-    def __init__(self, scheduler: Scheduler, runner: _Runner, load_duration: float) -> None:
-        self._scheduler = scheduler
-        self._runner = runner
-        self.load_duration = load_duration
-        self.released = False
-
-    @property
-    def model(self) -> ModelSpec:
-        return self._runner.model
-
-    @property
-    def options(self) -> RunnerOptions:
-        return self._runner.options
-
-    @property
-    def handle(self) -> Any:
-        return self._runner.handle
-
-    @property
-    def base_url(self) -> str:
-        return str(self._runner.handle.base_url)
-
-    @property
-    def crash(self) -> RunnerCrashed | None:
-        """Set when the runner died under this lease: the error to give the client."""
-        return self._runner.crash
-
-    @property
-    def endpoints(self) -> tuple[str, ...]:
-        """The RPC servers the runner uses (its crash is reported once they are checked)."""
-        return self._runner.placement.endpoints
-
-    def evict(self, reason: str) -> None:
-        """The runner misbehaved under this lease (hung): replace it once its leases end."""
-        runner = self._runner
-        if not runner.evicting:
-            runner.evicting = True
-            runner.unload_reason = reason
-            self._scheduler._note("evict", runner.model)
-            self._scheduler._wake()
-
-    def release(self) -> None:
-        if not self.released:
-            self.released = True
-            self._scheduler._release(self._runner)
-
-
-@dataclass(frozen=True)
-class RunnerStats:
-    id: int
-    model: str
-    path: str
-    state: str
-    leases: int
-    slots: int
-    waiting: int
-    evicting: bool
-    pid: int | None
-    keep_alive: float
-    expires_at: float  # wall-clock seconds; inf = never
-    size: int
-    size_vram: int
-    context_length: int
-    load_duration: float
-    placement: Placement
-    estimate: MemoryEstimate
-    measured: MeasuredMemory | None
-    options: RunnerOptions = field(default_factory=RunnerOptions)  # what the runner was started with
-    usage: tuple[tuple[str, int], ...] = ()  # bytes per device id ("cpu" = system memory)
-
-
-@dataclass(frozen=True)
-class SchedulerStatistics:
-    queued: int
-    leased: int
-    loaded: int
-    loading: int
-    unloading: int
-    runners: tuple[RunnerStats, ...]
-    loads: int
-    unloads: int
-    crashes: int
-    load_failures: int
-    rejected: int
-    room_waits: int = 0  # requests that had to wait for memory (counted once each)
-    passes: int = 0  # planning passes run (a freed slot handed to a waiter needs none)
-    remote: tuple[RemoteStats, ...] = ()  # TRIOSHED_RPC_SERVERS: state, size, user
-
-
-class Scheduler:
+class Scheduler(RunnerLifetimes):
     """Owns the runners; hands out leases. Start with ``await nursery.start(scheduler.run)``."""
 
     def __init__(
@@ -283,14 +107,14 @@ class Scheduler:
         self._overhead = gpu_overhead
         self._spread = spread
         self.record = record  # (event, model) in order: for tests and debugging
-        # Told of loads, evictions, unloads and crashes as they happen (what /metrics counts by
-        # reason and times; a snapshot cannot hold every load's duration). Synchronous; must not block.
-        self.observer: Observer | None = None
+        # Loads, evictions, unloads, crashes and refusals as they happened, for readers to follow
+        # (/metrics counts them by reason and times loads; a snapshot cannot hold every load).
+        self.events = EventHistory()
         # Requests enter here; the buffer is the queue bound (TRIOSHED_MAX_QUEUE).
         self._pending_send, self._pending_recv = trio.open_memory_channel[_Request](max_queue)
         self._waiting: dict[int, _Request] = {}  # arrival order
         self._waiting_by_path: dict[str, dict[int, _Request]] = {}  # the same, per model file
-        self._runners: dict[int, _Runner] = {}
+        self._runners: dict[int, Runner] = {}
         self._cooldowns: dict[str, tuple[float, str]] = {}
         self._backoff: dict[str, float] = {}
         self._changes = RepeatedEvent()  # set on every change the planner or a waiter cares about
@@ -383,14 +207,11 @@ class Scheduler:
     def _queued_count(self) -> int:
         return len(self._waiting) + self._pending_send.statistics().current_buffer_used
 
-    def _free_slot_now(self, req: _Request) -> _Runner | None:
+    def _free_slot_now(self, req: _Request) -> Runner | None:
         for runner in self._runners.values():
             if (
                 runner.model.path == req.model.path
-                and runner.state is RunnerState.READY
-                and not runner.evicting
-                and not runner.stopping
-                and runner.leases < runner.options.num_parallel
+                and runner.free_slot
                 and sched.can_serve(runner.view(), req.model, req.options)
             ):
                 return runner
@@ -416,11 +237,13 @@ class Scheduler:
     def submit_nowait(self, req: _Request) -> None:
         if self._queued_count() >= self.max_queue:
             self._counters["rejected"] += 1
+            self.events.refused(req.model.name, QueueFull())
             raise QueueFull()
         try:
             self._pending_send.send_nowait(req)
         except trio.WouldBlock:
             self._counters["rejected"] += 1
+            self.events.refused(req.model.name, QueueFull())
             raise QueueFull() from None
 
     async def unload(self, model: ModelSpec) -> bool:
@@ -437,6 +260,19 @@ class Scheduler:
             await self._wait_changed()
         return bool(runners)
 
+    async def wait_changed(self) -> None:
+        """Wait for the next change of state (a request queued or leased, a lease ended, a runner
+        loaded, unloaded, crashed...); then read ``statistics()`` or ``events``."""
+        await self._changes.wait()
+
+    def evict_after_leases(self, runner: Runner, reason: str) -> None:
+        """Replace ``runner`` once its leases end (it misbehaved under one: hung)."""
+        if not runner.evicting:
+            runner.evicting = True
+            runner.unload_reason = reason
+            self._note("evict", runner.model, reason)
+            self._wake()
+
     async def wait_statistics(self, predicate: Callable[[SchedulerStatistics], bool]) -> SchedulerStatistics:
         """Wait until ``predicate(statistics())`` holds (checked after every change); return it."""
         while True:
@@ -451,40 +287,10 @@ class Scheduler:
 
     def statistics(self) -> SchedulerStatistics:
         now, wall = trio.current_time(), time.time()
-        runners = []
-        for r in self._runners.values():
-            view = r.view()
-            waiting = len(self._waiting_by_path.get(r.model.path, ()))
-            if r.leases > 0 or r.state is RunnerState.LOADING:
-                expires = math.inf if r.keep_alive == math.inf else wall + r.keep_alive
-            else:
-                expires = math.inf if r.timer.deadline == math.inf else wall + max(0.0, r.timer.deadline - now)
-            usage = dict(view.usage)
-            size = sum(usage.values())
-            runners.append(
-                RunnerStats(
-                    id=r.id,
-                    model=r.model.name,
-                    path=r.model.path,
-                    state=view.state.value,
-                    leases=r.leases,
-                    slots=r.options.num_parallel,
-                    waiting=waiting,
-                    evicting=r.evicting,
-                    pid=r.handle.pid if r.handle is not None else None,
-                    keep_alive=r.keep_alive,
-                    expires_at=expires,
-                    size=size,
-                    size_vram=size - usage.get(sched.CPU_ID, 0),
-                    context_length=r.options.num_ctx,
-                    load_duration=r.load_duration,
-                    placement=r.placement,
-                    estimate=r.estimate,
-                    measured=r.handle.measured if r.handle is not None else None,
-                    options=r.options,
-                    usage=view.usage,
-                )
-            )
+        runners = [
+            runner_stats(r, waiting=len(self._waiting_by_path.get(r.model.path, ())), now=now, wall=wall)
+            for r in self._runners.values()
+        ]
         states = [r.view().state for r in self._runners.values()]
         remote_usage = {
             dev.removeprefix("rpc:"): (r.model.name, b)
@@ -517,8 +323,8 @@ class Scheduler:
         log.log(logging.DEBUG if event == "dispatch" else logging.INFO, "%s %s", event, model.name)
         if self.record is not None:
             self.record.append((event, model.short_name))
-        if self.observer is not None and event != "dispatch":
-            self.observer(event, model.name, reason, seconds)
+        if event in _EVENTS:
+            self.events.add(event, model.name, reason, seconds)
 
     async def _receive_requests(self) -> None:
         async with self._pending_recv:
@@ -557,14 +363,14 @@ class Scheduler:
         req.done.set()
         self._wake()
 
-    def _finish(self, req: _Request, *, runner: _Runner | None = None, error: TrioshedError | None = None) -> None:
+    def _finish(self, req: _Request, *, runner: Runner | None = None, error: TrioshedError | None = None) -> None:
         if req.done.is_set():
             return
         self._unqueue(req)
         req.runner, req.error = runner, error
         req.done.set()
 
-    def _release(self, runner: _Runner) -> None:
+    def _release(self, runner: Runner) -> None:
         runner.leases -= 1
         runner.last_used = trio.current_time()
         if self._hand_over(runner):
@@ -581,21 +387,14 @@ class Scheduler:
         """The RPC servers our runners hold (each serves one client: not to be probed)."""
         return {e for r in self._runners.values() for e in r.placement.endpoints}
 
-    def _hand_over(self, runner: _Runner) -> bool:
+    def _hand_over(self, runner: Runner) -> bool:
         """Give a slot just freed straight to the oldest request waiting for this runner's model,
         when it can serve it: what the planner would decide (a loaded, usable runner with a free
         slot takes its model's requests at once, oldest first), without a planning pass over
         the whole queue. Nothing else changes (the runner stays leased), so no pass is needed.
         """
         same = self._waiting_by_path.get(runner.model.path)
-        if (
-            not same
-            or runner.id not in self._runners
-            or runner.state is not RunnerState.READY
-            or runner.evicting
-            or runner.stopping
-            or runner.leases >= runner.options.num_parallel
-        ):
+        if not same or runner.id not in self._runners or not runner.free_slot:
             return False
         oldest = next(iter(same.values()))
         if not sched.can_serve(runner.view(), oldest.model, oldest.options):
@@ -629,7 +428,7 @@ class Scheduler:
             cooldowns=self._cooldowns,
             next_runner_id=-1,
         )
-        provisional: dict[int, _Runner] = {}
+        provisional: dict[int, Runner] = {}
         for action in actions:
             match action:
                 case Dispatch(request=rid, runner=runner_id):
@@ -642,6 +441,7 @@ class Scheduler:
                     self._evict(self._runners[runner_id], reason)
                 case Fail(request=rid, error=error):
                     self._note("failed", requests[rid].model)
+                    self.events.refused(requests[rid].model.name, error)
                     self._finish(requests[rid], error=error)
         for wait in actions.waits:
             self._note_room_wait(requests[wait.request], wait)
@@ -663,7 +463,7 @@ class Scheduler:
         level = logging.INFO if first else logging.DEBUG
         log.log(level, "%s waits for memory: %s; %s (%s)%s", req.model.name, wait.reason, needed, free, leaving)
 
-    def _dispatch(self, req: _Request, runner: _Runner) -> None:
+    def _dispatch(self, req: _Request, runner: Runner) -> None:
         runner.leases += 1
         runner.last_used = trio.current_time()
         runner.keep_alive = req.keep_alive
@@ -673,16 +473,16 @@ class Scheduler:
         self._note("dispatch", req.model)
         self._finish(req, runner=runner)
 
-    def _evict(self, runner: _Runner, reason: str) -> None:
+    def _evict(self, runner: Runner, reason: str) -> None:
         runner.evicting = True
         runner.unload_reason = reason
         self._note("evict", runner.model, reason)
         if runner.leases == 0:
             runner.stop(reason)
 
-    def _start_load(self, req: _Request, placement: Placement) -> _Runner:
+    def _start_load(self, req: _Request, placement: Placement) -> Runner:
         assert self._nursery is not None
-        runner = _Runner(
+        runner = Runner(
             id=next(self._ids),
             model=req.model,
             options=req.options,
@@ -698,152 +498,8 @@ class Scheduler:
         self._nursery.start_soon(self._runner_life, runner, name=f"runner {req.model.name}")
         return runner
 
-    def _fail_waiters(self, runner: _Runner, error: TrioshedError) -> None:
+    def _fail_waiters(self, runner: Runner, error: TrioshedError) -> None:
         for req in list(self._waiting.values()):
             if req.model.path == runner.model.path and sched.can_serve(runner.view(), req.model, req.options):
                 self._finish(req, error=error)
 
-    async def _runner_life(self, runner: _Runner) -> None:
-        """Load, serve until stopped (timer cancelled or keep-alive deadline) or crashed, clean up."""
-        try:
-            with runner.scope:
-                try:
-                    async with self._factory(runner.model, runner.options, runner.placement) as handle:
-                        self._on_ready(runner, handle)
-                        with runner.timer:
-                            async with trio.open_nursery() as watchers:
-                                watchers.start_soon(self._monitor_health, runner, handle)
-                                await handle.wait_exited()
-                                watchers.cancel_scope.cancel()
-                            with trio.CancelScope(shield=True):  # bounded: REMOTE_CHECK_TIMEOUT
-                                cause = await self._check_remote(runner)
-                            self._on_crash(runner, cause)
-                            return
-                        # Stopped (unload, eviction, keep-alive expiry): the child is still alive here,
-                        # so this is the moment to read the GPUs' free memory before it goes.
-                        runner.state = RunnerState.UNLOADING
-                        baseline = self._vram_baseline(runner)
-                    self._counters["unloads"] += 1
-                    expired = "keep_alive 0" if runner.keep_alive <= 0 else "keep_alive expired"
-                    self._note("unloaded", runner.model, runner.unload_reason or expired)
-                    if baseline is not None:
-                        await self._wait_for_vram_recovery(runner, baseline)
-                except LoadFailed as exc:
-                    with trio.CancelScope(shield=True):  # bounded: REMOTE_CHECK_TIMEOUT
-                        lost = await self._lost_remote(runner)
-                    if lost:
-                        self._on_remote_load_lost(runner, lost)
-                    else:
-                        self._on_load_failed(runner, exc)
-                except (OSError, RuntimeError) as exc:
-                    self._on_load_failed(runner, LoadFailed(f"cannot run llama-server: {exc}"))
-        finally:
-            self._runners.pop(runner.id, None)
-            self._wake()
-
-    async def _monitor_health(self, runner: _Runner, handle: Any) -> None:
-        """Ping ``/health`` every HEALTH_INTERVAL; two failures in a row reload the runner.
-
-        The exit watcher sees a dead child at once; this catches a live but hung one (the
-        reference pings on every reuse instead, adding a round trip to each request).
-        """
-        failures = 0
-        while True:
-            await trio.sleep(HEALTH_INTERVAL)
-            failures = 0 if await handle.health() else failures + 1
-            if failures >= 2:
-                self._note("unhealthy", runner.model)
-                runner.evicting = True
-                runner.unload_reason = "health check failed"
-                if runner.leases == 0:
-                    runner.stop("health check failed")
-                self._wake()
-                return
-
-    def _on_ready(self, runner: _Runner, handle: Any) -> None:
-        runner.handle = handle
-        runner.state = RunnerState.READY
-        runner.load_duration = trio.current_time() - runner.load_started
-        self._cooldowns.pop(runner.model.path, None)
-        self._backoff.pop(runner.model.path, None)
-        self._note("ready", runner.model, seconds=runner.load_duration)
-        self._wake()
-
-    async def _lost_remote(self, runner: _Runner) -> list[str]:
-        """The RPC servers of ``runner`` that answer no more ("address (why)"), checked now."""
-        if not runner.placement.endpoints or self._remote is None:
-            return []
-        with trio.move_on_after(REMOTE_CHECK_TIMEOUT):
-            return await self._remote.check(runner.placement.endpoints)
-        return []
-
-    def _on_remote_load_lost(self, runner: _Runner, lost: list[str]) -> None:
-        """A load failed because an RPC server went away: no back-off for the model; its waiting
-        requests stay queued and are placed again without that server."""
-        self._counters["load_failures"] += 1
-        log.warning("load of %s failed: RPC server %s stopped answering", runner.model.name, ", ".join(lost))
-        self._note("load failed", runner.model)
-        self._runners.pop(runner.id, None)
-
-    async def _check_remote(self, runner: _Runner) -> str:
-        """A runner on RPC servers exited: which of them stopped answering? (The cause to report.)
-
-        The runner takes no new lease meanwhile, and its servers stay out of placement (its
-        usage still holds them) until the check is done.
-        """
-        endpoints = runner.placement.endpoints
-        if not endpoints or self._remote is None:
-            return ""
-        runner.state = RunnerState.UNLOADING
-        self._wake()
-        lost: list[str] | None = None
-        with trio.move_on_after(REMOTE_CHECK_TIMEOUT):
-            lost = await self._remote.check(endpoints)
-        if lost:
-            return (
-                f"its RPC server {', '.join(lost)} stopped answering; it is left out of placement "
-                "until it answers again"
-            )
-        return f"it ran on the RPC servers {', '.join(endpoints)}" + (
-            ", which still answer" if lost is not None else ""
-        )
-
-    def _on_crash(self, runner: _Runner, cause: str = "") -> None:
-        """The child exited on its own: forget the runner now, so the next request reloads."""
-        self._counters["crashes"] += 1
-        tail = getattr(runner.handle, "tail", None)
-        runner.crash = RunnerCrashed(
-            runner.model.name, runner.handle.returncode, tail.errors() if tail is not None else "", cause
-        )
-        runner.state = RunnerState.UNLOADING
-        self._runners.pop(runner.id, None)
-        self._note("crashed", runner.model)
-        self._wake()
-
-    def _on_load_failed(self, runner: _Runner, exc: LoadFailed) -> None:
-        self._counters["load_failures"] += 1
-        path = runner.model.path
-        self._backoff[path] = min(self._backoff.get(path, COOLDOWN_FIRST / 2) * 2, COOLDOWN_MAX)
-        self._cooldowns[path] = (trio.current_time() + self._backoff[path], exc.message[:300])
-        self._note("load failed", runner.model)
-        self._runners.pop(runner.id, None)
-        self._fail_waiters(runner, exc)
-
-    def _vram_baseline(self, runner: _Runner) -> int | None:
-        if not (runner.placement.devices and self._devices.recovers_vram):
-            return None
-        ids = set(runner.placement.devices)
-        return sum(d.free for d in self._devices.poll() if d.id in ids)
-
-    async def _wait_for_vram_recovery(self, runner: _Runner, baseline: int) -> None:
-        """Free GPU memory lags behind a child's exit: wait until ~80% of its use is back."""
-        expected = sum(b for dev, b in runner.usage() if dev != sched.CPU_ID)
-        ids = set(runner.placement.devices)
-        with trio.move_on_after(VRAM_RECOVERY_TIMEOUT) as scope:
-            while True:
-                # NVML's memory query takes microseconds: called inline, like the planner's
-                if sum(d.free for d in self._devices.poll() if d.id in ids) - baseline >= 0.8 * expected:
-                    break
-                await trio.sleep(VRAM_POLL_INTERVAL)
-        if scope.cancelled_caught:
-            log.warning("GPU memory of %s did not recover within %.0fs", runner.model.name, VRAM_RECOVERY_TIMEOUT)

@@ -1,0 +1,199 @@
+"""A runner's lifetime, as the scheduler runs it: load, serve, watch, unload, clean up.
+
+One task per runner (started in the scheduler's nursery) wraps the child in the runner's cancel
+scopes: unloading is cancelling ``timer`` (its deadline is the keep-alive expiry), aborting a load
+is cancelling ``scope``. An unexpected exit of the child is seen at once by the same task; a live
+but hung child by the health check. Around the edges: which RPC servers a failed or crashed runner
+lost (checked, bounded, before it is reported), the load-failure back-off, and waiting for the
+GPUs' free memory to come back after an unload.
+
+:class:`RunnerLifetimes` is the part of :class:`~trioshed.scheduler.scheduler.Scheduler` that
+does this (a base class holding one topic; the scheduler's loop and queue are in its module).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from trioshed.core import sched
+from trioshed.core.model import ModelSpec
+from trioshed.core.sched import RunnerState
+from trioshed.devices import DeviceSource
+from trioshed.devices.rpc import RemoteDevices
+from trioshed.errors import LoadFailed, RunnerCrashed, TrioshedError
+from trioshed.scheduler.runner import Runner, RunnerFactory
+
+log = logging.getLogger(__name__)
+
+COOLDOWN_FIRST = 10.0
+COOLDOWN_MAX = 300.0
+VRAM_RECOVERY_TIMEOUT = 5.0
+VRAM_POLL_INTERVAL = 0.25
+HEALTH_INTERVAL = 15.0
+REMOTE_CHECK_TIMEOUT = 3.0  # how long a crashed runner's RPC servers are checked before it is reported
+
+
+class RunnerLifetimes:
+    """Runs each runner's life; the scheduler's state it touches is declared here."""
+
+    _factory: RunnerFactory
+    _devices: DeviceSource
+    _remote: RemoteDevices | None
+    _runners: dict[int, Runner]
+    _cooldowns: dict[str, tuple[float, str]]
+    _backoff: dict[str, float]
+    _counters: dict[str, int]
+
+    if TYPE_CHECKING:
+
+        def _note(self, event: str, model: ModelSpec, reason: str = "", seconds: float = 0.0) -> None: ...
+        def _wake(self) -> None: ...
+        def _fail_waiters(self, runner: Runner, error: TrioshedError) -> None: ...
+
+    async def _runner_life(self, runner: Runner) -> None:
+        """Load, serve until stopped (timer cancelled or keep-alive deadline) or crashed, clean up."""
+        try:
+            with runner.scope:
+                try:
+                    async with self._factory(runner.model, runner.options, runner.placement) as handle:
+                        self._on_ready(runner, handle)
+                        with runner.timer:
+                            async with trio.open_nursery() as watchers:
+                                watchers.start_soon(self._monitor_health, runner, handle)
+                                await handle.wait_exited()
+                                watchers.cancel_scope.cancel()
+                            with trio.CancelScope(shield=True):  # bounded: REMOTE_CHECK_TIMEOUT
+                                cause = await self._check_remote(runner)
+                            self._on_crash(runner, cause)
+                            return
+                        # Stopped (unload, eviction, keep-alive expiry): the child is still alive here,
+                        # so this is the moment to read the GPUs' free memory before it goes.
+                        runner.state = RunnerState.UNLOADING
+                        baseline = self._vram_baseline(runner)
+                    self._counters["unloads"] += 1
+                    expired = "keep_alive 0" if runner.keep_alive <= 0 else "keep_alive expired"
+                    self._note("unloaded", runner.model, runner.unload_reason or expired)
+                    if baseline is not None:
+                        await self._wait_for_vram_recovery(runner, baseline)
+                except LoadFailed as exc:
+                    with trio.CancelScope(shield=True):  # bounded: REMOTE_CHECK_TIMEOUT
+                        lost = await self._lost_remote(runner)
+                    if lost:
+                        self._on_remote_load_lost(runner, lost)
+                    else:
+                        self._on_load_failed(runner, exc)
+                except (OSError, RuntimeError) as exc:
+                    self._on_load_failed(runner, LoadFailed(f"cannot run llama-server: {exc}"))
+        finally:
+            self._runners.pop(runner.id, None)
+            self._wake()
+
+    async def _monitor_health(self, runner: Runner, handle: Any) -> None:
+        """Ping ``/health`` every HEALTH_INTERVAL; two failures in a row reload the runner.
+
+        The exit watcher sees a dead child at once; this catches a live but hung one (the
+        reference pings on every reuse instead, adding a round trip to each request).
+        """
+        failures = 0
+        while True:
+            await trio.sleep(HEALTH_INTERVAL)
+            failures = 0 if await handle.health() else failures + 1
+            if failures >= 2:
+                self._note("unhealthy", runner.model)
+                runner.evicting = True
+                runner.unload_reason = "health check failed"
+                if runner.leases == 0:
+                    runner.stop("health check failed")
+                self._wake()
+                return
+
+    def _on_ready(self, runner: Runner, handle: Any) -> None:
+        runner.handle = handle
+        runner.state = RunnerState.READY
+        runner.load_duration = trio.current_time() - runner.load_started
+        self._cooldowns.pop(runner.model.path, None)
+        self._backoff.pop(runner.model.path, None)
+        self._note("ready", runner.model, seconds=runner.load_duration)
+        self._wake()
+
+    async def _lost_remote(self, runner: Runner) -> list[str]:
+        """The RPC servers of ``runner`` that answer no more ("address (why)"), checked now."""
+        if not runner.placement.endpoints or self._remote is None:
+            return []
+        with trio.move_on_after(REMOTE_CHECK_TIMEOUT):
+            return await self._remote.check(runner.placement.endpoints)
+        return []
+
+    def _on_remote_load_lost(self, runner: Runner, lost: list[str]) -> None:
+        """A load failed because an RPC server went away: no back-off for the model; its waiting
+        requests stay queued and are placed again without that server."""
+        self._counters["load_failures"] += 1
+        log.warning("load of %s failed: RPC server %s stopped answering", runner.model.name, ", ".join(lost))
+        self._note("load failed", runner.model, f"RPC server {', '.join(lost)} stopped answering")
+        self._runners.pop(runner.id, None)
+
+    async def _check_remote(self, runner: Runner) -> str:
+        """A runner on RPC servers exited: which of them stopped answering? (The cause to report.)
+
+        The runner takes no new lease meanwhile, and its servers stay out of placement (its
+        usage still holds them) until the check is done.
+        """
+        endpoints = runner.placement.endpoints
+        if not endpoints or self._remote is None:
+            return ""
+        runner.state = RunnerState.UNLOADING
+        self._wake()
+        lost: list[str] | None = None
+        with trio.move_on_after(REMOTE_CHECK_TIMEOUT):
+            lost = await self._remote.check(endpoints)
+        if lost:
+            return (
+                f"its RPC server {', '.join(lost)} stopped answering; it is left out of placement "
+                "until it answers again"
+            )
+        return f"it ran on the RPC servers {', '.join(endpoints)}" + (
+            ", which still answer" if lost is not None else ""
+        )
+
+    def _on_crash(self, runner: Runner, cause: str = "") -> None:
+        """The child exited on its own: forget the runner now, so the next request reloads."""
+        self._counters["crashes"] += 1
+        tail = getattr(runner.handle, "tail", None)
+        runner.crash = RunnerCrashed(
+            runner.model.name, runner.handle.returncode, tail.errors() if tail is not None else "", cause
+        )
+        runner.state = RunnerState.UNLOADING
+        self._runners.pop(runner.id, None)
+        self._note("crashed", runner.model, runner.crash.message[:300])
+        self._wake()
+
+    def _on_load_failed(self, runner: Runner, exc: LoadFailed) -> None:
+        self._counters["load_failures"] += 1
+        path = runner.model.path
+        self._backoff[path] = min(self._backoff.get(path, COOLDOWN_FIRST / 2) * 2, COOLDOWN_MAX)
+        self._cooldowns[path] = (trio.current_time() + self._backoff[path], exc.message[:300])
+        self._note("load failed", runner.model, exc.message[:300])
+        self._runners.pop(runner.id, None)
+        self._fail_waiters(runner, exc)
+
+    def _vram_baseline(self, runner: Runner) -> int | None:
+        if not (runner.placement.devices and self._devices.recovers_vram):
+            return None
+        ids = set(runner.placement.devices)
+        return sum(d.free for d in self._devices.poll() if d.id in ids)
+
+    async def _wait_for_vram_recovery(self, runner: Runner, baseline: int) -> None:
+        """Free GPU memory lags behind a child's exit: wait until ~80% of its use is back."""
+        expected = sum(b for dev, b in runner.usage() if dev != sched.CPU_ID)
+        ids = set(runner.placement.devices)
+        with trio.move_on_after(VRAM_RECOVERY_TIMEOUT) as scope:
+            while True:
+                # NVML's memory query takes microseconds: called inline, like the planner's
+                if sum(d.free for d in self._devices.poll() if d.id in ids) - baseline >= 0.8 * expected:
+                    break
+                await trio.sleep(VRAM_POLL_INTERVAL)
+        if scope.cancelled_caught:
+            log.warning("GPU memory of %s did not recover within %.0fs", runner.model.name, VRAM_RECOVERY_TIMEOUT)

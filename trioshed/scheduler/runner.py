@@ -1,0 +1,114 @@
+"""A runner as the scheduler holds it: the child's handle, its state, leases and cancel scopes.
+
+A runner's life is two nested cancel scopes: ``scope`` (the whole life; cancelling it aborts a
+load) and ``timer`` (the serving phase: its deadline is the keep-alive expiry, and cancelling it
+is an unload). :mod:`trioshed.scheduler.lifetime` runs that life; this module only holds it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import trio
+
+from trioshed.core import sched
+from trioshed.core.model import MeasuredMemory, MemoryEstimate, ModelSpec, Placement, RunnerOptions
+from trioshed.core.sched import RunnerState
+from trioshed.errors import RunnerCrashed
+
+
+class RunnerHandle(Protocol):
+    """What the scheduler needs of a running child (real: LlamaServer; tests: a fake)."""
+
+    base_url: str
+
+    @property
+    def pid(self) -> int | None: ...
+    @property
+    def returncode(self) -> int | None: ...
+    @property
+    def measured(self) -> MeasuredMemory | None: ...
+    async def wait_exited(self) -> int | None: ...
+    async def health(self) -> bool: ...
+
+
+RunnerFactory = Callable[[ModelSpec, RunnerOptions, Placement], AbstractAsyncContextManager[Any]]
+Estimator = Callable[[ModelSpec, RunnerOptions], MemoryEstimate]
+
+
+@dataclass(eq=False)
+class Runner:
+    id: int
+    model: ModelSpec
+    options: RunnerOptions
+    placement: Placement
+    estimate: MemoryEstimate
+    state: RunnerState = RunnerState.LOADING
+    leases: int = 0
+    evicting: bool = False
+    keep_alive: float = 300.0
+    last_used: float = 0.0
+    # scope: the whole life (cancelling it aborts a load); timer: the serving phase, whose deadline
+    # is the keep-alive expiry and whose cancellation is an unload.
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    timer: trio.CancelScope = field(default_factory=lambda: trio.CancelScope(deadline=math.inf))
+    served: int = 0
+    _usage: tuple[tuple[str, int], ...] | None = None
+    handle: Any = None
+    load_started: float = 0.0
+    load_duration: float = 0.0
+    crash: RunnerCrashed | None = None
+    unload_reason: str = ""
+
+    def usage(self) -> tuple[tuple[str, int], ...]:
+        """Bytes per device: the placement's prediction, scaled to llama.cpp's measured total
+        (final once measured, so kept: every planning pass asks for every runner's usage)."""
+        if self._usage is not None:
+            return self._usage
+        usage = sched.usage_of(self.placement)
+        measured = self.handle.measured if self.handle is not None else None
+        predicted = self.placement.total
+        if measured is not None and measured.total > 0 and predicted > 0:
+            scale = measured.total / predicted
+            usage = tuple((dev, int(b * scale)) for dev, b in usage)
+            self._usage = usage
+        return usage
+
+    @property
+    def stopping(self) -> bool:
+        return self.scope.cancel_called or self.timer.cancel_called
+
+    @property
+    def free_slot(self) -> bool:
+        """Ready, staying, and with a slot free: it can take a lease now."""
+        return (
+            self.state is RunnerState.READY
+            and not self.evicting
+            and not self.stopping
+            and self.leases < self.options.num_parallel
+        )
+
+    def stop(self, reason: str) -> None:
+        """Unload: cancel the serving phase (or the load itself, if still loading)."""
+        self.timer.cancel(reason=reason)
+        if self.state is RunnerState.LOADING:
+            self.scope.cancel(reason=reason)
+
+    def view(self) -> sched.RunnerView:
+        state = RunnerState.UNLOADING if self.stopping else self.state
+        return sched.RunnerView(
+            id=self.id,
+            model=self.model,
+            options=self.options,
+            state=state,
+            leases=self.leases,
+            evicting=self.evicting,
+            keep_alive=self.keep_alive,
+            last_used=self.last_used,
+            usage=self.usage(),
+            pinned=self.model.pinned,
+        )

@@ -1,0 +1,87 @@
+"""The scheduler's frozen snapshot: what ``/metrics``, ``/api/ps`` and the tests read."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from trioshed.core import sched
+from trioshed.core.model import MeasuredMemory, MemoryEstimate, Placement, RunnerOptions
+from trioshed.core.sched import RunnerState
+from trioshed.devices.rpc import RemoteStats
+from trioshed.scheduler.runner import Runner
+
+
+@dataclass(frozen=True)
+class RunnerStats:
+    id: int
+    model: str
+    path: str
+    state: str
+    leases: int
+    slots: int
+    waiting: int
+    evicting: bool
+    pid: int | None
+    keep_alive: float
+    expires_at: float  # wall-clock seconds; inf = never
+    size: int
+    size_vram: int
+    context_length: int
+    load_duration: float
+    placement: Placement
+    estimate: MemoryEstimate
+    measured: MeasuredMemory | None
+    options: RunnerOptions = field(default_factory=RunnerOptions)  # what the runner was started with
+    usage: tuple[tuple[str, int], ...] = ()  # bytes per device id ("cpu" = system memory)
+
+
+@dataclass(frozen=True)
+class SchedulerStatistics:
+    queued: int
+    leased: int
+    loaded: int
+    loading: int
+    unloading: int
+    runners: tuple[RunnerStats, ...]
+    loads: int
+    unloads: int
+    crashes: int
+    load_failures: int
+    rejected: int
+    room_waits: int = 0  # requests that had to wait for memory (counted once each)
+    passes: int = 0  # planning passes run (a freed slot handed to a waiter needs none)
+    remote: tuple[RemoteStats, ...] = ()  # TRIOSHED_RPC_SERVERS: state, size, user
+
+
+def runner_stats(r: Runner, *, waiting: int, now: float, wall: float) -> RunnerStats:
+    """One runner's line: ``now`` on Trio's clock, ``wall`` the same moment on the wall clock."""
+    view = r.view()
+    if r.leases > 0 or r.state is RunnerState.LOADING:
+        expires = math.inf if r.keep_alive == math.inf else wall + r.keep_alive
+    else:
+        expires = math.inf if r.timer.deadline == math.inf else wall + max(0.0, r.timer.deadline - now)
+    usage = dict(view.usage)
+    size = sum(usage.values())
+    return RunnerStats(
+        id=r.id,
+        model=r.model.name,
+        path=r.model.path,
+        state=view.state.value,
+        leases=r.leases,
+        slots=r.options.num_parallel,
+        waiting=waiting,
+        evicting=r.evicting,
+        pid=r.handle.pid if r.handle is not None else None,
+        keep_alive=r.keep_alive,
+        expires_at=expires,
+        size=size,
+        size_vram=size - usage.get(sched.CPU_ID, 0),
+        context_length=r.options.num_ctx,
+        load_duration=r.load_duration,
+        placement=r.placement,
+        estimate=r.estimate,
+        measured=r.handle.measured if r.handle is not None else None,
+        options=r.options,
+        usage=view.usage,
+    )
