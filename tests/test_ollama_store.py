@@ -196,7 +196,7 @@ def test_capabilities_as_ollama_reports_them(fields: dict[str, object], template
 
 
 def test_model_system_prompt_applies_where_the_request_brings_none() -> None:
-    from trioshed.api.ollama import with_model_system
+    from trioshed.api.protocols.ollama import with_model_system
 
     assert with_model_system("generate", {"prompt": "p"}, "S") == {"prompt": "p", "system": "S"}
     assert with_model_system("generate", {"prompt": "p", "system": "mine"}, "S")["system"] == "mine"

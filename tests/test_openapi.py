@@ -14,8 +14,8 @@ from openapi_spec_validator import validate
 
 from trioshed.api.app import create_app
 from trioshed.api.openapi import document
+from trioshed.api.protocols.options import RUNNER_OPTION_KEYS, SAMPLING_OPTION_NAMES
 from trioshed.api.state import AppState
-from trioshed.api.translate import RUNNER_OPTION_KEYS, SAMPLING_OPTION_NAMES
 from trioshed.config import Settings
 from trioshed.devices import DeviceSource
 from trioshed.errors import BadRequest, ModelNotFound

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from trioshed.api.translate import ModelRenamer
+from trioshed.api.protocols.openai_chat import ModelRenamer
 
 
 def _event(model: str, content: str) -> bytes:
@@ -57,7 +57,8 @@ def test_a_field_in_another_spelling_falls_back_to_parsing_each_event() -> None:
 
 
 def test_ollama_batch_translation_matches_event_by_event_with_one_stamp_per_batch() -> None:
-    from trioshed.api.translate import OllamaStream, parse_sse_line
+    from trioshed.api.protocols.llama import parse_sse_line
+    from trioshed.api.protocols.ollama_stream import OllamaStream
 
     lines = [
         b'data: {"index":0,"content":"Hel","stop":false}', b"",

@@ -13,7 +13,7 @@ import logging
 
 import trio
 
-from trioshed.api import translate
+from trioshed.api.protocols.options import split_options
 from trioshed.api.state import AppState
 from trioshed.errors import TrioshedError
 
@@ -34,7 +34,7 @@ async def preload_one(state: AppState, name: str) -> bool:
     started = trio.current_time()
     try:
         spec = state.store.resolve(name)
-        _, runner_overrides = translate.split_options(dict(spec.defaults))
+        _, runner_overrides = split_options(dict(spec.defaults))
         options = state.runner_options(spec, runner_overrides)
         async with state.scheduler.acquire(spec, options, None):
             pass

@@ -1,12 +1,15 @@
 """The Quart-Trio application: routes, error handling, CORS and the optional API key.
 
-The only package importing quart. Every TrioshedError becomes ``{"error": message}`` with its
-status and headers (on ``/v1/`` OpenAI's ``{"error": {"message", "type", "param", "code"}}``); anything unexpected becomes a 500 with a short message (never a traceback).
+The only package importing quart. Every TrioshedError becomes its status and headers with
+the error body of the protocol serving the path (:mod:`trioshed.api.protocols.errors`: Ollama's
+``{"error": message}``, on ``/v1/`` OpenAI's ``{"error": {"message", "type", "param", "code"}}``);
+anything unexpected becomes a 500 with a short message (never a traceback).
 """
 
 from __future__ import annotations
 
 import hmac
+import json
 import logging
 from typing import Any
 
@@ -14,7 +17,18 @@ from quart import Response, has_request_context, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
-from trioshed.api import embed, limits, manage, metrics, observe, ollama, openai, openapi
+from trioshed.api import (
+    embed,
+    limits,
+    manage,
+    metrics,
+    observe,
+    ollama,
+    ollama_models,
+    openai,
+    openapi,
+)
+from trioshed.api.protocols.errors import error_body
 from trioshed.api.state import AppState
 from trioshed.errors import ModelNotFound, PayloadTooLarge, TrioshedError, Unauthorized
 
@@ -28,24 +42,10 @@ _LOCAL_ORIGINS = ("http://localhost", "https://localhost", "http://127.0.0.1", "
 #: any size gets that answer rather than 413.
 _UNREAD_BODIES = ("/api/blobs/", "/api/create", "/api/push", "/api/pull")
 
-#: OpenAI's error ``type`` by status, as Ollama's OpenAI layer answers (anything else: api_error).
-_OPENAI_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                       404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error"}  # fmt: skip
-
-
-def openai_error(status: int, message: str, code: str | None = None) -> dict[str, Any]:
-    """OpenAI's error body: what the ``openai`` client reads its message from."""
-    return {"error": {"message": message, "type": _OPENAI_ERROR_TYPES.get(status, "api_error"), "param": None, "code": code}}
-
-
 def _json_error(status: int, message: str, headers: dict[str, str] | None = None, code: str | None = None) -> Response:
-    """Ollama's ``{"error": "..."}``; on the OpenAI routes (``/v1/``) OpenAI's shape."""
-    import json
-
-    body: dict[str, Any] = {"error": message}
-    if has_request_context() and request.path.startswith("/v1/"):
-        body = openai_error(status, message, code)
-    response = Response(json.dumps(body), status=status, content_type="application/json")
+    """The error answer in the shape of the protocol serving the request's path."""
+    path = request.path if has_request_context() else "/"
+    response = Response(json.dumps(error_body(path, status, message, code)), status=status, content_type="application/json")
     for k, v in (headers or {}).items():
         response.headers[k] = v
     return response
@@ -59,6 +59,7 @@ def create_app(state: AppState) -> QuartTrio:
     max_body = state.settings.max_body
     app.config["MAX_CONTENT_LENGTH"] = max_body  # also bounds chunked bodies while they are read
     app.register_blueprint(ollama.bp)
+    app.register_blueprint(ollama_models.bp)
     app.register_blueprint(openai.bp)
     app.register_blueprint(metrics.bp)
     app.register_blueprint(embed.bp)

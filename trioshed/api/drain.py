@@ -25,6 +25,7 @@ import trio
 from trio_util import RepeatedEvent
 
 from trioshed.api.bodypump import run_with_pump
+from trioshed.api.protocols.errors import error_body
 from trioshed.errors import RunnerStalled, ShuttingDown, TrioshedError
 
 T = TypeVar("T")
@@ -122,12 +123,7 @@ class Drain:
         receive: Callable[[], Awaitable[dict[str, Any]]],
         send: Callable[[dict[str, Any]], Awaitable[None]],
     ) -> None:
-        # The app's own error shapes; imported here: the app imports upstream, which imports us.
-        from trioshed.api.app import openai_error
-
-        message = ShuttingDown().message
-        shaped = openai_error(ShuttingDown.status, message) if scope.get("path", "").startswith("/v1/") else {"error": message}
-        body = json.dumps(shaped).encode()
+        body = json.dumps(error_body(scope.get("path", ""), ShuttingDown.status, ShuttingDown().message)).encode()
         await send({
             "type": "http.response.start",
             "status": ShuttingDown.status,

@@ -8,28 +8,19 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import replace
 from typing import Any
 
 from quart import Blueprint, Response
 
-from trioshed.api import translate
 from trioshed.api.limits import check_embedding_input
-from trioshed.api.ollama import json_body, keep_alive_of, state
 from trioshed.api.openai import openai_request
+from trioshed.api.preamble import prepare, read_body, state
+from trioshed.api.protocols import embeddings as protocol
+from trioshed.api.protocols.ollama import is_load_only
+from trioshed.api.protocols.openai_chat import openai_model_rewrite
 from trioshed.api.upstream import post_upstream
-from trioshed.core.model import ModelSpec, RunnerOptions
-from trioshed.errors import BadRequest
 
 bp = Blueprint("embed", __name__)
-
-
-def _options(model: ModelSpec, body: dict[str, Any]) -> RunnerOptions:
-    raw = body.get("options")
-    if raw is not None and not isinstance(raw, dict):
-        raise BadRequest("options must be an object")
-    _, runner = translate.split_options({**dict(model.defaults), **(raw or {})})
-    return replace(state().runner_options(model, runner), embedding=True)
 
 
 def _json(data: dict[str, Any]) -> Response:
@@ -40,19 +31,18 @@ def _json(data: dict[str, Any]) -> Response:
 async def embed() -> Response:
     st = state()
     started = time.monotonic()
-    body = await json_body()
-    model = st.store.resolve(body.get("model") or "")
-    keep_alive = keep_alive_of(body)
-    options = _options(model, body)
-    if translate.is_load_only("embed", body):
+    body = await read_body()
+    req = prepare(body, body.get("model") or "", embedding=True)
+    model, options, keep_alive = req.model, req.options, req.keep_alive
+    if is_load_only("embed", body):
         async with st.scheduler.acquire(model, options, keep_alive):
             pass
         return _json({"model": model.name, "embeddings": []})
-    upstream = translate.embed_upstream(body)
+    upstream = protocol.embed_upstream(body)
     async with st.scheduler.acquire(model, options, keep_alive) as lease:
         answer = await post_upstream(lease, upstream.path, upstream.body)
     return _json(
-        translate.embed_response(
+        protocol.embed_response(
             answer,
             model.name,
             dimensions=body.get("dimensions"),
@@ -65,12 +55,12 @@ async def embed() -> Response:
 @bp.post("/api/embeddings")
 async def embeddings() -> Response:
     st = state()
-    body = await json_body()
-    model = st.store.resolve(body.get("model") or "")
-    upstream = translate.embeddings_upstream(body)
-    async with st.scheduler.acquire(model, _options(model, body), keep_alive_of(body)) as lease:
+    body = await read_body()
+    req = prepare(body, body.get("model") or "", embedding=True)
+    upstream = protocol.embeddings_upstream(body)
+    async with st.scheduler.acquire(req.model, req.options, req.keep_alive) as lease:
         answer = await post_upstream(lease, upstream.path, upstream.body)
-    return _json(translate.embeddings_response(answer))
+    return _json(protocol.embeddings_response(answer))
 
 
 @bp.post("/v1/embeddings")
@@ -79,4 +69,4 @@ async def openai_embeddings() -> Response:
     check_embedding_input(req.body.get("input"))
     async with state().scheduler.acquire(req.model, req.options, req.keep_alive) as lease:
         answer = await post_upstream(lease, "/v1/embeddings", req.body)
-    return _json(translate.openai_model_rewrite(answer, req.name))
+    return _json(openai_model_rewrite(answer, req.name))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import trio
 from quart import Blueprint, Response
 
-from trioshed.api.ollama import json_body, state
+from trioshed.api.preamble import read_body, state
 from trioshed.errors import BadRequest, NotSupported
 
 bp = Blueprint("manage", __name__)
@@ -37,7 +37,7 @@ def _name(body: dict[str, object], *keys: str) -> str:
 @bp.delete("/api/delete")
 async def delete() -> Response:
     st = state()
-    body = await json_body()
+    body = await read_body()
     name = _name(body, "model", "name")
     spec = await trio.to_thread.run_sync(st.store.find_for_delete, name)
     if not await trio.to_thread.run_sync(st.store.shares_file, spec):
@@ -49,7 +49,7 @@ async def delete() -> Response:
 @bp.post("/api/copy")
 async def copy() -> Response:
     st = state()
-    body = await json_body()
+    body = await read_body()
     source = _name(body, "source")
     destination = _name(body, "destination")
     await trio.to_thread.run_sync(st.store.copy, source, destination)

@@ -1,7 +1,8 @@
 """OpenAI's API: /v1/chat/completions, /v1/completions, /v1/models, /v1/models/{model}.
 
 llama-server speaks OpenAI's API itself; trioshed resolves the model, leases a runner and
-relays the answer, naming the model as the client did. Errors use OpenAI's error shape.
+relays the answer, naming the model as the client did. Errors use OpenAI's error shape
+(:mod:`trioshed.api.protocols.errors`); the translation is :mod:`trioshed.api.protocols.openai_chat`'s.
 """
 
 from __future__ import annotations
@@ -15,15 +16,16 @@ from typing import Any
 import trio
 from quart import Blueprint, Response
 
-from trioshed.api.ollama import (
-    has_chat_template,
-    json_body_raw,
-    keep_alive_of,
-    state,
-    transcript_prompt,
-    with_turn_stop,
+from trioshed.api.preamble import has_chat_template, prepare, read_body_raw, state
+from trioshed.api.protocols.errors import openai_error_event
+from trioshed.api.protocols.openai_chat import (
+    FINISHED,
+    CompletionAsChat,
+    ModelRenamer,
+    as_chat,
+    openai_model_rewrite,
+    transcript_completion_body,
 )
-from trioshed.api.translate import ModelRenamer, openai_model_rewrite, split_options
 from trioshed.api.upstream import (
     client_status,
     leased_stream,
@@ -49,22 +51,14 @@ async def _relay(lease: Lease, path: str, body: dict[str, Any] | bytes, model: s
         async with open_upstream_bytes(lease, path, body) as pieces:
             async for piece in pieces:
                 out = renamer.feed(piece)
-                if held or _FINISHED in out:
+                if held or FINISHED in out:
                     held += out
                 elif out:
                     yield out
         if out := held + renamer.finish():
             yield out
     except TrioshedError as exc:
-        yield held + _error_event(exc)
-
-
-def _error_event(exc: TrioshedError) -> bytes:
-    """The last SSE event of a stream that failed after it started."""
-    return b"data: " + json.dumps({"error": {"message": exc.message, "type": "server_error", "code": exc.status}}).encode() + b"\n\n"
-
-
-_FINISHED = b'"finish_reason":"'  # a non-null finish reason, as llama-server serializes it
+        yield held + openai_error_event(exc.status, exc.message)
 
 
 @dataclass
@@ -81,29 +75,22 @@ class OpenAIRequest:
 
 async def openai_request(*, embedding: bool = False) -> OpenAIRequest:
     """Parse an OpenAI-style body: model, and trioshed's extras ``keep_alive`` and ``options``."""
-    st = state()
-    sent, body = await json_body_raw()
-    raw: bytes | None = sent
+    sent, body = await read_body_raw()
     name = body.get("model")
     if not isinstance(name, str) or not name:
         raise BadRequest("model is required")
-    model = st.store.resolve(name)
-    keep_alive = keep_alive_of(body)
+    req = prepare(body, name, embedding=embedding)
+    raw: bytes | None = sent
     if "keep_alive" in body or "options" in body:
         raw = None
     body.pop("keep_alive", None)
-    overrides = body.pop("options", None) or {}
-    if not isinstance(overrides, dict):
-        raise BadRequest("options must be an object")
-    options = st.runner_options(model, split_options({**dict(model.defaults), **overrides})[1])
-    if embedding:
-        options = replace(options, embedding=True)
-    return OpenAIRequest(body, name, model, options, keep_alive, raw)
+    body.pop("options", None)
+    return OpenAIRequest(body, name, req.model, req.options, req.keep_alive, raw)
 
 
-async def _proxy(path: str, req: OpenAIRequest | None = None, *, as_chat: bool = False) -> Response:
-    """Forward ``req`` (the request's body, parsed here when not given) to ``path``; ``as_chat``:
-    a /v1/completions answer is given in chat's shape (see :func:`_chat_as_transcript`)."""
+async def _proxy(path: str, req: OpenAIRequest | None = None, *, as_chat_shape: bool = False) -> Response:
+    """Forward ``req`` (the request's body, parsed here when not given) to ``path``;
+    ``as_chat_shape``: a /v1/completions answer is given in chat's shape (see :func:`_chat_as_transcript`)."""
     st = state()
     req = req or await openai_request()
     body, name, model, options, keep_alive = req.body, req.name, req.model, req.options, req.keep_alive
@@ -117,11 +104,11 @@ async def _proxy(path: str, req: OpenAIRequest | None = None, *, as_chat: bool =
         except ValueError:
             data = {"error": {"message": raw.decode("utf-8", "replace")[:500]}}
         if isinstance(data, dict):
-            data = openai_model_rewrite(_as_chat(data) if as_chat and status == 200 else data, name)
+            data = openai_model_rewrite(as_chat(data) if as_chat_shape and status == 200 else data, name)
             if (trace := current_trace.get()) is not None:
                 trace.counted(data)
         return Response(json.dumps(data), status=client_status(status, raw), content_type="application/json")
-    if as_chat:
+    if as_chat_shape:
         assert isinstance(upstream, dict)
         relay = lambda lease: _relay_as_chat(lease, upstream, name)  # noqa: E731
     else:
@@ -141,54 +128,19 @@ async def _chat_as_transcript(req: OpenAIRequest) -> Response:
     """Chat with a model that brings no chat template (a base model, like the demo's): the
     conversation as a plain transcript on llama-server's /v1/completions, cut at the next turn,
     answered in chat's shape. (llama-server's fallback, ChatML, makes such a model echo markup.)"""
-    messages = req.body.get("messages")
-    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-        raise BadRequest("messages must be a list of objects")
-    body = {k: v for k, v in req.body.items() if k not in ("messages", "tools", "tool_choice", "parallel_tool_calls")}
-    body |= {"prompt": transcript_prompt(messages), "stop": with_turn_stop(body.get("stop"))}
-    if "max_completion_tokens" in body:
-        body.setdefault("max_tokens", body.pop("max_completion_tokens"))
-    return await _proxy("/v1/completions", replace(req, body=body, raw=None), as_chat=True)
-
-
-def _chat_choice(choice: dict[str, Any], *, delta: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A /v1/completions choice in chat's shape (``message``, or ``delta`` when streamed)."""
-    text = choice.get("text") or ""
-    out: dict[str, Any] = {"index": choice.get("index", 0), "finish_reason": choice.get("finish_reason")}
-    if delta is None:
-        out["message"] = {"role": "assistant", "content": text}
-    else:
-        out["delta"] = delta | ({"content": text} if text else {})
-    return out
-
-
-def _as_chat(data: dict[str, Any]) -> dict[str, Any]:
-    if not isinstance(data.get("choices"), list):
-        return data
-    return data | {"object": "chat.completion", "choices": [_chat_choice(c) for c in data["choices"]]}
+    body = transcript_completion_body(req.body)
+    return await _proxy("/v1/completions", replace(req, body=body, raw=None), as_chat_shape=True)
 
 
 async def _relay_as_chat(lease: Lease, body: dict[str, Any], model: str) -> AsyncIterator[bytes]:
     """llama-server's /v1/completions events as chat.completion.chunk events."""
-    first = True
+    translator = CompletionAsChat(model)
     try:
         async with open_upstream(lease, "/v1/completions", body) as batches:
             async for lines in batches:
-                out = []
-                for line in lines:
-                    if line.startswith(b"data: {"):
-                        event = json.loads(line[6:])
-                        if isinstance(event.get("choices"), list):
-                            role = {"role": "assistant"} if first else {}
-                            event["choices"] = [_chat_choice(c, delta=role) for c in event["choices"]]
-                            event["object"] = "chat.completion.chunk"
-                            first = False
-                        event["model"] = model
-                        line = b"data: " + json.dumps(event).encode()
-                    out.append(line)
-                yield b"\n".join(out) + b"\n"
+                yield translator.feed_lines(lines)
     except TrioshedError as exc:
-        yield _error_event(exc)
+        yield openai_error_event(exc.status, exc.message)
 
 
 @bp.post("/v1/completions")

@@ -1,0 +1,251 @@
+"""Ollama's model routes: /api/tags, /api/ps, /api/show, /api/version, GET /."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from datetime import UTC, datetime
+from typing import Any
+
+import trio
+from quart import Blueprint, Response
+
+from trioshed import __version__
+from trioshed.api.preamble import read_body, state
+from trioshed.api.state import AppState
+from trioshed.core.estimate import effective_kv_type, estimate
+from trioshed.core.model import ModelSpec, RunnerOptions
+from trioshed.errors import TrioshedError
+from trioshed.models.capabilities import capabilities
+from trioshed.models.gguf_meta import read_metadata
+from trioshed.models.ollama_store import OllamaManifest
+from trioshed.scheduler import RunnerStats
+
+log = logging.getLogger(__name__)
+bp = Blueprint("ollama_models", __name__)
+
+
+def rfc3339(ts: float) -> str:
+    if math.isinf(ts):
+        ts = datetime(2318, 1, 1, tzinfo=UTC).timestamp()  # "forever", as Ollama shows it
+    return datetime.fromtimestamp(ts, UTC).isoformat().replace("+00:00", "Z")
+
+
+
+async def details(spec: ModelSpec) -> dict[str, Any]:
+    try:
+        meta = await trio.to_thread.run_sync(read_metadata, spec.path)
+    except Exception as exc:  # a broken file still lists, with what is known
+        log.warning("cannot read metadata of %s: %s", spec.path, exc)
+        return {"parent_model": "", "format": "gguf", "family": "", "families": None, "parameter_size": "", "quantization_level": ""}
+    arch = meta.architecture or ""
+    out = {
+        "parent_model": "",
+        "format": "gguf",
+        "family": arch,
+        "families": [arch] if arch else None,
+        "parameter_size": _human_params(meta.parameter_count),
+        "quantization_level": meta.quantization or "",
+    }
+    origin = spec.origin
+    if isinstance(origin, OllamaManifest):  # what the manifest's config says, as Ollama lists it
+        out["family"] = origin.family or out["family"]
+        out["families"] = list(origin.families) or out["families"]
+        out["parameter_size"] = origin.parameter_size or out["parameter_size"]
+        out["quantization_level"] = origin.quantization_level or out["quantization_level"]
+    return out
+
+
+def _human_params(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            value = n / size
+            return f"{value:.1f}{unit}" if value < 10 else f"{value:.0f}{unit}"
+    return str(n)
+
+
+@bp.get("/api/tags")
+async def tags() -> Any:
+    st = state()
+    models = []
+    for spec in await trio.to_thread.run_sync(st.store.list):
+        models.append(
+            {
+                "name": spec.name,
+                "model": spec.name,
+                "modified_at": rfc3339(spec.modified),
+                "size": spec.size,
+                "digest": await st.digest(spec),
+                "details": await details(spec),
+            }
+        )
+    return {"models": models}
+
+
+@bp.get("/api/ps")
+async def ps() -> Any:
+    st = state()
+    out = []
+    stats = st.scheduler.statistics()
+    for r in stats.runners:
+        spec = st.store.resolve(r.model) if _resolvable(st, r.model) else None
+        entry = {
+            "name": r.model,
+            "model": r.model,
+            "size": r.size,
+            "size_vram": r.size_vram,
+            "digest": (await st.digest(spec)) if spec else "",
+            "details": (await details(spec)) if spec else {},
+            "expires_at": rfc3339(r.expires_at),
+            "context_length": r.context_length,
+            "runner": await _runner_settings(st, r.options, spec, r),
+        }
+        if r.placement.endpoints:  # trioshed's addition: the RPC servers holding some layers
+            entry["rpc_servers"] = list(r.placement.endpoints)
+        out.append(entry)
+    if not stats.remote:
+        return {"models": out}
+    servers = [
+        {
+            "address": s.address,
+            "state": "up" if s.up else "down",
+            "reason": s.reason,
+            "total": s.total,
+            "free": s.free,
+            "memory": s.source,
+            "model": s.model,
+            "used": s.used,
+        }
+        for s in stats.remote
+    ]
+    return {"models": out, "rpc_servers": servers}
+
+
+async def _runner_settings(
+    st: AppState, options: RunnerOptions, spec: ModelSpec | None, stats: RunnerStats | None = None
+) -> dict[str, Any]:
+    """The llama-server settings a runner has (or would have): what its size depends on.
+
+    ``num_ctx`` is per slot, as in Ollama; llama-server gets ``--ctx-size`` = ``kv_cells`` =
+    ``num_ctx * num_parallel`` (its ``-c`` is shared by the slots). ``flash_attention`` is
+    TRIOSHED_FLASH_ATTENTION (off by default; llama-server's own default, ``auto``, turns it on
+    where supported, which shrinks the compute buffer). ``size_source`` says whether ``size``
+    is what llama.cpp reported allocating (``measured``, the sum of its buffers) or the estimate.
+    """
+    kv_type = options.kv_cache_type
+    if spec is not None:
+        try:
+            kv_type = effective_kv_type(options, await st.metadata(spec))
+        except (OSError, ValueError):
+            pass
+    out: dict[str, Any] = {
+        "num_ctx": options.num_ctx,
+        "num_parallel": options.num_parallel,
+        "kv_cells": options.kv_cells,
+        "num_batch": options.num_batch,
+        "flash_attention": options.flash_attention,
+        "kv_cache_type": kv_type,
+        "embedding": options.embedding,
+    }
+    if stats is not None:
+        measured = stats.measured
+        out["n_gpu_layers"] = stats.placement.n_gpu_layers
+        out["devices"] = list(stats.placement.devices)
+        out["size_source"] = "measured" if measured is not None and measured.total > 0 else "estimate"
+        if measured is not None:
+            out["measured"] = {
+                "weights": measured.weights,
+                "kv": measured.kv,
+                "compute": sum(measured.compute.values()),
+                "output": sum(measured.output.values()),
+            }
+        out["estimated"] = stats.estimate.total
+    return out
+
+
+def _resolvable(st: AppState, name: str) -> bool:
+    try:
+        st.store.resolve(name)
+    except TrioshedError:
+        return False
+    return True
+
+
+@bp.post("/api/show")
+async def show() -> Any:
+    st = state()
+    body = await read_body()
+    spec = st.store.resolve(body.get("model") or body.get("name") or "")
+    meta = await trio.to_thread.run_sync(read_metadata, spec.path)
+    options = st.runner_options(spec, {})
+    est = estimate(meta, options)
+    arch = meta.architecture
+    info: dict[str, Any] = {
+        "general.architecture": arch,
+        "general.parameter_count": meta.parameter_count,
+        "general.file_type": meta.file_type,
+    }
+    for key, value in meta.fields.items():
+        if isinstance(value, int | float | str | bool) and not key.startswith("tokenizer.") and len(str(value)) < 256:
+            info[key] = value
+    info.update(
+        {
+            "trioshed.estimate.num_ctx": options.num_ctx,
+            "trioshed.estimate.weights": est.weights,
+            "trioshed.estimate.kv": est.kv,
+            "trioshed.estimate.compute": est.compute_full,
+            "trioshed.estimate.output": est.output,
+            "trioshed.estimate.token_embd": est.token_embd,
+            "trioshed.estimate.total": est.total,
+        }
+    )
+    info.update({f"trioshed.runner.{k}": v for k, v in (await _runner_settings(st, options, spec)).items()})
+    origin = spec.origin if isinstance(spec.origin, OllamaManifest) else None
+    template = (origin.template if origin else "") or meta.chat_template or ""
+    facts = await details(spec)
+    out: dict[str, Any] = {
+        "modelfile": _modelfile(spec, template),
+        "parameters": "\n".join(_parameter_lines(spec.defaults)),
+        "template": template,
+        "details": facts,
+        "model_info": info,
+        "capabilities": capabilities(meta.fields, template, projector=bool(spec.projector), family=facts["family"]),
+        "modified_at": rfc3339(spec.modified),
+    }
+    if spec.system:
+        out["system"] = spec.system
+    if origin and origin.license:
+        out["license"] = origin.license
+    return out
+
+
+def _parameter_lines(defaults: tuple[tuple[str, object], ...]) -> list[str]:
+    """Ollama's ``parameters`` text: ``name value`` per line, a list one line per item."""
+    lines = []
+    for key, value in defaults:
+        for item in value if isinstance(value, list | tuple) else [value]:
+            lines.append(f"{key:<30} {json.dumps(item, ensure_ascii=False)}")
+    return lines
+
+
+def _modelfile(spec: ModelSpec, template: str) -> str:
+    lines = [f"# Modelfile of {spec.name} as trioshed serves it", f"FROM {spec.path}"]
+    lines += [f"ADAPTER {a}" for a in spec.adapters]
+    if template:
+        lines.append(f'TEMPLATE """{template}"""')
+    if spec.system:
+        lines.append(f'SYSTEM """{spec.system}"""')
+    lines += [f"PARAMETER {line}" for line in _parameter_lines(spec.defaults)]
+    return "\n".join(lines) + "\n"
+
+
+@bp.get("/api/version")
+async def version() -> Any:
+    return {"version": __version__}
+
+
+@bp.route("/", methods=["GET", "HEAD"])
+async def root() -> Response:
+    return Response("Ollama is running", content_type="text/plain; charset=utf-8")
+

@@ -1,0 +1,103 @@
+"""What every generating or embedding route does before it reaches a runner, in one place.
+
+:func:`read_body` parses the request's JSON; :func:`prepare` resolves the model and reads
+``keep_alive`` and ``options`` into the runner options the scheduler leases by (settings, then the
+model's defaults, then the request). Routes then build their protocol's upstream request
+(``trioshed.api.protocols``) and lease a runner from ``state().scheduler``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from quart import current_app, request
+
+from trioshed.api.limits import check_body_fields, check_unicode
+from trioshed.api.protocols.options import split_options
+from trioshed.api.state import AppState
+from trioshed.config import parse_duration
+from trioshed.core.model import ModelSpec, RunnerOptions
+from trioshed.errors import BadRequest
+
+
+def state() -> AppState:
+    """The application's shared state (settings, store, scheduler)."""
+    return current_app.config["TRIOSHED"]  # type: ignore[no-any-return]
+
+
+async def read_body() -> dict[str, Any]:
+    """The request body parsed: a JSON object, else BadRequest."""
+    return (await read_body_raw())[1]
+
+
+async def read_body_raw() -> tuple[bytes, dict[str, Any]]:
+    """The request body as sent, and parsed (a JSON object, else BadRequest)."""
+    raw = await request.get_data(as_text=False)
+    if not raw:
+        raise BadRequest("missing request body")
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadRequest(f"invalid JSON in request body: {exc}") from None
+    except RecursionError:
+        raise BadRequest("invalid JSON in request body: nested too deeply") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    check_body_fields(body)
+    check_unicode(raw if isinstance(raw, bytes) else raw.encode(), body)
+    return raw if isinstance(raw, bytes) else raw.encode(), body
+
+
+def keep_alive_of(body: Mapping[str, Any]) -> float | None:
+    """The request's ``keep_alive`` in seconds (``None``: the default), else BadRequest."""
+    value = body.get("keep_alive")
+    if value is None:
+        return None
+    try:
+        return parse_duration(value)
+    except (ValueError, TypeError) as exc:
+        raise BadRequest(f"invalid keep_alive: {exc}") from None
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A request's model and how to lease a runner for it."""
+
+    model: ModelSpec
+    options: RunnerOptions
+    keep_alive: float | None
+    #: The model's default options (models.toml / an Ollama store's params): sampling defaults
+    #: go under the request's own.
+    defaults: dict[str, Any]
+
+
+def prepare(body: Mapping[str, Any], name: str, *, embedding: bool = False) -> Prepared:
+    """Resolve model ``name`` and read ``keep_alive`` and ``options`` from ``body``.
+
+    Raises ModelNotFound, or BadRequest for a bad ``keep_alive``, ``options`` or runner option.
+    ``embedding``: a runner started with ``--embeddings``.
+    """
+    st = state()
+    model = st.store.resolve(name)
+    keep_alive = keep_alive_of(body)
+    overrides = body.get("options")
+    if overrides is not None and not isinstance(overrides, dict):
+        raise BadRequest("options must be an object")
+    defaults = dict(model.defaults)
+    _, runner_overrides = split_options({**defaults, **(overrides or {})})
+    options = st.runner_options(model, runner_overrides)
+    if embedding:
+        options = replace(options, embedding=True)
+    return Prepared(model, options, keep_alive, defaults)
+
+
+async def has_chat_template(spec: ModelSpec) -> bool:
+    """Whether the model's GGUF brings a chat template (unreadable: assume it does)."""
+    try:
+        meta = await state().metadata(spec)
+    except Exception:
+        return True  # let llama-server decide
+    return bool(meta.chat_template)

@@ -1,0 +1,68 @@
+"""Each protocol's error body, in one place, chosen by the route's path. Pure (no I/O).
+
+* Ollama (``/api/...`` and everything else): ``{"error": "message"}``.
+* OpenAI (``/v1/...``): ``{"error": {"message", "type", "param", "code"}}``, what the ``openai``
+  client reads its message from; a stream that fails after it started ends with one such
+  ``data:`` event (:func:`openai_error_event`).
+* Anthropic (``/v1/messages...``): ``{"type": "error", "error": {"type", "message"}}``.
+
+A new protocol adds its shape function and its path prefix to :data:`_SHAPES` (longest prefix
+first wins). The app's error handlers and the drain's 503 both answer through :func:`error_body`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+#: OpenAI's error ``type`` by status, as Ollama's OpenAI layer answers (anything else: api_error).
+_OPENAI_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                       404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error"}  # fmt: skip
+
+#: Anthropic's error ``type`` by status (its API reference, "Errors"; anything else: api_error).
+_ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                          404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                          503: "overloaded_error", 529: "overloaded_error"}  # fmt: skip
+
+ErrorShape = Callable[[int, str, "str | None"], dict[str, Any]]
+
+
+def ollama_error(status: int, message: str, code: str | None = None) -> dict[str, Any]:
+    """Ollama's error body."""
+    return {"error": message}
+
+
+def openai_error(status: int, message: str, code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error body: what the ``openai`` client reads its message from."""
+    return {"error": {"message": message, "type": _OPENAI_ERROR_TYPES.get(status, "api_error"), "param": None, "code": code}}
+
+
+def anthropic_error(status: int, message: str, code: str | None = None) -> dict[str, Any]:
+    """Anthropic's error body: what the ``anthropic`` client reads its message from."""
+    return {"type": "error", "error": {"type": _ANTHROPIC_ERROR_TYPES.get(status, "api_error"), "message": message}}
+
+
+#: (path prefix, shape), longest prefix first; paths matching none answer Ollama's shape.
+_SHAPES: tuple[tuple[str, ErrorShape], ...] = (
+    ("/v1/messages", anthropic_error),
+    ("/v1/", openai_error),
+)
+
+
+def shape_for(path: str) -> ErrorShape:
+    """The error shape of the protocol serving ``path``."""
+    for prefix, shape in _SHAPES:
+        if path.startswith(prefix):
+            return shape
+    return ollama_error
+
+
+def error_body(path: str, status: int, message: str, code: str | None = None) -> dict[str, Any]:
+    """The error body for an answer with ``status`` on ``path``, in that protocol's shape."""
+    return shape_for(path)(status, message, code)
+
+
+def openai_error_event(status: int, message: str) -> bytes:
+    """The last SSE event of an OpenAI stream that failed after it started."""
+    return b"data: " + json.dumps({"error": {"message": message, "type": "server_error", "code": status}}).encode() + b"\n\n"

@@ -1,0 +1,311 @@
+"""llama-server's streamed events as Ollama chunks: :class:`OllamaStream`. Pure (no I/O)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from trioshed.api.protocols.llama import parse_sse_line, upstream_error_message
+from trioshed.api.protocols.ollama import Kind, now_rfc3339
+from trioshed.errors import UpstreamError
+
+_DONE_REASONS = {"eos": "stop", "word": "stop", "limit": "length", "length": "length"}
+
+
+class OllamaStream:
+    """Stateful translator of one llama-server stream into Ollama chunks (one per request).
+
+    Feed it each upstream event (:func:`parse_sse_line`'s objects) in order; :meth:`feed`
+    returns the Ollama chunks to send now. Then :meth:`finish` gives the final ``done`` chunk,
+    or, for ``stream: false``, :meth:`aggregate` the single response. The upstream kind is read
+    from each event's shape, so a generate request served by ``/v1/chat/completions`` works.
+
+    Tool calls arrive in pieces (OpenAI's streamed ``arguments`` fragments) and are sent whole,
+    as Ollama does, in one chunk when upstream reports the finish reason.
+    """
+
+    def __init__(
+        self,
+        kind: Kind,
+        model: str,
+        *,
+        created_at_fn: Callable[[], str] = now_rfc3339,
+        prefill: str = "",
+    ) -> None:
+        if kind not in ("generate", "chat"):
+            raise ValueError(f"kind must be 'generate' or 'chat', not {kind!r}")
+        self.kind: Kind = kind
+        self.model = model
+        self._created_at = created_at_fn
+        self._stamp: str | None = None  # one created_at for the chunks of a batch
+        self._text: list[str] = []
+        self._thinking: list[str] = []
+        self._tool_calls: dict[int, dict[str, Any]] = {}
+        self._tool_calls_sent = False
+        self._logprobs: list[dict[str, Any]] = []
+        self._done_reason: str | None = None
+        self._timings: Mapping[str, Any] = {}
+        self._prompt_tokens: int | None = None
+        self._completion_tokens: int | None = None
+        self._pieces = 0
+        self._echo = prefill  # what is left to strip of llama-server's echo of the prefill
+
+    @property
+    def finished(self) -> bool:
+        """Whether upstream reported the end of generation (a stop type or finish reason).
+
+        A stream that closes before this is a truncated one (the runner died or was stopped).
+        """
+        return self._done_reason is not None
+
+    @property
+    def text(self) -> str:
+        """The content generated so far."""
+        return "".join(self._text)
+
+    # -- feeding ------------------------------------------------------------------------------
+
+    def feed_lines(self, lines: Iterable[bytes | str]) -> list[dict[str, Any]]:
+        """The Ollama chunks for a batch of upstream stream lines (what one socket read held).
+
+        The chunks of one batch share their ``created_at``: they arrived together.
+        """
+        self._stamp = self._created_at()
+        try:
+            return [chunk for line in lines if (event := parse_sse_line(line)) is not None for chunk in self.feed(event)]
+        finally:
+            self._stamp = None
+
+    def feed(self, event: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """The Ollama chunks for one upstream event (often one, possibly none).
+
+        Raises :class:`UpstreamError` for an upstream error event.
+        """
+        if "error" in event:
+            raise UpstreamError(f"llama-server error: {upstream_error_message(event)}")
+        if "choices" in event:
+            return self._feed_openai(event)
+        return self._feed_completion(event)
+
+    def _feed_completion(self, event: Mapping[str, Any]) -> list[dict[str, Any]]:
+        out = []
+        content = event.get("content") or ""
+        probs = event.get("completion_probabilities") or []
+        logprobs = [_logprob_from_completion(p) for p in probs if isinstance(p, Mapping)]
+        if content or logprobs:
+            out.append(self._piece(content=content, logprobs=logprobs))
+        if event.get("stop"):
+            self._done_reason = _DONE_REASONS.get(str(event.get("stop_type")), "stop")
+            self._timings = event.get("timings") or self._timings
+            if isinstance(event.get("tokens_evaluated"), int):
+                self._prompt_tokens = event["tokens_evaluated"]
+            if isinstance(event.get("tokens_predicted"), int):
+                self._completion_tokens = event["tokens_predicted"]
+        return out
+
+    def _feed_openai(self, event: Mapping[str, Any]) -> list[dict[str, Any]]:
+        out = []
+        if isinstance(event.get("timings"), Mapping):
+            self._timings = event["timings"]
+        usage = event.get("usage")
+        if isinstance(usage, Mapping):
+            self._prompt_tokens = usage.get("prompt_tokens", self._prompt_tokens)
+            self._completion_tokens = usage.get("completion_tokens", self._completion_tokens)
+        for choice in event.get("choices") or []:
+            if not isinstance(choice, Mapping):
+                continue
+            delta = choice.get("delta") or choice.get("message") or {}
+            content = self._strip_echo(delta.get("content") or choice.get("text") or "")
+            thinking = delta.get("reasoning_content") or ""
+            for call in delta.get("tool_calls") or []:
+                self._add_tool_call_delta(call)
+            lp = choice.get("logprobs")
+            logprobs = [
+                _logprob_from_openai(p)
+                for p in ((lp.get("content") or []) if isinstance(lp, Mapping) else [])
+                if isinstance(p, Mapping)
+            ]
+            if content or thinking or logprobs:
+                out.append(self._piece(content=content, thinking=thinking, logprobs=logprobs))
+            reason = choice.get("finish_reason")
+            if reason is not None:
+                self._done_reason = _DONE_REASONS.get(str(reason), "stop")
+                if self._tool_calls and not self._tool_calls_sent:
+                    out.append(self._tool_call_chunk())
+        return out
+
+    def _strip_echo(self, content: str) -> str:
+        """``content`` less llama-server's echo of a continued assistant message.
+
+        Continuing a final assistant message, llama-server's first content delta repeats that
+        message (``"1, 2, 3,"`` continued gives ``"1, 2, 3, "``, ``"4"``, ...); Ollama sends only
+        the new text. Stripping stops at the first piece that does not match.
+        """
+        if not self._echo or not content:
+            return content
+        if content.startswith(self._echo):
+            content, self._echo = content[len(self._echo) :], ""
+        elif self._echo.startswith(content):
+            content, self._echo = "", self._echo[len(content) :]
+        else:
+            self._echo = ""
+        return content
+
+    def _add_tool_call_delta(self, call: Mapping[str, Any]) -> None:
+        index = call.get("index", len(self._tool_calls))
+        slot = self._tool_calls.setdefault(index, {"id": None, "name": "", "arguments": ""})
+        if call.get("id"):
+            slot["id"] = call["id"]
+        function = call.get("function") or {}
+        slot["name"] += function.get("name") or ""
+        slot["arguments"] += function.get("arguments") or ""
+
+    def _ollama_tool_calls(self) -> list[dict[str, Any]]:
+        calls = []
+        for _, slot in sorted(self._tool_calls.items()):
+            try:
+                arguments = json.loads(slot["arguments"]) if slot["arguments"].strip() else {}
+            except ValueError:
+                raise UpstreamError(
+                    f"the model called tool {slot['name']!r} with arguments that are not JSON: "
+                    f"{slot['arguments'][:200]!r}"
+                ) from None
+            function: dict[str, Any] = {"name": slot["name"], "arguments": arguments}
+            call: dict[str, Any] = {"function": function}
+            if slot["id"]:
+                call["id"] = slot["id"]
+            calls.append(call)
+        return calls
+
+    def _tool_call_chunk(self) -> dict[str, Any]:
+        self._tool_calls_sent = True
+        chunk = self._head()
+        chunk["message"] = {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": self._ollama_tool_calls(),
+        }
+        chunk["done"] = False
+        return chunk
+
+    def _head(self) -> dict[str, Any]:
+        return {"model": self.model, "created_at": self._stamp or self._created_at()}
+
+    def _piece(
+        self, *, content: str, thinking: str = "", logprobs: list[dict[str, Any]] | None = None
+    ) -> dict[str, Any]:
+        self._pieces += 1
+        self._text.append(content)
+        if thinking:
+            self._thinking.append(thinking)
+        chunk = self._head()
+        if self.kind == "generate":
+            chunk["response"] = content
+            if thinking:
+                chunk["thinking"] = thinking
+        else:
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if thinking:
+                message["thinking"] = thinking
+            chunk["message"] = message
+        chunk["done"] = False
+        if logprobs:
+            self._logprobs.extend(logprobs)
+            chunk["logprobs"] = logprobs
+        return chunk
+
+    # -- the end ------------------------------------------------------------------------------
+
+    def _metrics(self, load_duration_ns: int, total_duration_ns: int) -> dict[str, Any]:
+        t = self._timings
+        cache_n = int(t.get("cache_n") or 0)
+        prompt_n = int(t.get("prompt_n") or 0)
+        prompt_count = (
+            self._prompt_tokens if self._prompt_tokens is not None else prompt_n + cache_n
+        )
+        eval_count = t.get("predicted_n")
+        if eval_count is None:
+            eval_count = (
+                self._completion_tokens if self._completion_tokens is not None else self._pieces
+            )
+        return {
+            "total_duration": int(total_duration_ns),
+            "load_duration": int(load_duration_ns),
+            "prompt_eval_count": int(prompt_count),
+            "prompt_eval_duration": round(float(t.get("prompt_ms") or 0.0) * 1_000_000),
+            "eval_count": int(eval_count),
+            "eval_duration": round(float(t.get("predicted_ms") or 0.0) * 1_000_000),
+        }
+
+    def finish(
+        self, *, load_duration_ns: int, total_duration_ns: int, done_reason: str | None = None
+    ) -> dict[str, Any]:
+        """The final Ollama chunk: ``done: true``, ``done_reason`` and the metrics (ns).
+
+        ``done_reason`` overrides what upstream reported (``"stop"`` or ``"length"``; ``"stop"``
+        if it reported nothing). ``prompt_eval_count`` is the whole prompt, cached tokens
+        included (like OpenAI's ``prompt_tokens``); ``prompt_eval_duration`` is the time spent
+        on the tokens actually evaluated. Tool calls not yet sent go in this chunk's message.
+        """
+        chunk = self._head()
+        if self.kind == "generate":
+            chunk["response"] = ""
+        else:
+            message: dict[str, Any] = {"role": "assistant", "content": ""}
+            if self._tool_calls and not self._tool_calls_sent:
+                self._tool_calls_sent = True
+                message["tool_calls"] = self._ollama_tool_calls()
+            chunk["message"] = message
+        chunk["done"] = True
+        chunk["done_reason"] = done_reason or self._done_reason or "stop"
+        chunk.update(self._metrics(load_duration_ns, total_duration_ns))
+        return chunk
+
+    def aggregate(
+        self, *, load_duration_ns: int, total_duration_ns: int, done_reason: str | None = None
+    ) -> dict[str, Any]:
+        """The whole response as one Ollama object, for ``stream: false``.
+
+        Call after feeding every event; the text, thinking, tool calls and logprobs gathered,
+        plus :meth:`finish`'s fields.
+        """
+        chunk = self._head()
+        if self.kind == "generate":
+            chunk["response"] = self.text
+            if self._thinking:
+                chunk["thinking"] = "".join(self._thinking)
+        else:
+            message: dict[str, Any] = {"role": "assistant", "content": self.text}
+            if self._thinking:
+                message["thinking"] = "".join(self._thinking)
+            if self._tool_calls:
+                message["tool_calls"] = self._ollama_tool_calls()
+            chunk["message"] = message
+        chunk["done"] = True
+        chunk["done_reason"] = done_reason or self._done_reason or "stop"
+        chunk.update(self._metrics(load_duration_ns, total_duration_ns))
+        if self._logprobs:
+            chunk["logprobs"] = list(self._logprobs)
+        return chunk
+
+
+def _logprob_from_openai(p: Mapping[str, Any]) -> dict[str, Any]:
+    """Ollama's logprob entry for one OpenAI ``logprobs.content`` entry."""
+    out: dict[str, Any] = {
+        "token": str(p.get("token", "")),
+        "logprob": float(p.get("logprob", 0.0)),
+    }
+    top = p.get("top_logprobs")
+    if top:
+        out["top_logprobs"] = [
+            {"token": str(t.get("token", "")), "logprob": float(t.get("logprob", 0.0))}
+            for t in top
+            if isinstance(t, Mapping)
+        ]
+    return out
+
+
+def _logprob_from_completion(p: Mapping[str, Any]) -> dict[str, Any]:
+    """Ollama's logprob entry for one ``/completion`` ``completion_probabilities`` entry."""
+    return _logprob_from_openai(p)

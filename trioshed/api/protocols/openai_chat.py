@@ -1,0 +1,159 @@
+"""OpenAI's Chat Completions and Completions, without I/O.
+
+llama-server speaks them itself: trioshed relays its answers, naming the model as the client did
+(:class:`ModelRenamer`, :func:`openai_model_rewrite`). A model without a chat template is served
+on ``/v1/completions`` as a transcript and answered in chat's shape
+(:func:`transcript_completion_body`, :func:`as_chat`, :func:`chunk_as_chat`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from trioshed.api.protocols.llama import parse_sse_line
+from trioshed.api.protocols.transcript import transcript_prompt, with_turn_stop
+from trioshed.errors import BadRequest
+
+
+def openai_model_rewrite(chunk: dict[str, Any], model: str) -> dict[str, Any]:
+    """``chunk`` (an OpenAI-shaped llama-server response) with ``model`` set to trioshed's name.
+
+    llama-server reports its GGUF file name (or ``--alias``); clients must see the name they
+    asked for. Returns a new dict; chunks without ``model`` (errors) come back unchanged.
+    """
+    if "model" not in chunk:
+        return chunk
+    return {**chunk, "model": model}
+
+
+class ModelRenamer:
+    """llama-server's SSE bytes for the client, unchanged except ``"model"`` named as the client did.
+
+    Pass-through for OpenAI routes: no event is parsed. Every llama-server chunk carries
+    ``"model":"<alias>"`` (the runner is started with ``--alias`` = trioshed's model name, and
+    serializes without spaces); inside a JSON string a quote is escaped, so those bytes can only be
+    the field itself, and one ``bytes.replace`` per batch renames it. Only complete lines are
+    passed on (a batch may end inside an event; the rest waits for the next one). Should the
+    field not read as expected, the first event that names a model is parsed to learn it, and
+    if that fails too every event is parsed and rewritten (correct, slower).
+    """
+
+    def __init__(self, upstream_name: str, client_name: str) -> None:
+        self._needle = self._field(upstream_name)
+        self._replacement = self._field(client_name)
+        self._checked = upstream_name == client_name  # nothing to rename: never look
+        self._slow = False
+        self._client_name = client_name
+        self._rest = b""
+
+    @staticmethod
+    def _field(name: str) -> bytes:
+        return b'"model":' + json.dumps(name, ensure_ascii=False).encode()
+
+    def feed(self, data: bytes) -> bytes:
+        """The bytes to send now for ``data`` (complete lines only)."""
+        data = self._rest + data
+        cut = data.rfind(b"\n") + 1
+        self._rest = data[cut:]
+        return self._rename(data[:cut]) if cut else b""
+
+    def finish(self) -> bytes:
+        """Whatever is left (a last line without its newline)."""
+        rest, self._rest = self._rest, b""
+        return self._rename(rest) if rest else b""
+
+    def _rename(self, data: bytes) -> bytes:
+        if not self._checked:
+            self._learn(data)
+        if self._slow:
+            return b"".join(self._rewrite_line(line) for line in data.splitlines(keepends=True))
+        if self._needle == self._replacement:
+            return data
+        return data.replace(self._needle, self._replacement)
+
+    def _learn(self, data: bytes) -> None:
+        for line in data.splitlines():
+            if b'"model":' not in line or not line.startswith(b"data:"):
+                continue
+            self._checked = True
+            if self._needle in line:
+                return
+            event = parse_sse_line(line)
+            actual = event.get("model") if event else None
+            if isinstance(actual, str) and self._field(actual) in line:
+                self._needle = self._field(actual)
+            else:
+                self._slow = True
+            return
+
+    def _rewrite_line(self, line: bytes) -> bytes:
+        event = parse_sse_line(line) if line.startswith(b"data:") else None
+        if event is None or "model" not in event:
+            return line
+        return b"data: " + json.dumps(openai_model_rewrite(event, self._client_name)).encode() + b"\n"
+
+
+
+_CHAT_ONLY = ("messages", "tools", "tool_choice", "parallel_tool_calls")
+
+
+def transcript_completion_body(body: Mapping[str, Any]) -> dict[str, Any]:
+    """A chat body for a model without a chat template as a ``/v1/completions`` body: the
+    conversation as a plain transcript, cut at the next turn."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        raise BadRequest("messages must be a list of objects")
+    out = {k: v for k, v in body.items() if k not in _CHAT_ONLY}
+    out |= {"prompt": transcript_prompt(messages), "stop": with_turn_stop(out.get("stop"))}
+    if "max_completion_tokens" in out:
+        out.setdefault("max_tokens", out.pop("max_completion_tokens"))
+    return out
+
+
+def chat_choice(choice: dict[str, Any], *, delta: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A /v1/completions choice in chat's shape (``message``, or ``delta`` when streamed)."""
+    text = choice.get("text") or ""
+    out: dict[str, Any] = {"index": choice.get("index", 0), "finish_reason": choice.get("finish_reason")}
+    if delta is None:
+        out["message"] = {"role": "assistant", "content": text}
+    else:
+        out["delta"] = delta | ({"content": text} if text else {})
+    return out
+
+
+def as_chat(data: dict[str, Any]) -> dict[str, Any]:
+    """A whole /v1/completions answer as a chat.completion."""
+    if not isinstance(data.get("choices"), list):
+        return data
+    return data | {"object": "chat.completion", "choices": [chat_choice(c) for c in data["choices"]]}
+
+
+class CompletionAsChat:
+    """llama-server's /v1/completions stream lines as chat.completion.chunk lines (one per
+    request): the first chunk's delta carries the role, every event names ``model``."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self._first = True
+
+    def feed_lines(self, lines: list[bytes]) -> bytes:
+        out = []
+        for line in lines:
+            if line.startswith(b"data: {"):
+                event = json.loads(line[6:])
+                if isinstance(event.get("choices"), list):
+                    role = {"role": "assistant"} if self._first else {}
+                    event["choices"] = [chat_choice(c, delta=role) for c in event["choices"]]
+                    event["object"] = "chat.completion.chunk"
+                    self._first = False
+                event["model"] = self.model
+                line = b"data: " + json.dumps(event).encode()
+            out.append(line)
+        return b"\n".join(out) + b"\n"
+
+
+#: A non-null finish reason, as llama-server serializes it: after the chunk carrying it only the
+#: usage chunk, [DONE] and the close follow.
+FINISHED = b'"finish_reason":"'
