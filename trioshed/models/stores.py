@@ -28,6 +28,7 @@ from trioshed.core.model import ModelSpec
 from trioshed.errors import BadRequest, Conflict, Forbidden, ModelNotFound
 from trioshed.models.catalogue import Catalogue, full_name, parse_catalogue
 from trioshed.models.ollama_store import OllamaManifest, OllamaStore, is_ollama_store
+from trioshed.models.pull import PULLED
 from trioshed.models.store import ModelStore, split_name
 
 Backend = ModelStore | OllamaStore
@@ -51,8 +52,33 @@ class Stores:
 
     def backends(self) -> list[Backend]:
         """A store per folder; a folder is an Ollama store when it has manifests/ and blobs/
-        (checked on each call: two stats)."""
-        return [OllamaStore(f) if is_ollama_store(f) else self._folder_stores[f] for f in self.folders]
+        (checked on each call: two stats). A folder store's ``pulled/`` (what ``/api/pull``
+        writes, in Ollama's layout) follows it."""
+        found: list[Backend] = []
+        for folder in self.folders:
+            if is_ollama_store(folder):
+                found.append(OllamaStore(folder))
+                continue
+            found.append(self._folder_stores[folder])
+            if is_ollama_store(folder / PULLED):
+                found.append(OllamaStore(folder / PULLED))
+        return found
+
+    @property
+    def pull_root(self) -> Path | None:
+        """Where ``/api/pull`` writes: the first folder store's ``pulled/`` (None when every
+        folder is a read-only Ollama store)."""
+        store = self.writable
+        return None if store is None else store.root / PULLED
+
+    def _is_pulled(self, backend: Backend) -> bool:
+        """Whether ``backend`` is a folder store's ``pulled/`` (trioshed's own, so deletable)."""
+        return (
+            isinstance(backend, OllamaStore)
+            and backend.root.name == PULLED
+            and backend.root.parent in self._folder_stores
+            and not is_ollama_store(backend.root.parent)
+        )
 
     @property
     def writable(self) -> ModelStore | None:
@@ -114,6 +140,8 @@ class Stores:
         """The model ``name`` if trioshed may delete it: 403 in a read-only store, 404 unknown,
         409 for a GGUF file that ``models.toml`` entries still use."""
         backend, spec = self._find(name)
+        if self._is_pulled(backend):
+            return spec
         if isinstance(backend, OllamaStore):
             raise Forbidden(
                 f"model '{spec.name}' is in the Ollama store {backend.root}, which trioshed only reads; "
@@ -140,7 +168,10 @@ class Stores:
         with self._lock:
             spec = self.find_for_delete(name)
             backend, _ = self._find(name)
-            assert isinstance(backend, ModelStore)
+            if isinstance(backend, OllamaStore):  # a pulled model (find_for_delete allowed it)
+                assert isinstance(spec.origin, OllamaManifest)
+                remove_pulled(backend.root, Path(spec.origin.path))
+                return spec
             entry = backend.catalogue().lookup(spec.name)
             if entry is None:
                 Path(spec.path).unlink()
@@ -199,6 +230,28 @@ class Stores:
             remove = _raw_table(store, existing.name)[0] if existing is not None else key
             _rewrite_toml(store.toml_path, remove=remove, add=(key, entry), must_serve=dest)
             return dest
+
+
+def remove_pulled(root: Path, manifest: Path) -> None:
+    """Remove a pulled model's manifest, then every blob of ``root`` no other manifest names
+    (as ``ollama rm`` prunes layers); partial downloads are left alone."""
+    manifest.unlink()
+    for parent in list(manifest.parents)[: len(manifest.relative_to(root / "manifests").parts) - 1]:
+        try:
+            parent.rmdir()  # empty tag folders of the name go too
+        except OSError:
+            break
+    used: set[str] = set()
+    for path in (root / "manifests").glob("*/*/*/*"):
+        try:
+            data = json.loads(path.read_bytes())
+        except (OSError, ValueError):
+            return  # a manifest trioshed cannot read: keep every blob
+        layers = [*(data.get("layers") or []), data.get("config") or {}] if isinstance(data, dict) else []
+        used.update(str(layer.get("digest", "")).replace(":", "-") for layer in layers if isinstance(layer, dict))
+    for blob in (root / "blobs").glob("sha256-*"):
+        if blob.name not in used and not blob.name.endswith("-partial"):
+            blob.unlink(missing_ok=True)
 
 
 def _merged(catalogues: list[Catalogue]) -> Catalogue:
