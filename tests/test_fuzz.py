@@ -3,8 +3,9 @@
 
 Quick profile here (3 examples per operation, seed 1, ~10 s); ``make fuzz`` runs the same with
 ``TRIOSHED_FUZZ_EXAMPLES`` (100 there) and a random seed. The Ollama routes trioshed does not
-serve (``/api/pull``, ``/api/push``, ``/api/create``, ``/api/blobs``) answer 501 by design and are
-left out.
+serve (``/api/push``, ``/api/create``, ``/api/blobs``) answer 501 by design and are left out, and
+so is ``/api/pull``, which would reach out to the internet (it is tested against loopback
+stand-ins in ``test_pull*.py``).
 """
 
 from __future__ import annotations

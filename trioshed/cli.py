@@ -1,6 +1,7 @@
-"""``trioshed serve | run | ps | list | show | stop``.
+"""``trioshed serve | pull | run | ps | list | show | stop``.
 
 ``serve`` runs the server; the others are small clients of a running one (``TRIOSHED_HOST``).
+``pull`` without a running server pulls into the store itself (the same code the server runs).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 import httpx
 
 from trioshed import __version__
+from trioshed.cli_progress import PullView
 from trioshed.config import Settings
 
 DEMO_MODEL = "gemma3-270m"
@@ -103,6 +105,62 @@ def _cmd_run(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def _cmd_pull(args: argparse.Namespace, settings: Settings) -> int:
+    """``POST /api/pull`` streamed, shown as ``ollama pull`` shows it; without a server, the same
+    pull done here into the store."""
+    view = PullView(tty=sys.stderr.isatty())
+    body = {"model": args.model, "insecure": args.insecure, "stream": True}
+    try:
+        with _client(settings) as client, client.stream("POST", "/api/pull", json=body) as response:
+            if response.status_code != 200:
+                response.read()
+                print(f"Error: {_error_of(response)}", file=sys.stderr)
+                return 1
+            for line in response.iter_lines():
+                if not line.strip():
+                    continue
+                chunk = json.loads(line)
+                if "error" in chunk:
+                    print(f"{view.close()}Error: {chunk['error']}", file=sys.stderr)
+                    return 1
+                print(view.feed(chunk), end="", file=sys.stderr, flush=True)
+    except httpx.ConnectError:
+        return _pull_here(args, settings, view)
+    print(view.close(), end="", file=sys.stderr)
+    return 0
+
+
+def _error_of(response: httpx.Response) -> str:
+    try:
+        return str(response.json().get("error", response.text))
+    except ValueError:
+        return response.text
+
+
+def _pull_here(args: argparse.Namespace, settings: Settings, view: PullView) -> int:
+    """No server at TRIOSHED_HOST: pull into the store directly."""
+    import trio
+
+    from trioshed.errors import TrioshedError
+    from trioshed.models.pull import Puller
+    from trioshed.models.stores import Stores
+
+    root = Stores(settings.models).pull_root
+    print(f"no server at {settings.host}:{settings.port}: pulling into {root or settings.models} directly", file=sys.stderr)
+
+    async def pull() -> None:
+        async for line in Puller(root).pull(args.model, insecure=args.insecure):
+            print(view.feed(line), end="", file=sys.stderr, flush=True)
+
+    try:
+        trio.run(pull)
+    except TrioshedError as exc:
+        print(f"{view.close()}Error: {exc.message}", file=sys.stderr)
+        return 1
+    print(view.close(), end="", file=sys.stderr)
+    return 0
+
+
 def _cmd_get(path: str, key: str, columns: list[str]):  # type: ignore[no-untyped-def]
     def run(args: argparse.Namespace, settings: Settings) -> int:
         with _client(settings) as client:
@@ -157,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     p.add_argument("--demo-model", action="store_true", help="assemble Gemma 3 270M into an empty store")
     p.add_argument("-v", "--verbose", action="store_true")
+    p = sub.add_parser("pull", help="download a model (llama3.2:1b, user/model:tag, hf.co/USER/REPO:QUANT)")
+    p.add_argument("model")
+    p.add_argument("--insecure", action="store_true", help="skip TLS checks; allow plain HTTP to the name's registry")
     p = sub.add_parser("run", help="generate from a prompt")
     p.add_argument("model")
     p.add_argument("prompt", nargs="+")
@@ -183,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         use_format(settings.log_format)
     commands = {
         "serve": _cmd_serve,
+        "pull": _cmd_pull,
         "run": _cmd_run,
         "ps": _cmd_get("/api/ps", "models", ["name", "size", "size_vram", "expires_at"]),
         "list": _cmd_get("/api/tags", "models", ["name", "size", "modified_at"]),

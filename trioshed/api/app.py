@@ -27,6 +27,7 @@ from trioshed.api import (
     ollama_models,
     openai,
     openapi,
+    pull,
 )
 from trioshed.api.protocols.errors import error_body
 from trioshed.api.state import AppState
@@ -64,6 +65,7 @@ def create_app(state: AppState) -> QuartTrio:
     app.register_blueprint(metrics.bp)
     app.register_blueprint(embed.bp)
     app.register_blueprint(manage.bp)
+    app.register_blueprint(pull.bp)
     app.register_blueprint(openapi.bp)
     app.config["TRIOSHED_METRICS"] = metrics.Metrics(state.scheduler)
     observe.install(app, app.config["TRIOSHED_METRICS"], log_json=state.settings.log_format == "json")

@@ -2,11 +2,12 @@
 
 * ``DELETE /api/delete``: a model of trioshed's own folder store is unloaded (unless another
   name still serves its file), then its GGUF file (or its ``models.toml`` name) removed; a
-  model of an Ollama store is 403 (read-only).
+  pulled model's manifest is removed with the blobs no other pulled model uses; a model of an
+  Ollama store is 403 (read-only).
 * ``POST /api/copy``: a ``models.toml`` entry ``destination`` naming the source's files.
-* ``/api/pull``, ``/api/push``, ``/api/create``, ``HEAD``/``POST /api/blobs/:digest``: 501 with
-  how to add a model instead, whatever the body's size. trioshed downloads nothing and builds no
-  models.
+* ``/api/push``, ``/api/create``, ``HEAD``/``POST /api/blobs/:digest``: 501 with how to add a
+  model instead, whatever the body's size. trioshed uploads nothing and builds no models
+  (``/api/pull`` is :mod:`trioshed.api.pull`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from trioshed.errors import BadRequest, NotSupported
 bp = Blueprint("manage", __name__)
 
 HOW_TO_ADD = (
-    "to add a model, copy its GGUF file into the model store (TRIOSHED_MODELS; NAME.gguf "
+    "to add a model, pull it (trioshed pull NAME, or /api/pull), copy its GGUF file into the model store (TRIOSHED_MODELS; NAME.gguf "
     "is model NAME), or point TRIOSHED_MODELS at an existing Ollama store "
     "(e.g. ~/.ollama/models, several folders separated by ':')"
 )
@@ -61,11 +62,6 @@ def _not_supported(what: str) -> NotSupported:
     the connection, so that a keep-alive client sends its next request on a new one instead of
     finding this one gone."""
     return NotSupported(f"trioshed does not {what}; {HOW_TO_ADD}", headers={"Connection": "close"})
-
-
-@bp.post("/api/pull")
-async def pull() -> Response:
-    raise _not_supported("download models (/api/pull)")
 
 
 @bp.post("/api/push")

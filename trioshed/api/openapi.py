@@ -174,6 +174,25 @@ def _schemas(ollama_names: bool) -> Schema:
             "anyOf": [{"required": ["model"]}, {"required": ["name"]}],
         },
         "CopyRequest": _obj({"source": _MODEL, "destination": _MODEL}, ("source", "destination")),
+        "PullRequest": _obj(
+            {
+                "model": {"type": "string", "pattern": OLLAMA_NAME_PATTERN, "examples": ["llama3.2:1b", "hf.co/bartowski/Llama-3.2-1B-Instruct-GGUF:Q4_K_M"],
+                          "description": "Ollama's registry: `llama3.2:1b`, `user/model:tag`, `host[:port]/ns/model:tag`; Hugging Face: `hf.co/USER/REPO[:QUANT]`"},
+                "name": {"type": "string", "description": "the older name of `model`"},
+                "insecure": {"type": "boolean", "default": False, "description": "skip TLS checks; plain HTTP to the name's own registry host"},
+                "stream": {"type": "boolean", "default": True},
+            },
+            ("model",),
+        ),
+        "PullProgress": _obj(
+            {
+                "status": {"type": "string", "examples": ["pulling manifest", "pulling 96c415656d37", "verifying sha256 digest", "writing manifest", "success"]},
+                "digest": {"type": "string", "pattern": "^sha256:[0-9a-f]{64}$"},
+                "total": {"type": "integer", "minimum": 0},
+                "completed": {"type": "integer", "minimum": 0},
+            },
+            ("status",),
+        ),
         "Details": details,
         "ModelEntry": _obj(
             {"name": _STR, "model": _STR, "modified_at": _STR, "size": _INT, "digest": _STR, "details": details},
@@ -304,7 +323,25 @@ def _paths() -> Schema:
                 "responses": {"200": {"description": "copied"}, **_errors("400", "401", "404", "409", "413", "500")},
             }
         },
-        "/api/pull": {"post": _not_implemented("Not supported (501)")},
+        "/api/pull": {
+            "post": {
+                "summary": "Download a model from Ollama's registry or a Hugging Face GGUF repository into trioshed's store (its pulled/ folder)",
+                "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("PullRequest")}}},
+                "responses": {
+                    "200": {
+                        "description": "progress lines as Ollama streams them (a failure after the start is a last `{\"error\": ...}` line); with `stream` false, the last line",
+                        "content": {"application/json": {"schema": _ref("PullProgress")},
+                                    NDJSON: {"schema": {"anyOf": [_ref("PullProgress"), _ref("Error")]}}},
+                    },
+                    **_errors("400", "401", "413", "500"),
+                    "403": {"description": "Every folder of TRIOSHED_MODELS is a read-only Ollama store: nowhere to pull to.", "content": {"application/json": {"schema": _ref("Error")}}},
+                    "404": {"description": "The registry (or Hugging Face) has no such model, or no GGUF file for the quant.", "content": {"application/json": {"schema": _ref("Error")}}},
+                    "501": {"description": "The model cannot be served by llama-server (no GGUF layer), or is a split GGUF.", "content": {"application/json": {"schema": _ref("Error")}}},
+                    "502": {"description": "The registry could not be reached, refused access, or sent something invalid (a wrong digest, more bytes than its manifest says); nothing was kept.", "content": {"application/json": {"schema": _ref("Error")}}},
+                    "507": {"description": "Not enough disk space for the download.", "content": {"application/json": {"schema": _ref("Error")}}},
+                },
+            }
+        },
         "/api/push": {"post": _not_implemented("Not supported (501)")},
         "/api/create": {"post": _not_implemented("Not supported (501)")},
         "/api/blobs/{digest}": {

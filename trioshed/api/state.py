@@ -13,6 +13,7 @@ from trioshed.config import Settings
 from trioshed.core.model import ModelSpec, RunnerOptions
 from trioshed.errors import BadRequest
 from trioshed.models.gguf_meta import GGUFMetadata, cached_metadata, read_metadata
+from trioshed.models.pull import Puller
 from trioshed.models.stores import Stores
 from trioshed.scheduler import Scheduler
 
@@ -25,6 +26,14 @@ class AppState:
     store: Stores
     scheduler: Scheduler
     started: float = field(default_factory=time.time)
+    _puller: Puller | None = None
+
+    def puller(self) -> Puller:
+        """The server's one :class:`Puller` (concurrent pulls of a blob share its download),
+        writing into the first folder store's ``pulled/``."""
+        if self._puller is None:
+            self._puller = Puller(self.store.pull_root)
+        return self._puller
 
     def runner_options(self, model: ModelSpec, overrides: dict[str, Any]) -> RunnerOptions:
         """The runner options for a request: settings, then the model's defaults, then the request."""
