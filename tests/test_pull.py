@@ -15,10 +15,16 @@ from typing import Any
 import pytest
 import trio
 
-from trioshed.errors import BadRequest, Forbidden, ModelNotFound, TrioshedError
+from trioshed.errors import (
+    BadRequest,
+    Forbidden,
+    InsufficientStorage,
+    ModelNotFound,
+    RegistryError,
+    TrioshedError,
+)
 from trioshed.models import ollama_store as o
 from trioshed.models.pull import Puller, Registries
-from trioshed.models.pull_plan import InsufficientStorage, RegistryError
 from trioshed.models.stores import Stores
 from trioshed.testing.registry import StandIn, open_stand_in, tree_snapshot
 

@@ -7,12 +7,11 @@ import json
 
 import pytest
 
-from trioshed.errors import BadRequest, ModelNotFound, NotSupported
+from trioshed.errors import BadRequest, ModelNotFound, NotSupported, RegistryError
 from trioshed.models import ollama_store as o
 from trioshed.models.pull_plan import (
     HfFile,
     Layer,
-    RegistryError,
     bytes_to_fetch,
     choose_hf_files,
     content_range_start,

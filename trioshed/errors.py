@@ -20,8 +20,12 @@
     │   ├── LoadFailed                   llama-server exited or timed out before it was ready
     │   ├── RunnerCrashed                llama-server exited while serving (the next request reloads)
     │   └── RunnerStalled (504)          llama-server sent nothing for TRIOSHED_STREAM_IDLE_TIMEOUT
-    ├── NotSupported (501)               Ollama routes trioshed does not serve (pull, push, create)
+    ├── NotSupported (501)               Ollama routes trioshed does not serve (push, create); a
+    │                                    pulled model llama-server cannot serve (no GGUF, split)
     ├── UpstreamError (502)              llama-server answered with an error status
+    ├── RegistryError (502)              a pull's registry is unreachable, refuses, or sends
+    │                                    something invalid (a wrong digest, too many bytes)
+    ├── InsufficientStorage (507)        no disk space for a pull's download
     └── ShuttingDown (503)
 
 Each message says what happened and what to do. Trio/httpx/OS errors are translated where they
@@ -192,6 +196,28 @@ class UpstreamError(TrioshedError):
         super().__init__(message)
         if status is not None and 400 <= status < 500:
             self.status = status
+
+
+class RegistryError(TrioshedError):
+    """The registry (or Hugging Face) answered with something a pull cannot use, or could not
+    be reached; nothing unverified was kept."""
+
+    status = 502
+
+
+class InsufficientStorage(TrioshedError):
+    """The store's filesystem has no room for what a pull would download."""
+
+    status = 507
+
+    def __init__(self, needed: int, free: int, where: str) -> None:
+        super().__init__(
+            f"not enough disk space to pull: {needed / 1e9:.2f} GB needed in {where}, "
+            f"{free / 1e9:.2f} GB free; free some space (what was downloaded so far is kept and "
+            "the next pull resumes from there) or point TRIOSHED_MODELS at a larger disk"
+        )
+        self.needed = needed
+        self.free = free
 
 
 class ShuttingDown(TrioshedError):

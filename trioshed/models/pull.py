@@ -64,16 +64,14 @@ import httpx
 import trio
 
 from trioshed import __version__
-from trioshed.errors import Forbidden, TrioshedError
+from trioshed.errors import Forbidden, InsufficientStorage, RegistryError, TrioshedError
 from trioshed.models import ollama_store as o
 from trioshed.models.pull_plan import (
     HF_HOST,
     MANIFEST_V2,
     MAX_MANIFEST,
-    InsufficientStorage,
     Layer,
     Plan,
-    RegistryError,
     Target,
     bytes_to_fetch,
     check_digest,

@@ -30,7 +30,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from trioshed.errors import BadRequest, ModelNotFound, NotSupported, TrioshedError
+from trioshed.errors import BadRequest, ModelNotFound, NotSupported, RegistryError
 from trioshed.models import ollama_store as o
 
 HF_HOSTS = ("hf.co", "huggingface.co")
@@ -49,28 +49,6 @@ _SPLIT = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _HF_PATH_PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._+-]*$")
 _TEXT_MEDIA = {o.MEDIA_PARAMS, o.MEDIA_TEMPLATE, o.MEDIA_SYSTEM, o.MEDIA_LICENSE, "application/vnd.ollama.image.messages"}
-
-
-class RegistryError(TrioshedError):
-    """The registry (or Hugging Face) answered with something trioshed cannot use, or could not
-    be reached; nothing was kept."""
-
-    status = 502
-
-
-class InsufficientStorage(TrioshedError):
-    """The store's filesystem has no room for what a pull would download."""
-
-    status = 507
-
-    def __init__(self, needed: int, free: int, where: str) -> None:
-        super().__init__(
-            f"not enough disk space to pull: {human_bytes(needed)} needed in {where}, "
-            f"{human_bytes(free)} free; free some space (trioshed keeps what was downloaded so far "
-            "and resumes from there) or point TRIOSHED_MODELS at a larger disk"
-        )
-        self.needed = needed
-        self.free = free
 
 
 def human_bytes(n: int) -> str:
