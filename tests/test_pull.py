@@ -304,8 +304,10 @@ async def test_pulled_models_are_served_and_deleted_by_the_stores(tmp_path: Path
     assert [s.name for s in stores.list()] == ["local:latest", "n:latest"]
     assert template_blob.exists()  # still named by n's manifest
     assert not (folder / "pulled/blobs" / f"sha256-{hashlib.sha256(gguf).hexdigest()}").exists()
+    assert stores.copy("n", "n-copy") == "n-copy:latest"  # a models.toml entry naming n's blob
     stores.delete("n")
-    assert list((folder / "pulled/blobs").iterdir()) == []
+    assert [s.name for s in stores.list()] == ["local:latest", "n-copy:latest"]
+    assert [p.name for p in (folder / "pulled/blobs").iterdir()] == [f"sha256-{hashlib.sha256(gguf + b'x').hexdigest()}"]
 
 
 async def test_only_ollama_stores_means_nowhere_to_pull(tmp_path: Path) -> None:

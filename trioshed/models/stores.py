@@ -170,7 +170,9 @@ class Stores:
             backend, _ = self._find(name)
             if isinstance(backend, OllamaStore):  # a pulled model (find_for_delete allowed it)
                 assert isinstance(spec.origin, OllamaManifest)
-                remove_pulled(backend.root, Path(spec.origin.path))
+                entries = self.catalogue().entries  # a models.toml entry may name a pulled blob (/api/copy)
+                keep = {Path(p).name for e in entries for p in (e.path, *e.adapters, e.projector or "") if p}
+                remove_pulled(backend.root, Path(spec.origin.path), keep=keep)
                 return spec
             entry = backend.catalogue().lookup(spec.name)
             if entry is None:
@@ -232,9 +234,10 @@ class Stores:
             return dest
 
 
-def remove_pulled(root: Path, manifest: Path) -> None:
+def remove_pulled(root: Path, manifest: Path, *, keep: frozenset[str] | set[str] = frozenset()) -> None:
     """Remove a pulled model's manifest, then every blob of ``root`` no other manifest names
-    (as ``ollama rm`` prunes layers); partial downloads are left alone."""
+    (as ``ollama rm`` prunes layers) and not in ``keep`` (blob file names a ``models.toml``
+    entry uses); partial downloads are left alone."""
     manifest.unlink()
     for parent in list(manifest.parents)[: len(manifest.relative_to(root / "manifests").parts) - 1]:
         try:
@@ -250,7 +253,7 @@ def remove_pulled(root: Path, manifest: Path) -> None:
         layers = [*(data.get("layers") or []), data.get("config") or {}] if isinstance(data, dict) else []
         used.update(str(layer.get("digest", "")).replace(":", "-") for layer in layers if isinstance(layer, dict))
     for blob in (root / "blobs").glob("sha256-*"):
-        if blob.name not in used and not blob.name.endswith("-partial"):
+        if blob.name not in used and blob.name not in keep and not blob.name.endswith("-partial"):
             blob.unlink(missing_ok=True)
 
 
