@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -326,3 +329,42 @@ def test_errors_have_statuses() -> None:
     assert RegistryError("x").status == 502 and isinstance(RegistryError("x"), TrioshedError)
     assert InsufficientStorage(10, 1, "/x").status == 507
     assert json.loads(json.dumps(InsufficientStorage(10, 1, "/x").to_json()))["error"].startswith("not enough disk space")
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A real 1 MiB tmpfs (root only: mounting needs CAP_SYS_ADMIN), unmounted after the test."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root; the injected free-space test covers the check")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip()}); the injected free-space test covers the check")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+async def test_a_really_small_disk_is_507(small_tmpfs: Path, gguf: bytes) -> None:
+    root = small_tmpfs / "pulled"
+    async with open_stand_in() as stand_in:
+        stand_in.add_ollama_model("m", gguf)
+        with pytest.raises(InsufficientStorage, match=r"GB free"):
+            await collect(puller(root, stand_in), "m")  # the real statvfs of a 1 MiB filesystem
+    assert not any(small_tmpfs.iterdir())  # noqa: ASYNC240 - one directory read
+
+
+async def test_a_disk_that_fills_during_the_download(tmp_path: Path, gguf: bytes) -> None:
+    """The kernel's own ENOSPC (the partial file is /dev/full) stops the pull with a 507."""
+    root = tmp_path / "pulled"
+    digest = sha(gguf)
+    (root / "blobs").mkdir(parents=True)
+    (root / "blobs" / f"sha256-{digest[7:]}-partial").symlink_to("/dev/full")
+    async with open_stand_in() as stand_in:
+        stand_in.add_ollama_model("m", gguf)
+        with pytest.raises(InsufficientStorage, match="not enough disk space"):
+            await collect(puller(root, stand_in), "m")
+    assert not (root / "manifests").exists()
+    assert [p.name for p in (root / "blobs").iterdir()] == [f"sha256-{digest[7:]}-partial"]

@@ -378,20 +378,25 @@ class Puller:
         plan, session = prepared.plan, prepared.session
         store = self._store()
         blobs = store / "blobs"
-        await trio.to_thread.run_sync(lambda: blobs.mkdir(parents=True, exist_ok=True))
-        yield progress("pulling manifest")
-        async with self._client(session.insecure) as client:
-            for layer in plan.layers:
-                async for line in self._fetch(client, session, blobs, layer):
-                    yield line
-        yield progress("verifying sha256 digest")
-        for layer in plan.layers:  # each was verified when it completed; check it is still whole
-            path = blobs / f"sha256-{layer.hex}"
-            size = await trio.to_thread.run_sync(lambda p=path: p.stat().st_size if p.is_file() else -1)  # type: ignore[misc]
-            if size != layer.size:
-                raise RegistryError(f"blob {layer.short} changed while pulling ({size} bytes, {layer.size} expected); pull again")
-        yield progress("writing manifest")
-        await trio.to_thread.run_sync(self._write_manifest, store, plan)
+        try:
+            await trio.to_thread.run_sync(lambda: blobs.mkdir(parents=True, exist_ok=True))
+            yield progress("pulling manifest")
+            async with self._client(session.insecure) as client:
+                for layer in plan.layers:
+                    async for line in self._fetch(client, session, blobs, layer):
+                        yield line
+            yield progress("verifying sha256 digest")
+            for layer in plan.layers:  # each was verified when it completed; check it is still whole
+                path = blobs / f"sha256-{layer.hex}"
+                size = await trio.to_thread.run_sync(lambda p=path: p.stat().st_size if p.is_file() else -1)  # type: ignore[misc]
+                if size != layer.size:
+                    raise RegistryError(f"blob {layer.short} changed while pulling ({size} bytes, {layer.size} expected); pull again")
+            yield progress("writing manifest")
+            await trio.to_thread.run_sync(self._write_manifest, store, plan)
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                raise InsufficientStorage(plan.total, self._free_space(store if store.exists() else store.parent), str(store)) from None
+            raise TrioshedError(f"cannot write the pulled model into {store}: {exc}; check the folder's permissions") from None
         yield progress("success")
 
     async def pull(self, name: object, *, insecure: bool = False) -> AsyncIterator[dict[str, Any]]:
@@ -521,17 +526,19 @@ class Puller:
                             yield have
                 finally:
                     with trio.CancelScope(shield=True):
-                        if pending:  # what arrived before a cut is kept for the resume
-                            await trio.to_thread.run_sync(f.write, pending)
-                            have += len(pending)
-                        await trio.to_thread.run_sync(f.close)
+                        try:
+                            if pending:  # what arrived before a cut is kept for the resume
+                                await trio.to_thread.run_sync(f.write, pending)
+                                have += len(pending)
+                        finally:
+                            await trio.to_thread.run_sync(f.close)
                 if pending:
                     yield have
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
                 free = await trio.to_thread.run_sync(self._free_space, partial.parent)
                 raise InsufficientStorage(layer.size - have, free, str(partial.parent.parent)) from None
-            raise
+            raise TrioshedError(f"cannot write {partial}: {exc}; check the folder's permissions") from None
         except httpx.HTTPError as exc:  # the connection broke mid-body
             raise _Interrupted(have, f"{type(exc).__name__}: {exc}") from None
         if have < layer.size:
