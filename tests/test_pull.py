@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -368,3 +369,17 @@ async def test_a_disk_that_fills_during_the_download(tmp_path: Path, gguf: bytes
             await collect(puller(root, stand_in), "m")
     assert not (root / "manifests").exists()
     assert [p.name for p in (root / "blobs").iterdir()] == [f"sha256-{digest[7:]}-partial"]
+
+
+async def test_insecure_reaches_a_names_own_registry_over_http(tmp_path: Path, gguf: bytes) -> None:
+    root = tmp_path / "pulled"
+    async with open_stand_in() as stand_in:
+        stand_in.add_ollama_model("team/m:v1", gguf)
+        host = stand_in.base_url.removeprefix("http://")
+        p = Puller(root, registries=Registries(), backoff=0.0)  # the default registry is not involved
+        with pytest.raises(RegistryError, match=rf"cannot reach https://{re.escape(host)}"):
+            await p.prepare(f"{host}/team/m:v1")  # https to a plain-HTTP server: refused, nothing kept
+        lines = [line async for line in p.pull(f"{host}/team/m:v1", insecure=True)]
+    check_shape(lines)
+    assert o.OllamaStore(root).resolve(f"{host}/team/m:v1").name == f"{host}/team/m:v1"
+    assert (root / "manifests" / host / "team/m/v1").is_file()

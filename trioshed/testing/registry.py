@@ -105,8 +105,8 @@ class StandIn:
             data = b""
             while b"\r\n\r\n" not in data:
                 chunk = await stream.receive_some(65536)
-                if not chunk or len(data) > 65536:
-                    return
+                if not chunk or len(data) > 65536 or not (data + chunk)[:1].isalpha():
+                    return  # closed, too long, or not HTTP (a TLS handshake): close at once
                 data += chunk
             head = data.split(b"\r\n\r\n", 1)[0].decode("latin-1").split("\r\n")
             method, target, _ = head[0].split(" ", 2)
