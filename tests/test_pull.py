@@ -28,7 +28,8 @@ from trioshed.errors import (
     TrioshedError,
 )
 from trioshed.models import ollama_store as o
-from trioshed.models.pull import Puller, Registries
+from trioshed.models.pull import Puller
+from trioshed.models.registry_client import Registries
 from trioshed.models.stores import Stores
 from trioshed.testing.registry import StandIn, open_stand_in, tree_snapshot
 

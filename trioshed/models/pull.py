@@ -15,6 +15,10 @@ A pull is two steps so that the HTTP edge can answer with the right status befor
    ``digest``/``total``/``completed``, then ``verifying sha256 digest``, ``writing manifest``,
    ``success``). Layers are fetched one after the other, as Ollama does.
 
+The decisions are :mod:`trioshed.models.pull_plan` (pure); the HTTP side (manifests, Hugging
+Face's file list, the token flow) is :mod:`trioshed.models.registry_client`; this module owns the
+downloads and what is written.
+
 How a blob is kept (never half-written, never visible unverified):
 
 * it is downloaded into ``blobs/sha256-<hex>-partial``; its sha256 is checked when it is complete,
@@ -50,88 +54,47 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import json
 import logging
 import os
 import shutil
-from collections.abc import AsyncIterator, Callable, Mapping
-from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import trio
 
-from trioshed import __version__
 from trioshed.errors import Forbidden, InsufficientStorage, RegistryError, TrioshedError
-from trioshed.models import ollama_store as o
 from trioshed.models.pull_plan import (
-    HF_HOST,
-    MANIFEST_V2,
-    MAX_MANIFEST,
     Layer,
     Plan,
-    Target,
     bytes_to_fetch,
     check_digest,
-    choose_hf_files,
     content_range_start,
-    hf_plan,
     manifest_path_parts,
-    not_found,
-    parse_challenge,
-    parse_hf_tree,
-    parse_manifest,
     parse_target,
     progress,
+)
+from trioshed.models.registry_client import (
+    Registries,
+    Session,
+    check_status,
+    fetch_plan,
+    open_client,
+    open_get,
+    session_for,
 )
 
 log = logging.getLogger(__name__)
 
-DEFAULT_OLLAMA_REGISTRY = "https://registry.ollama.ai"
-DEFAULT_HF_ENDPOINT = "https://huggingface.co"
 PULLED = "pulled"  # the pull store's folder inside the first folder store
 CHUNK = 1 << 20  # bytes read and written at a time (and the progress granularity)
 DISK_MARGIN = 64 << 20  # room left free after a pull's downloads, for manifests and the system
-MAX_HF_PAGES = 20  # pages of Hugging Face's file list followed (Link: rel="next")
-
-
-@dataclass(frozen=True)
-class Registries:
-    """Where names are pulled from, and the credentials sent there (see the module docstring)."""
-
-    ollama: str = DEFAULT_OLLAMA_REGISTRY
-    hf: str = DEFAULT_HF_ENDPOINT
-    hf_token: str | None = field(default=None, repr=False)
-    registry_token: str | None = field(default=None, repr=False)
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> Registries:
-        env = os.environ if env is None else env
-        return cls(
-            ollama=(env.get("TRIOSHED_OLLAMA_REGISTRY") or DEFAULT_OLLAMA_REGISTRY).rstrip("/"),
-            hf=(env.get("TRIOSHED_HF_ENDPOINT") or env.get("HF_ENDPOINT") or DEFAULT_HF_ENDPOINT).rstrip("/"),
-            hf_token=env.get("HF_TOKEN") or env.get("HUGGING_FACE_HUB_TOKEN") or None,
-            registry_token=env.get("TRIOSHED_REGISTRY_TOKEN") or None,
-        )
 
 
 def _free_space(path: Path) -> int:
     return shutil.disk_usage(path).free
-
-
-@dataclass
-class _Session:
-    """One pull's connection settings: the registry's base URL and the token it granted."""
-
-    target: Target
-    base: str
-    insecure: bool
-    authorization: str | None = None  # "Bearer ..." once a token is known (HF: HF_TOKEN at once)
-
-    def blob_url(self, layer: Layer) -> str:
-        return layer.url or f"{self.base}/v2/{self.target.repository}/blobs/{layer.digest}"
 
 
 @dataclass(frozen=True)
@@ -139,7 +102,7 @@ class Prepared:
     """A pull whose manifest is known and checked: :meth:`Puller.run` fetches and writes it."""
 
     plan: Plan
-    session: _Session
+    session: Session
 
 
 class _Download:
@@ -170,7 +133,7 @@ class Puller:
     """Pulls into the Ollama-layout store at ``root`` (``<store>/pulled``); one per server.
 
     ``free_space`` (bytes free where blobs go) and ``retries``/``backoff`` are injectable for
-    tests; ``transport`` too (an httpx transport instead of the network).
+    tests.
     """
 
     def __init__(
@@ -181,14 +144,12 @@ class Puller:
         free_space: Callable[[Path], int] = _free_space,
         retries: int = 5,
         backoff: float = 0.5,
-        transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self.root = Path(root) if root is not None else None
         self._registries = registries
         self._free_space = free_space
         self._retries = retries
         self._backoff = backoff
-        self._transport = transport
         self._downloads: dict[str, _Download] = {}
 
     @property
@@ -208,19 +169,6 @@ class Puller:
             )
         return self.root
 
-    @asynccontextmanager
-    async def _client(self, insecure: bool) -> AsyncIterator[httpx.AsyncClient]:
-        kwargs: dict[str, Any] = {"transport": self._transport} if self._transport is not None else {}
-        async with httpx.AsyncClient(
-            trust_env=True,
-            verify=not insecure,
-            follow_redirects=True,
-            timeout=httpx.Timeout(30.0, read=60.0),
-            headers={"User-Agent": f"trioshed/{__version__}"},
-            **kwargs,
-        ) as client:
-            yield client
-
     # -- step 1: the manifest ----------------------------------------------------------------
 
     async def prepare(self, name: object, *, insecure: bool = False) -> Prepared:
@@ -228,55 +176,11 @@ class Puller:
         target = parse_target(name)
         manifest_path_parts(target.name)
         store = self._store()
-        registries = self.registries
-        if target.source == "hf":
-            session = _Session(target, registries.hf, insecure, f"Bearer {registries.hf_token}" if registries.hf_token else None)
-        else:
-            host = target.name.host
-            base = registries.ollama if host.lower() == o.DEFAULT_HOST else f"{'http' if insecure else 'https'}://{host}"
-            session = _Session(target, base, insecure)
-        async with self._client(insecure) as client:
-            plan = await (self._hf_plan if target.source == "hf" else self._ollama_plan)(client, session)
+        session = session_for(target, self.registries, insecure=insecure)
+        async with open_client(insecure) as client:
+            plan = await fetch_plan(client, session)
         await trio.to_thread.run_sync(self._check_space, store, plan)
         return Prepared(plan, session)
-
-    async def _ollama_plan(self, client: httpx.AsyncClient, session: _Session) -> Plan:
-        target = session.target
-        url = f"{session.base}/v2/{target.repository}/manifests/{target.name.tag}"
-        async with self._get(client, session, url, accept=MANIFEST_V2) as response:
-            if response.status_code == 404:
-                raise not_found(target, f"pull model manifest: file does not exist (not in {session.base})")
-            self._check_status(response, f"the manifest of '{target.display}'")
-            raw = await _read_bounded(response, MAX_MANIFEST)
-        return parse_manifest(target, raw)
-
-    async def _hf_plan(self, client: httpx.AsyncClient, session: _Session) -> Plan:
-        target = session.target
-        url: str | None = f"{session.base}/api/models/{target.repository}/tree/main?recursive=true"
-        items: list[Any] = []
-        for _ in range(MAX_HF_PAGES):
-            if url is None:
-                break
-            async with self._get(client, session, url, accept="application/json") as response:
-                if response.status_code in (401, 404) and session.authorization is None and not items:
-                    # Hugging Face answers 401 for a repository that does not exist (or is private)
-                    raise not_found(target, f"hf.co/{target.repository} does not exist (or is private or gated: set HF_TOKEN)")
-                if response.status_code == 404:
-                    raise not_found(target, f"hf.co/{target.repository} does not exist")
-                self._check_status(response, f"the file list of hf.co/{target.repository}")
-                try:
-                    page = json.loads(await _read_bounded(response, 16 << 20))
-                except ValueError:
-                    raise RegistryError(f"Hugging Face's file list of hf.co/{target.repository} is not JSON; nothing was kept") from None
-                items.extend(page if isinstance(page, list) else [page])
-                url = response.links.get("next", {}).get("url")
-        choice = choose_hf_files(target, parse_hf_tree(items))
-
-        def resolve(path: str) -> str:
-            return f"{session.base}/{target.repository}/resolve/main/{path}"
-
-        return hf_plan(target, choice, model_url=resolve(choice.model.path),
-                       projector_url=resolve(choice.projector.path) if choice.projector else "")  # fmt: skip
 
     def _check_space(self, store: Path, plan: Plan) -> None:
         """507 when the blobs still to download do not fit (with :data:`DISK_MARGIN` to spare)."""
@@ -300,72 +204,6 @@ class Puller:
         if needed + DISK_MARGIN > free:
             raise InsufficientStorage(needed + DISK_MARGIN, free, str(store))
 
-    # -- HTTP --------------------------------------------------------------------------------
-
-    @asynccontextmanager
-    async def _get(
-        self, client: httpx.AsyncClient, session: _Session, url: str, *, accept: str | None = None,
-        headers: Mapping[str, str] | None = None,
-    ) -> AsyncIterator[httpx.Response]:  # fmt: skip
-        """GET ``url`` streamed; a 401 with a bearer challenge fetches a token and asks again once.
-        Network failures are a :class:`RegistryError` naming the URL."""
-        request_headers = dict(headers or {})
-        if accept:
-            request_headers["Accept"] = accept
-        for attempt in range(2):
-            if session.authorization:
-                request_headers["Authorization"] = session.authorization
-            try:
-                response = await client.send(client.build_request("GET", url, headers=request_headers), stream=True)
-            except httpx.HTTPError as exc:
-                raise RegistryError(f"cannot reach {_origin(url)}: {exc or type(exc).__name__}; check the network, "
-                                    "the proxy (HTTPS_PROXY) or the registry's URL") from None  # fmt: skip
-            try:
-                challenge = response.headers.get("www-authenticate", "")
-                if response.status_code == 401 and attempt == 0 and challenge.lower().startswith("bearer") and session.target.source != "hf":
-                    await response.aread()
-                    await self._authorize(client, session, challenge)
-                    continue
-                yield response
-                return
-            finally:
-                await response.aclose()
-
-    async def _authorize(self, client: httpx.AsyncClient, session: _Session, challenge: str) -> None:
-        """The Docker token flow: ``GET realm?service=…&scope=…`` → ``{"token": …}``."""
-        _, params = parse_challenge(challenge)
-        realm = params.get("realm", "")
-        if not realm.startswith(("https://", "http://")):
-            raise RegistryError(f"{session.base} asks for a token without a usable realm; nothing was kept")
-        query = {k: v for k, v in params.items() if k in ("service", "scope")}
-        token = self.registries.registry_token
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        try:
-            response = await client.get(realm, params=query, headers=headers)
-        except httpx.HTTPError as exc:
-            raise RegistryError(f"cannot reach the token service {_origin(realm)}: {exc}") from None
-        if response.status_code != 200:
-            raise RegistryError(
-                f"the registry's token service refused access (HTTP {response.status_code}); "
-                "set TRIOSHED_REGISTRY_TOKEN if the model needs credentials"
-            )
-        try:
-            data = response.json()
-        except ValueError:
-            data = None
-        granted = (data.get("token") or data.get("access_token")) if isinstance(data, dict) else None
-        if not isinstance(granted, str) or not granted:
-            raise RegistryError("the registry's token service answered without a token")
-        session.authorization = f"Bearer {granted}"
-
-    def _check_status(self, response: httpx.Response, what: str) -> None:
-        if response.status_code == 200:
-            return
-        if response.status_code in (401, 403):
-            hint = "set HF_TOKEN" if "hf" in what or HF_HOST in what else "set TRIOSHED_REGISTRY_TOKEN"
-            raise RegistryError(f"the registry refused {what} (HTTP {response.status_code}); {hint} if it needs credentials")
-        raise RegistryError(f"the registry answered HTTP {response.status_code} for {what}; nothing was kept")
-
     # -- step 2: the blobs and the manifest --------------------------------------------------
 
     async def run(self, prepared: Prepared) -> AsyncIterator[dict[str, Any]]:
@@ -381,7 +219,7 @@ class Puller:
         try:
             await trio.to_thread.run_sync(lambda: blobs.mkdir(parents=True, exist_ok=True))
             yield progress("pulling manifest")
-            async with self._client(session.insecure) as client:
+            async with open_client(session.insecure) as client:
                 for layer in plan.layers:
                     async for line in self._fetch(client, session, blobs, layer):
                         yield line
@@ -419,7 +257,7 @@ class Puller:
             tmp.unlink(missing_ok=True)
             raise
 
-    async def _fetch(self, client: httpx.AsyncClient, session: _Session, blobs: Path, layer: Layer) -> AsyncIterator[dict[str, Any]]:
+    async def _fetch(self, client: httpx.AsyncClient, session: Session, blobs: Path, layer: Layer) -> AsyncIterator[dict[str, Any]]:
         status = f"pulling {layer.short}"
         check_digest(layer.digest)
         final = blobs / f"sha256-{layer.hex}"
@@ -450,7 +288,7 @@ class Puller:
             # finished, or its owner was cancelled (then this pull takes over from the partial file)
 
     async def _download(
-        self, client: httpx.AsyncClient, session: _Session, blobs: Path, layer: Layer, download: _Download
+        self, client: httpx.AsyncClient, session: Session, blobs: Path, layer: Layer, download: _Download
     ) -> AsyncIterator[int]:
         """Bytes completed, as they arrive; then verify and rename. A layer made here (``data``)
         is written at once."""
@@ -491,12 +329,12 @@ class Puller:
             )
 
     async def _receive(
-        self, client: httpx.AsyncClient, session: _Session, url: str, partial: Path, layer: Layer, have: int
+        self, client: httpx.AsyncClient, session: Session, url: str, partial: Path, layer: Layer, have: int
     ) -> AsyncIterator[int]:
         """One GET of the rest of the blob (``Range`` from ``have``), appended to the partial file."""
         headers = {"Range": f"bytes={have}-"} if have else {}
         try:
-            async with self._get(client, session, url, headers=headers) as response:
+            async with open_get(client, session, url, headers=headers) as response:
                 if response.status_code == 206 and content_range_start(response.headers.get("content-range"), layer.size) == have:
                     mode = "ab"
                 elif response.status_code == 200:
@@ -504,7 +342,7 @@ class Puller:
                 elif response.status_code == 404:
                     raise RegistryError(f"the registry has no blob {layer.digest} although the manifest names it; nothing was kept")
                 else:
-                    self._check_status(response, f"blob {layer.short}")
+                    check_status(response, f"blob {layer.short}")
                     raise AssertionError("unreachable")  # pragma: no cover
                 length = response.headers.get("content-length")
                 if length is not None and length.isdigit() and have + int(length) != layer.size:
@@ -572,26 +410,3 @@ def _verify(partial: Path, final: Path, layer: Layer) -> bool:
         return False
     os.replace(partial, final)
     return True
-
-
-async def _read_bounded(response: httpx.Response, limit: int) -> bytes:
-    data = bytearray()
-    async for chunk in response.aiter_bytes():
-        data += chunk
-        if len(data) > limit:
-            raise RegistryError(f"{_origin(str(response.url))} sent more than {limit} bytes where a small document was expected")
-    return bytes(data)
-
-
-def _origin(url: str) -> str:
-    try:
-        parsed = httpx.URL(url)
-        return f"{parsed.scheme}://{parsed.netloc.decode()}"
-    except Exception:  # only for a message
-        return url[:80]
-
-
-def pull_store(first_folder_store: Path | None) -> Path | None:
-    """Where pulled models go: ``<folder store>/pulled``."""
-    return None if first_folder_store is None else first_folder_store / PULLED
-
