@@ -246,7 +246,7 @@ class Puller:
     def _write_manifest(self, store: Path, plan: Plan) -> None:
         path = store.joinpath("manifests", *manifest_path_parts(plan.target.name))
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.parent / f".{path.name}.{os.getpid()}.{id(plan)}.tmp"
+        tmp = store / f".manifest.{os.getpid()}.{id(plan)}.tmp"  # outside manifests/: never listed
         try:
             with open(tmp, "wb") as f:
                 f.write(plan.manifest)
