@@ -22,10 +22,12 @@ serve: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# schemathesis against /openapi.json of a real server: 100 examples per operation, random seed
-# (make test runs the same test with 3 and seed 1)
+# Open-ended search, fresh random seeds each run (make test runs the same tests seeded):
+# schemathesis against /openapi.json of a real server (100 examples per operation; make test
+# runs 3 with seed 1) and the hypothesis property tests (make test: derandomized).
 fuzz: $(STAMP)
 	TRIOSHED_FUZZ_EXAMPLES=100 $(PY) -m pytest -q -s tests/test_fuzz.py
+	$(PY) -m pytest -q -p no:cacheprovider --hypothesis-profile=fuzz --hypothesis-show-statistics tests/test_sched_property.py tests/test_placement.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check trioshed tests bench

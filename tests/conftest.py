@@ -10,6 +10,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from hypothesis import settings as hypothesis_settings
 
 from tests.fixtures_models import (  # noqa: F401
     gemma_model,
@@ -19,6 +20,13 @@ from tests.fixtures_models import (  # noqa: F401
     tiny_shapes,
 )
 from trioshed.testing.tiny import write_tiny_model
+
+# Property tests are the same on every run of `make test`: derandomized (examples drawn from a
+# fixed seed) and no example database to replay from. `make fuzz` searches with fresh seeds
+# (--hypothesis-profile=fuzz); pin what it finds as an @example.
+hypothesis_settings.register_profile("seeded", derandomize=True, database=None, print_blob=True)
+hypothesis_settings.register_profile("fuzz", derandomize=False, print_blob=True)
+hypothesis_settings.load_profile("seeded")
 
 # Every process started by this session inherits this marker: it finds leaked children even
 # after they were re-parented.

@@ -137,6 +137,26 @@ def issue_9_world() -> World:
     return World(machine, {"cuda:0": 0, CPU_ID: 0}, (tiny, big), requests, False)
 
 
+def seed_117_world() -> World:
+    """What ``--hypothesis-seed=117`` found: a (idle, ready) is handed request 100 and, in the
+    same plan, evicted for 102's reload (other options): it serves 100 before it goes, so with
+    d loading and b's load started the machine holds its 3 runners and c must wait. The
+    property had counted a as gone at once (an idle evicted runner), not the planner."""
+    a_opts, cpu_opts = RunnerOptions(num_parallel=2), RunnerOptions(num_parallel=2, num_gpu=0)
+    half = GiB // 2
+    a = RunnerView(1, spec("a"), a_opts, RunnerState.READY, 0, False, 0.0, 0.0, (("cuda:0", half),))
+    d = RunnerView(2, spec("d"), a_opts, RunnerState.LOADING, 0, False, 0.0, 0.0, (("cuda:0", half),))
+    gpu = Device("cuda:0", "cuda", 0, 4 * GiB, 4 * GiB - half)
+    requests = (
+        RequestView(100, spec("a"), a_opts, estimate(half, 1)),
+        RequestView(101, spec("b"), a_opts, estimate(half, 1)),
+        RequestView(102, spec("a"), cpu_opts, estimate(half, 1)),
+        RequestView(103, spec("c"), a_opts, estimate(half, 1)),
+    )
+    machine = Machine(gpus=(gpu,), system=Device(CPU_ID, CPU_ID, 0, 4 * GiB, 4 * GiB), max_loaded=3)
+    return World(machine, {"cuda:0": 0, CPU_ID: 0}, (a, d), requests, False)
+
+
 def run(world: World, requests: Sequence[RequestView]) -> Plan:
     return plan(requests, world.runners, world.machine, place=world.place(), now=1000.0)  # type: ignore[arg-type]
 
@@ -164,14 +184,18 @@ def totals(world: World, p: Plan) -> tuple[Counter[str], Counter[str], int, int]
     kept = sum(1 for r in world.runners if not leaving(r) and r.id not in evicted)
     reserved = sum(1 for w in p.waits if w.reserved)
     # An idle runner that is leaving (or evicted by this plan) is stopped at once: it holds its
-    # memory until it exits, but no longer counts as a loaded runner.
-    serving = sum(1 for r in world.runners if r.leases > 0 or not (leaving(r) or r.id in evicted))
+    # memory until it exits, but no longer counts as a loaded runner. A runner this plan hands
+    # a request to is not idle: it serves that request before it goes (seed 117 found a runner
+    # dispatched to and evicted for a reload in one plan counted as already gone).
+    dispatched = {a.runner for a in p if isinstance(a, Dispatch)}
+    serving = sum(1 for r in world.runners if r.leases > 0 or r.id in dispatched or not (leaving(r) or r.id in evicted))
     return now, after, serving + len(loads), kept + len(loads) + reserved
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(worlds())
 @example(issue_9_world())
+@example(seed_117_world())
 def test_a_plan_never_over_commits_now_or_after_evictions(world: World) -> None:
     p = run(world, world.requests)
     now, after, count_now, count_after = totals(world, p)
@@ -220,6 +244,7 @@ def loads_at_once(world: World, before: Plan, req: RequestView) -> bool:
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(worlds())
 @example(issue_9_world())
+@example(seed_117_world())
 def test_a_plan_never_makes_a_request_wait_that_could_load_at_once(world: World) -> None:
     full = run(world, world.requests)
     acted = {getattr(a, "request", None) for a in full}
@@ -237,3 +262,11 @@ def test_a_plan_never_makes_a_request_wait_that_could_load_at_once(world: World)
         if any(r.key == req.key and r.id not in acted for r in world.requests[:i]):
             continue  # one like it waits ahead: they share one load
         assert not loads_at_once(world, before, req), (req, before, before.waits, full)
+
+
+def test_seed_117_a_runner_handed_a_request_then_evicted_still_counts() -> None:
+    world = seed_117_world()
+    p = run(world, world.requests)
+    assert Dispatch(100, 1) in list(p) and any(isinstance(a, Evict) and a.runner == 1 for a in p)
+    assert [w.request for w in p.waits if w.request == 103]  # c waits: 3 runners are the most
+    assert totals(world, p)[2] == world.machine.max_loaded
