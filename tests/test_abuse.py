@@ -73,7 +73,7 @@ async def test_slow_headers_are_cut_off_after_the_idle_timeout(model_store: Path
             started = trio.current_time()
             async with stream:
                 try:
-                    for byte in b"POST /api/generate HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 1000:
+                    for byte in b"POST /api/generate HTTP/1.1\r\nHost: localhost\r\nX-Slow: " + b"a" * 1000:
                         await stream.send_all(bytes([byte]))
                         with trio.move_on_after(0.2):
                             if await stream.receive_some(1) == b"":
@@ -120,7 +120,7 @@ async def test_a_100_kb_request_line_is_refused_and_closed(model_store: Path) ->
         async with stream:
             with trio.fail_after(10):
                 try:
-                    await stream.send_all(b"GET /" + b"a" * 100_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+                    await stream.send_all(b"GET /" + b"a" * 100_000 + b" HTTP/1.1\r\nHost: localhost\r\n\r\n")
                 except trio.BrokenResourceError:
                     pass
                 answer = await read_until_closed(stream)
@@ -136,7 +136,7 @@ async def test_an_endless_chunked_body_is_cut_at_the_body_limit(model_store: Pat
         async def endless() -> None:
             nonlocal sent
             chunk = b"%x\r\n%s\r\n" % (65536, b"x" * 65536)
-            await stream.send_all(b"POST /api/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
+            await stream.send_all(b"POST /api/generate HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
             try:
                 while True:
                     await stream.send_all(chunk)
@@ -162,7 +162,7 @@ def reset(sock: trio.SocketStream) -> None:
 async def test_clients_resetting_mid_stream_release_their_leases(model_store: Path) -> None:
     async with abused_server(model_store) as server:
         body = json.dumps({"model": "tiny", "prompt": "hi", "options": {"num_predict": 1000, "temperature": 1}}).encode()
-        request = b"POST /api/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        request = b"POST /api/generate HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
         for _ in range(10):
             stream = await trio.open_tcp_stream("127.0.0.1", port_of(server))
             await stream.send_all(request)

@@ -109,7 +109,7 @@ async def test_a_401_decided_before_the_body_arrived_keeps_the_connection_usable
     """The answer is ready from the headers alone; the body comes 0.3 s later. The connection
     stays usable for the next request (it was closed under the client's feet)."""
     body = b'{"model": "tiny"}'
-    head = b"POST /api/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+    head = b"POST /api/generate HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
     with trio.fail_after(30):
         async with open_test_server(model_store, api_key=KEY) as server:
             stream = await trio.open_tcp_stream("127.0.0.1", int(server.base_url.rsplit(":", 1)[1]))
@@ -121,7 +121,7 @@ async def test_a_401_decided_before_the_body_arrived_keeps_the_connection_usable
                 while b"API key" not in answer:
                     answer += await stream.receive_some(4096)
                 assert answer.startswith(b"HTTP/1.1 401") and b"connection: close" not in answer.lower()
-                await stream.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+                await stream.send_all(b"GET / HTTP/1.1\r\nHost: localhost\r\n\r\n")
                 answer = b""
                 while b"Ollama is running" not in answer:
                     chunk = await stream.receive_some(4096)

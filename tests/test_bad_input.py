@@ -138,7 +138,7 @@ async def test_a_50_mb_body_is_413_with_connection_close(model_store: Path, chun
         async with open_test_server(model_store, **({"max_body": 1 << 20} if chunked else {})) as server:
             port = int(server.base_url.rsplit(":", 1)[1])
             size = 50 * 1000 * 1000
-            head = b"POST /api/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            head = b"POST /api/generate HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
             piece = b'{"model": "tiny", "prompt": "' + b"x" * (1 << 20)
             if chunked:  # the first 2 MiB of 50 MB, in 1 MiB chunks
                 body = b"".join(b"%x\r\n%s\r\n" % (len(piece), piece) for _ in range(server.settings.max_body // len(piece) + 1))

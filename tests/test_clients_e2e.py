@@ -127,7 +127,7 @@ async def test_management_routes_with_the_official_client(model_store: Path, oll
             host, port = server.base_url.removeprefix("http://").rsplit(":", 1)
             sock = await trio.open_tcp_stream(host, int(port))
             async with sock:
-                await sock.send_all(b"POST /api/blobs/sha256:" + b"1" * 64 + b" HTTP/1.1\r\nHost: x\r\n"
+                await sock.send_all(b"POST /api/blobs/sha256:" + b"1" * 64 + b" HTTP/1.1\r\nHost: localhost\r\n"
                                     b"Content-Length: 4000000000\r\n\r\nGGUF")  # fmt: skip
                 answer = b""
                 while b"\r\n\r\n" not in answer:

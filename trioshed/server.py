@@ -11,7 +11,6 @@ scheduler stops and reaps every runner. SIGHUP re-reads ``models.toml`` (:mod:`t
 from __future__ import annotations
 
 import functools
-import ipaddress
 import logging
 import os
 import signal
@@ -21,6 +20,7 @@ from functools import partial
 import trio
 
 from trioshed import systemd
+from trioshed.access import is_loopback
 from trioshed.api.app import create_app
 from trioshed.api.drain import Drain
 from trioshed.api.http import ConnectionStats, hypercorn_config, serve_http
@@ -142,12 +142,17 @@ async def serve(
     app = Drain(create_app(state), idle_timeout=settings.stream_idle_timeout)  # type: ignore[arg-type]
     config = hypercorn_config(settings)
     connections = ConnectionStats(settings.max_connections)
-    if not settings.api_key and not is_loopback(settings.host):
-        log.warning(
-            "listening on %s without TRIOSHED_API_KEY: anyone who can reach this address can run and "
-            "unload models; set TRIOSHED_API_KEY or bind to 127.0.0.1",
-            settings.host,
-        )
+    if not is_loopback(settings.host):
+        # the Host check against DNS rebinding applies to loopback listeners only (trioshed.access)
+        if settings.api_key:
+            log.info("listening on %s: Host names are not checked; TRIOSHED_API_KEY guards every route", settings.host)
+        else:
+            log.warning(
+                "listening on %s without TRIOSHED_API_KEY: anyone who can reach this address (and any web "
+                "page re-pointing a name at it: Host names are not checked off loopback) can run and "
+                "unload models; set TRIOSHED_API_KEY or bind to 127.0.0.1",
+                settings.host,
+            )
     log.info(
         "devices: %s (%s); llama-server: %s, %s; RPC servers: %s",
         ", ".join(f"{d.id} {d.total / 2**30:.1f} GiB" for d in devices.gpus) or "CPU only",
@@ -202,16 +207,6 @@ async def _drain_on_request(drain: Drain, scheduler: Scheduler, grace: float, ht
     scheduler.close_queue()
     await drain.cut()
     http_stopped.set()
-
-
-def is_loopback(host: str) -> bool:
-    """``127.0.0.1``, ``::1``, ``localhost``: reachable from this machine only."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _status(scheduler: Scheduler, drain: Drain) -> str:

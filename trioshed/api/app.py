@@ -8,15 +8,16 @@ anything unexpected becomes a 500 with a short message (never a traceback).
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
+import socket
 from typing import Any
 
 from quart import Response, has_request_context, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
+from trioshed import access
 from trioshed.api import (
     embed,
     limits,
@@ -31,17 +32,19 @@ from trioshed.api import (
 )
 from trioshed.api.protocols.errors import error_body
 from trioshed.api.state import AppState
-from trioshed.errors import ModelNotFound, PayloadTooLarge, TrioshedError, Unauthorized
+from trioshed.errors import Forbidden, ModelNotFound, PayloadTooLarge, TrioshedError, Unauthorized
 
 log = logging.getLogger(__name__)
 
 BODY_TIMEOUT = 120  # seconds for a whole request body (408 after): 32 MiB at >= 0.27 MB/s
-_LOCAL_ORIGINS = ("http://localhost", "https://localhost", "http://127.0.0.1", "https://127.0.0.1", "app://", "file://", "tauri://")
+#: What a browser may send cross-origin (the official JS clients' headers included).
+_ALLOW_HEADERS = "Authorization, Content-Type, User-Agent, Accept, X-Requested-With, x-api-key, anthropic-version"
 
 
 #: Routes that answer without reading the body (501, see trioshed.api.manage): a blob upload of
 #: any size gets that answer rather than 413.
 _UNREAD_BODIES = ("/api/blobs/", "/api/create", "/api/push", "/api/pull")
+
 
 def _json_error(status: int, message: str, headers: dict[str, str] | None = None, code: str | None = None) -> Response:
     """The error answer in the shape of the protocol serving the request's path."""
@@ -69,19 +72,33 @@ def create_app(state: AppState) -> QuartTrio:
     app.register_blueprint(openapi.bp)
     app.config["TRIOSHED_METRICS"] = metrics.Metrics(state.scheduler)
     observe.install(app, app.config["TRIOSHED_METRICS"], log_json=state.settings.log_format == "json")
-    origins = state.settings.origins
+    origins = access.allowed_origins(state.settings.origins)
+    check_host = access.is_loopback(state.settings.host)  # else the API key guards (serve says so)
+    hostname = socket.gethostname()
     api_key = state.settings.api_key
-    expected_auth = f"Bearer {api_key}".encode()
+
+    def origin_ok(origin: str) -> bool:
+        return access.same_origin(origin, request.headers.get("Host", "")) or access.origin_allowed(origin, origins)
 
     @app.before_request
     async def _guard() -> Response | None:
+        # Origin and Host first: a request from a page that is not allowed does nothing at all
+        origin = request.headers.get("Origin")
+        host = request.headers.get("Host")
+        if origin is not None and not origin_ok(origin):
+            raise Forbidden(f"origin {origin[:200]!r} is not allowed; add it to TRIOSHED_ORIGINS to allow it")
+        if check_host and not access.host_allowed(host, hostname):
+            raise Forbidden(
+                f"host {(host or '')[:200]!r} is not allowed: a server on a loopback address answers only to "
+                "localhost, *.localhost, its IP addresses and this machine's name"
+            )
         if request.method == "OPTIONS":
             return Response("", status=204)  # CORS preflight: browsers send it without credentials
         if api_key and not (request.path == "/" and request.method in ("GET", "HEAD")):
-            auth = request.headers.get("Authorization", "")
-            # constant time: the comparison must not tell how much of a guess was right
-            if not hmac.compare_digest(auth.encode(), expected_auth):
-                raise Unauthorized("missing or wrong API key: send 'Authorization: Bearer <TRIOSHED_API_KEY>'")
+            if not access.key_matches(request.headers.get("Authorization"), request.headers.get("x-api-key"), api_key):
+                raise Unauthorized(
+                    "missing or wrong API key: send 'Authorization: Bearer <TRIOSHED_API_KEY>' or 'x-api-key: <TRIOSHED_API_KEY>'"
+                )
         length = request.content_length
         if request.path.startswith(_UNREAD_BODIES):
             return None
@@ -93,10 +110,10 @@ def create_app(state: AppState) -> QuartTrio:
     @app.after_request
     async def _cors(response: Response) -> Response:
         origin = request.headers.get("Origin")
-        if origin and (origin in origins or "*" in origins or origin.startswith(_LOCAL_ORIGINS)):
+        if origin and origin_ok(origin):
             response.headers["Access-Control-Allow-Origin"] = origin
             response.headers["Vary"] = "Origin"
-            response.headers["Access-Control-Allow-Headers"] = "Authorization, Content-Type"
+            response.headers["Access-Control-Allow-Headers"] = _ALLOW_HEADERS
             response.headers["Access-Control-Allow-Methods"] = "GET, POST, DELETE, HEAD, OPTIONS"
         return response
 

@@ -140,9 +140,12 @@ class UpstreamPool:
     Owned by its runner, which closes it (``aclose``) before the child stops.
     """
 
-    def __init__(self, port: int, *, host: str = "127.0.0.1", max_idle: int = 16, connect_timeout: float = 10.0) -> None:
+    def __init__(
+        self, port: int, *, host: str = "127.0.0.1", max_idle: int = 16, connect_timeout: float = 10.0, api_key: str | None = None
+    ) -> None:
         self.host = host
         self.port = port
+        self._api_key = api_key  # the runner's secret, sent with every request (never logged)
         self.max_idle = max_idle
         self.connect_timeout = connect_timeout
         self._idle: list[_Connection] = []
@@ -164,7 +167,7 @@ class UpstreamPool:
         Raises :class:`ConnectionFailed` when no answer could be had (after the one retry that
         a stale pooled connection earns).
         """
-        data = request_head(method, path, self.port, len(body), content_type) + body
+        data = request_head(method, path, self.port, len(body), content_type, self._api_key) + body
         connection = self._take_idle()
         reused = connection is not None
         if connection is None:

@@ -3,8 +3,16 @@
 ``open_llama_server()`` starts the child under ``trio.run_process`` in a nursery it owns, drains
 its output into a bounded tail (and the memory-log parser), waits until ``GET /health`` answers
 200, and yields a :class:`LlamaServer`. Leaving the block stops the child: SIGTERM, a grace
-period, SIGKILL, reaped. The child carries a parent-death signal, so a killed trioshed leaves no
-orphan.
+period, SIGKILL, reaped. The child carries a parent-death signal, SIGKILL (a stopped child does
+not act on SIGTERM until continued, so SIGTERM left orphans), so a killed trioshed leaves no orphan.
+
+Only trioshed may talk to a child: each gets a random secret (``LLAMA_API_KEY``, in its
+environment rather than on its command line, which every local user can read), sent by its
+:class:`UpstreamPool`; only ``/health`` (and ``/models``) answer without it. Its CORS is closed
+(``LLAMA_ARG_CORS_ORIGINS`` names an origin no page can have, without credentials): by default
+llama-server echoes any ``Origin`` with credentials allowed, so any web page that found the
+port could read answers past every check trioshed makes. Environment variables, because a
+llama-server too old to know them ignores them where an unknown flag would stop it.
 
 Cancellation: cancelling the enclosing scope at any point (during the load too) stops and reaps
 the child before the cancellation propagates.
@@ -17,6 +25,7 @@ import functools
 import logging
 import math
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -45,11 +54,23 @@ output_log = logging.getLogger("trioshed.runner.output")
 
 _PR_SET_PDEATHSIG = 1
 _TAIL_LINES = 200
+#: The only origin a runner's CORS allows: reserved (RFC 2606), so no web page has it.
+CLOSED_CORS_ORIGIN = "http://trioshed.invalid"
+
+
+def runner_environment(base: dict[str, str] | None, secret: str) -> dict[str, str]:
+    """The child's environment: ``base`` (else trioshed's), its secret and closed CORS."""
+    env = dict(base) if base else dict(os.environ)
+    env["LLAMA_API_KEY"] = secret
+    env["LLAMA_ARG_CORS_ORIGINS"] = CLOSED_CORS_ORIGIN
+    env["LLAMA_ARG_CORS_CREDENTIALS"] = "false"
+    env.pop("LLAMA_ARG_API_KEY_FILE", None)  # would add keys trioshed does not hold
+    return env
 
 
 def _set_parent_death_signal() -> None:  # runs in the child between fork and exec
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:
         pass
 
@@ -139,7 +160,7 @@ def _setpriv() -> str | None:
 def _launch(argv: list[str], env: dict[str, str] | None) -> tuple[list[str], Callable[[], None] | None]:
     """The argv to spawn and the ``preexec_fn``: the child must carry a parent-death signal.
 
-    ``setpriv --pdeathsig TERM`` sets it, then ``/bin/sh`` checks that its parent is still
+    ``setpriv --pdeathsig KILL`` sets it, then ``/bin/sh`` checks that its parent is still
     trioshed (had trioshed died before the signal was set, it would never come) and execs the
     binary: the same pid throughout. Without a ``preexec_fn`` Python spawns with vfork: measured
     in a server-sized process, ``Popen`` took 0.3-0.6 ms against 16-17 ms with ``preexec_fn`` (a
@@ -154,7 +175,7 @@ def _launch(argv: list[str], env: dict[str, str] | None) -> tuple[list[str], Cal
     if setpriv is None or not os.access(_SH, os.X_OK) or not (os.path.isfile(exe) and os.access(exe, os.X_OK)):
         return argv, _set_parent_death_signal
     still_ours = f'[ "$PPID" = {os.getpid()} ] && exec "$@"'
-    return [setpriv, "--pdeathsig", "TERM", "--", _SH, "-c", still_ours, "llama-server", exe, *argv[1:]], None
+    return [setpriv, "--pdeathsig", "KILL", "--", _SH, "-c", still_ours, "llama-server", exe, *argv[1:]], None
 
 
 def _spawn(argv: list[str], env: dict[str, str] | None) -> tuple[ChildProcess, trio.lowlevel.FdStream]:
@@ -203,7 +224,8 @@ class LlamaServer:
         self._load_timeout = math.inf
         # The runner's pool of keep-alive connections (closed in open_llama_server before the
         # child is stopped); every request to this child goes through it.
-        self.upstream = UpstreamPool(port, max_idle=max(8, 4 * options.num_parallel))
+        self.secret = secrets.token_urlsafe(32)  # the child's API key: only trioshed holds it
+        self.upstream = UpstreamPool(port, max_idle=max(8, 4 * options.num_parallel), api_key=self.secret)
 
     @property
     def pid(self) -> int | None:
@@ -297,7 +319,7 @@ class LlamaServer:
         """Own the child from spawn to reaping; cancellation stops it (SIGTERM, grace, SIGKILL)."""
         try:
             try:
-                self.process, output = _spawn(argv, dict(config.env) if config.env else None)
+                self.process, output = _spawn(argv, runner_environment(dict(config.env), self.secret))
             except OSError as exc:
                 raise LoadFailed(f"cannot start llama-server {argv[0]!r}: {exc}") from None
             task_status.started()

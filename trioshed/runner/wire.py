@@ -20,9 +20,14 @@ class ProtocolError(Exception):
     """The upstream sent something that is not an HTTP/1.1 answer we can read."""
 
 
-def request_head(method: str, path: str, port: int, body_length: int, content_type: str = "application/json") -> bytes:
-    """The head of a request with a ``Content-Length`` body (keep-alive is HTTP/1.1's default)."""
+def request_head(
+    method: str, path: str, port: int, body_length: int, content_type: str = "application/json", api_key: str | None = None
+) -> bytes:
+    """The head of a request with a ``Content-Length`` body (keep-alive is HTTP/1.1's default);
+    ``api_key`` is the runner's secret (see ``trioshed.runner.process``)."""
     head = f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+    if api_key:
+        head += f"Authorization: Bearer {api_key}\r\n"
     if method != "GET" or body_length:
         head += f"Content-Type: {content_type}\r\nContent-Length: {body_length}\r\n"
     return (head + "\r\n").encode("ascii")
