@@ -32,6 +32,9 @@ hypothesis_settings.load_profile("seeded")
 # after they were re-parented.
 SESSION_MARK = f"TRIOSHED_TEST_SESSION={uuid.uuid4().hex}"
 os.environ["TRIOSHED_TEST_SESSION"] = SESSION_MARK.partition("=")[2]
+# trioshed servers started as processes never write saved slots into the user's cache folder;
+# tests of warm returns turn them on with a folder of their own.
+os.environ["TRIOSHED_KV_CACHE_BUDGET"] = "0"
 
 
 def session_llama_servers() -> list[psutil.Process]:

@@ -39,6 +39,10 @@ max_body = "16MiB"
 http_idle_timeout = 45
 max_connections = 256
 allow_symlinks = true
+kv_cache_dir = "kv"
+kv_cache_budget = "2GiB"
+kv_save_timeout = "3s"
+cache_ram = "256MiB"
 """
 
 
@@ -62,6 +66,7 @@ def test_every_setting_can_be_given_in_the_file(tmp_path: Path) -> None:
     assert s.log_format == "json"
     assert (s.shutdown_timeout, s.stream_idle_timeout, s.max_body) == (20, 120, 16 * 2**20)
     assert (s.http_idle_timeout, s.max_connections, s.allow_symlinks) == (45, 256, True)
+    assert (s.kv_cache_dir, s.kv_cache_budget, s.kv_save_timeout, s.cache_ram) == (tmp_path / "kv", 2 * 2**30, 3, 256 * 2**20)
     # the file covers every TRIOSHED_* setting there is
     assert set(load_settings_file(path)) - {"port"} == set(SETTING_NAMES)
 

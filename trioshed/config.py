@@ -194,6 +194,14 @@ class Settings:
     http_idle_timeout: float = 30.0
     max_connections: int = 512
     allow_symlinks: bool = False
+    #: Warm returns: where slots are saved before an unload, the disk budget (0 disables the
+    #: feature) and how long an unload waits for a save (trioshed.runner.slots).
+    kv_cache_dir: Path = field(default_factory=lambda: _cache_home() / "trioshed" / "kv")
+    kv_cache_budget: int = 4 * 1024**3
+    kv_save_timeout: float = 5.0
+    #: llama-server's ``--cache-ram`` per runner (host-memory prompt cache), counted in its
+    #: system-memory estimate; 0 turns that cache off.
+    cache_ram: int = 1024**3
 
     @classmethod
     def from_env(
@@ -227,6 +235,10 @@ class Settings:
 
     def with_(self, **changes: object) -> Settings:
         return replace(self, **changes)  # type: ignore[arg-type]
+
+
+def _cache_home() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
 
 
 def _kv_cache_type(value: str) -> str:
@@ -288,6 +300,10 @@ _PARSERS: dict[str, Callable[[str], object]] = {
     "http_idle_timeout": lambda v: _positive_timeout(parse_duration(v)),
     "max_connections": _at_least(1),
     "allow_symlinks": _bool,
+    "kv_cache_dir": lambda v: Path(v).expanduser(),
+    "kv_cache_budget": parse_bytes,
+    "kv_save_timeout": lambda v: _positive_timeout(parse_duration(v)),
+    "cache_ram": parse_bytes,
 }
 SETTING_NAMES = tuple(_PARSERS)
 
@@ -320,7 +336,7 @@ def load_settings_file(path: Path) -> dict[str, object]:
         try:
             raw = _file_value(key, value)
             relative = not Path(raw).expanduser().is_absolute()
-            if relative and (key == "models" or (key == "llama_server" and "/" in raw)):
+            if relative and (key in ("models", "kv_cache_dir") or (key == "llama_server" and "/" in raw)):
                 raw = str(Path(path).parent / raw)  # a bare llama_server name is looked up on PATH
             kwargs.update(_parse_setting(key, raw))
         except ValueError as exc:

@@ -38,6 +38,8 @@ from trioshed.reload import reload_on_sighup
 from trioshed.runner.binary import LlamaBinary, describe_build, find_llama_server
 from trioshed.runner.command import LaunchConfig
 from trioshed.runner.process import open_llama_server
+from trioshed.runner.slots import WarmReturns
+from trioshed.runner.slotstore import SlotStore
 from trioshed.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -83,13 +85,22 @@ class Server:
         return self.urls[0]
 
 
-def build_scheduler(settings: Settings, devices: DeviceSource, binary: LlamaBinary, record: list[tuple[str, str]] | None = None) -> Scheduler:
+def build_warm_returns(settings: Settings) -> WarmReturns:
+    """Saved slots (warm returns) in TRIOSHED_KV_CACHE_DIR; off when the budget is 0."""
+    return WarmReturns(SlotStore(settings.kv_cache_dir, settings.kv_cache_budget), settings.kv_save_timeout)
+
+
+def build_scheduler(
+    settings: Settings, devices: DeviceSource, binary: LlamaBinary, record: list[tuple[str, str]] | None = None,
+    warm: WarmReturns | None = None,
+) -> Scheduler:
     launch = LaunchConfig(
         binary=binary.path,
         env=tuple(binary.env.items()),
         load_timeout=settings.load_timeout,
         verbose=settings.runner_verbose,
         accounting_only=devices.accounting_only,
+        warm=warm,
     )
     remote = None
     if settings.rpc_servers:
@@ -136,9 +147,15 @@ async def serve(
     await check_addresses(settings.rpc_servers, allow_public=settings.rpc_allow_public)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream request otherwise
     devices = discover(settings.devices)
-    scheduler = build_scheduler(settings, devices, binary, record)
+    warm = build_warm_returns(settings)
+    try:
+        await warm.open()
+    except OSError as exc:
+        log.warning("warm returns off: cannot use TRIOSHED_KV_CACHE_DIR %s: %s", settings.kv_cache_dir, exc)
+        warm = WarmReturns(SlotStore(settings.kv_cache_dir, 0), settings.kv_save_timeout)
+    scheduler = build_scheduler(settings, devices, binary, record, warm=warm)
     store = Stores(settings.models, allow_symlinks=settings.allow_symlinks)
-    state = AppState(settings=settings, store=store, scheduler=scheduler)
+    state = AppState(settings=settings, store=store, scheduler=scheduler, warm=warm)
     app = Drain(create_app(state), idle_timeout=settings.stream_idle_timeout)  # type: ignore[arg-type]
     config = hypercorn_config(settings)
     connections = ConnectionStats(settings.max_connections)

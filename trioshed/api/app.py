@@ -70,7 +70,7 @@ def create_app(state: AppState) -> QuartTrio:
     app.register_blueprint(manage.bp)
     app.register_blueprint(pull.bp)
     app.register_blueprint(openapi.bp)
-    app.config["TRIOSHED_METRICS"] = metrics.Metrics(state.scheduler)
+    app.config["TRIOSHED_METRICS"] = metrics.Metrics(state.scheduler, warm=state.warm)
     observe.install(app, app.config["TRIOSHED_METRICS"], log_json=state.settings.log_format == "json")
     origins = access.allowed_origins(state.settings.origins)
     check_host = access.is_loopback(state.settings.host)  # else the API key guards (serve says so)

@@ -25,6 +25,7 @@ from prometheus_client.metrics import disable_created_metrics
 from prometheus_client.process_collector import ProcessCollector
 from quart import Blueprint, Response, current_app
 
+from trioshed.runner.slots import WarmReturns
 from trioshed.scheduler import Scheduler, SchedulerStatistics
 from trioshed.scheduler.events import SchedulerEvent
 from trioshed.trace import RequestTrace
@@ -148,12 +149,42 @@ def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, value=value)
 
 
+#: Warm returns' running totals (``WarmReturns.statistics()``) → ``trioshed_kv_<field>_total``.
+WARM_COUNTERS: dict[str, str] = {
+    "saves": "Slots saved to disk before their runner stopped.",
+    "save_failures": "Slot saves that llama-server or the disk refused.",
+    "saves_skipped": "Slot saves skipped: over TRIOSHED_KV_CACHE_BUDGET or cut by TRIOSHED_KV_SAVE_TIMEOUT.",
+    "restores": "Saved slots restored into a runner before a request.",
+    "restore_failures": "Restores that failed (the request then computed its prompt).",
+    "hits": "Requests on a fresh runner whose prompt continued a saved slot.",
+    "misses": "Requests on a fresh runner with saved slots of its model, none matching.",
+    "save_seconds": "Time spent saving slots (llama-server's save and the commit).",
+    "restore_seconds": "Time spent restoring slots (check and llama-server's restore).",
+}
+
+
+class WarmCollector:
+    """Reads warm returns' ``statistics()`` at scrape time."""
+
+    def __init__(self, warm: WarmReturns) -> None:
+        self._warm = warm
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._warm.statistics()
+        for name, doc in WARM_COUNTERS.items():
+            yield CounterMetricFamily(f"trioshed_kv_{name}", doc, value=getattr(stats, name))
+        yield _gauge("trioshed_kv_bytes", "Bytes of saved slots on disk (TRIOSHED_KV_CACHE_DIR).", stats.bytes_on_disk)
+        yield _gauge("trioshed_kv_files", "Saved slot files on disk.", stats.files)
+
+
 class Metrics:
     """The app's registry: the scheduler's snapshot plus what is counted as it happens."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
+    def __init__(self, scheduler: Scheduler, *, warm: WarmReturns | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(SchedulerCollector(scheduler))  # type: ignore[arg-type]
+        if warm is not None and warm.enabled:
+            self.registry.register(WarmCollector(warm))  # type: ignore[arg-type]
         ProcessCollector(registry=self.registry)  # process_resident_memory_bytes, cpu seconds, fds
         r = self.registry
         self.model_loads = Counter("trioshed_model_loads", "Runner loads started, by model.", ["model"], registry=r)

@@ -130,7 +130,9 @@ async def _runner_settings(
     ``num_ctx`` is per slot, as in Ollama; llama-server gets ``--ctx-size`` = ``kv_cells`` =
     ``num_ctx * num_parallel`` (its ``-c`` is shared by the slots). ``flash_attention`` is
     TRIOSHED_FLASH_ATTENTION (off by default; llama-server's own default, ``auto``, turns it on
-    where supported, which shrinks the compute buffer). ``size_source`` says whether ``size``
+    where supported, which shrinks the compute buffer). ``cache_ram`` is the bytes llama-server
+    may keep in its host-memory prompt cache (TRIOSHED_CACHE_RAM, counted in the estimate);
+    ``swa_full`` whether sliding-window layers keep a full cache (warm returns). ``size_source`` says whether ``size``
     is what llama.cpp reported allocating (``measured``, the sum of its buffers) or the estimate.
     """
     kv_type = options.kv_cache_type
@@ -147,6 +149,9 @@ async def _runner_settings(
         "flash_attention": options.flash_attention,
         "kv_cache_type": kv_type,
         "embedding": options.embedding,
+        # llama-server's host-memory prompt cache (--cache-ram), counted in the estimate
+        "cache_ram": options.cache_ram_mib * 1024 * 1024,
+        "swa_full": options.swa_full,
     }
     if stats is not None:
         measured = stats.measured

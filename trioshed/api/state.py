@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -10,11 +11,12 @@ import trio
 
 from trioshed.api.limits import check_runner_options
 from trioshed.config import Settings
-from trioshed.core.model import ModelSpec, RunnerOptions
+from trioshed.core.model import MiB, ModelSpec, RunnerOptions
 from trioshed.errors import BadRequest
 from trioshed.models.gguf_meta import GGUFMetadata, cached_metadata, read_metadata
 from trioshed.models.pull import Puller
 from trioshed.models.stores import Stores
+from trioshed.runner.slots import WarmReturns
 from trioshed.scheduler import Scheduler
 
 _RUNNER_FIELDS = {"num_ctx", "num_batch", "num_gpu", "main_gpu", "use_mmap", "num_thread"}
@@ -25,6 +27,7 @@ class AppState:
     settings: Settings
     store: Stores
     scheduler: Scheduler
+    warm: WarmReturns | None = None  # saved slots (warm returns), for /metrics
     started: float = field(default_factory=time.time)
     _puller: Puller | None = None
 
@@ -44,8 +47,17 @@ class AppState:
             num_thread=s.num_thread,
             kv_cache_type=s.kv_cache_type,
             flash_attention=s.flash_attention,
+            cache_ram_mib=s.cache_ram // MiB,
+            swa_full=s.kv_cache_budget > 0,  # warm returns: a restored SWA slot is reused only so
             extra_args=model.args,
         )
+        if "--cache-ram" in model.args:  # models.toml's own size wins, and is the one counted
+            at = model.args.index("--cache-ram")
+            with contextlib.suppress(IndexError, ValueError):
+                options = replace(
+                    options, cache_ram_mib=max(0, int(model.args[at + 1])),
+                    extra_args=model.args[:at] + model.args[at + 2 :],
+                )  # fmt: skip
         merged = {k: v for k, v in model.defaults if k in _RUNNER_FIELDS}
         merged.update({k: v for k, v in overrides.items() if k in _RUNNER_FIELDS and v is not None})
         check_runner_options(merged)

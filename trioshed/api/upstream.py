@@ -47,6 +47,15 @@ async def crash_or(lease: Lease, exc: Exception) -> TrioshedError:
     return UpstreamError(f"connection to llama-server for '{lease.model.name}' failed: {exc}")
 
 
+async def restore_warm(lease: Lease, path: str, body: dict[str, Any] | bytes) -> None:
+    """Warm returns: before a request goes to a runner that still has an unused slot, restore
+    the saved slot its prompt continues (``trioshed.runner.slots``; a no-op once every slot has
+    been used). Bounded like every wait on the runner; a failed restore is logged, not raised."""
+    slots = getattr(lease.handle, "slots", None)
+    if slots is not None:
+        await step(lease, lambda: slots.restore_for(path, body))
+
+
 async def truncated(lease: Lease) -> TrioshedError:
     """The error for an answer that ended before llama-server reported its end."""
     return await crash_or(lease, RuntimeError("llama-server closed the stream early"))
@@ -80,6 +89,7 @@ async def open_upstream_bytes(lease: Lease, path: str, body: dict[str, Any] | by
     runner's crash error when the connection breaks because the child died (also mid-iteration).
     """
     pool: UpstreamPool = lease.handle.upstream
+    await restore_warm(lease, path, body)
     payload = body if isinstance(body, bytes) else _encode(body)
     try:
         async with AsyncExitStack() as stack:
@@ -122,6 +132,7 @@ def _encode(body: dict[str, Any]) -> bytes:
 async def post_upstream_raw(lease: Lease, path: str, body: dict[str, Any] | bytes) -> tuple[int, bytes]:
     """POST ``body`` to the runner and return its status and whole answer, whatever the status."""
     pool: UpstreamPool = lease.handle.upstream
+    await restore_warm(lease, path, body)
     try:
         result: tuple[int, bytes] = await step(lease, lambda: pool.post(path, body if isinstance(body, bytes) else _encode(body)))
         return result

@@ -25,7 +25,8 @@ kv
     bytes per element. The runner's context is ``num_ctx x num_parallel`` cells, padded to 256
     (per sequence: llama-server gives each slot its own stream). Sliding-window layers (gemma3:
     five of every six) get their own, smaller cache:
-    ``pad256(min(n_ctx_seq, n_swa + n_ubatch))`` cells per stream.
+    ``pad256(min(n_ctx_seq, n_swa + n_ubatch))`` cells per stream, unless ``--swa-full``
+    (``RunnerOptions.swa_full``, for warm returns) makes them full-size.
     Quantized caches (q8_0, q4_0) need flash attention and a head width their block divides;
     otherwise the runner uses f16 and so does the estimate (:func:`effective_kv_type`).
 cpu_repack
@@ -33,6 +34,9 @@ cpu_repack
     (``CPU_REPACK`` buffer): counted in ``cpu_total`` and, per CPU layer, in partial offload.
 compute_full / compute_partial
     The graph buffers plus the logits output buffer (see :func:`compute_buffer`).
+prompt_cache
+    llama-server's host-memory prompt cache, ``--cache-ram`` MiB: a positive limit binds in
+    bytes (b10068 raises its token limit to what fits), so the whole limit is counted.
 """
 
 from __future__ import annotations
@@ -192,7 +196,7 @@ def kv_cells(meta: MetadataLike, opts: RunnerOptions) -> tuple[int, ...]:
 
     llama-server (``-c num_ctx*num_parallel -np num_parallel``) gives each slot its own stream of
     ``pad256(num_ctx)`` cells; sliding-window layers hold ``pad256(min(that, n_swa + n_ubatch))``
-    cells per stream.
+    cells per stream (full-size with ``--swa-full``).
     """
     n_seq = max(1, opts.num_parallel)
     # ``-c 0`` (num_ctx 0) makes llama.cpp use the training context for all slots together.
@@ -201,7 +205,7 @@ def kv_cells(meta: MetadataLike, opts: RunnerOptions) -> tuple[int, ...]:
     full = n_ctx_seq * n_seq
     window = meta.sliding_window or 0
     n_ubatch = min(opts.num_batch, N_UBATCH)
-    swa = _pad(min(n_ctx_seq, window + n_ubatch)) * n_seq
+    swa = full if opts.swa_full else _pad(min(n_ctx_seq, window + n_ubatch)) * n_seq
     return tuple(swa if is_swa else full for is_swa in swa_layers(meta))
 
 
@@ -319,4 +323,5 @@ def estimate(
         adapters=adapter_bytes,
         output_shared=output_shared,
         cpu_repack=repack,
+        prompt_cache=max(0, opts.cache_ram_mib) * 1024 * 1024,
     )

@@ -76,6 +76,12 @@ class RunnerOptions:
     kv_cache_type: str = "f16"
     flash_attention: bool = False
     embedding: bool = False  # --embeddings --pooling mean: serves /v1/embeddings as well
+    #: ``--cache-ram``: llama-server's host-memory prompt cache, MiB (0 = off). It always sits in
+    #: system memory and the estimate counts all of it (a positive limit binds in bytes).
+    cache_ram_mib: int = 0
+    #: ``--swa-full``: sliding-window layers keep a full-size cache, so that a restored slot
+    #: (warm returns, ``trioshed.core.kvcache``) is reused; the estimate counts the larger cache.
+    swa_full: bool = False
     extra_args: tuple[str, ...] = ()  # models.toml ``args`` (checked against an allow-list)
 
     @property
@@ -108,6 +114,9 @@ class MemoryEstimate:
     #: Extra system memory when every layer runs on the CPU: llama.cpp's CPU backend keeps a
     #: repacked copy of some quantized weights (``CPU_REPACK`` buffer; Q4_0/Q4_K/IQ4_NL on x86).
     cpu_repack: int = 0
+    #: llama-server's host-memory prompt cache at its ``--cache-ram`` limit: system memory
+    #: wherever the layers go (counted in ``cpu_total`` and in every placement's ``ram``).
+    prompt_cache: int = 0
 
     @property
     def total(self) -> int:
@@ -124,8 +133,8 @@ class MemoryEstimate:
     @property
     def cpu_total(self) -> int:
         """Everything in system memory (``-ngl 0``): ``total`` less the tied output copy, plus
-        the CPU backend's repacked weights."""
-        return self.total - self.output_shared + self.cpu_repack
+        the CPU backend's repacked weights and the prompt cache."""
+        return self.total - self.output_shared + self.cpu_repack + self.prompt_cache
 
 
 @dataclass(frozen=True)

@@ -77,12 +77,13 @@ def _layer_bytes(est: MemoryEstimate, il: int) -> int:
 
 
 def _cpu_ram(est: MemoryEstimate, n_gpu_layers: int) -> int:
-    """System memory with ``n_gpu_layers`` offloaded: input layer, CPU layers, CPU compute."""
+    """System memory with ``n_gpu_layers`` offloaded: input layer, CPU layers, CPU compute,
+    and llama-server's prompt cache (host memory whatever ``-ngl`` says)."""
     n_layer = len(est.layers)
     if n_gpu_layers <= 0:
         return est.cpu_total
     on_cpu = max(n_layer + 1 - n_gpu_layers, 0)  # repeating layers left on the CPU
-    ram = est.token_embd + sum(est.layers[:on_cpu])
+    ram = est.token_embd + est.prompt_cache + sum(est.layers[:on_cpu])
     if n_layer:
         ram += est.cpu_repack * on_cpu // n_layer
     if on_cpu:  # layers computed on the CPU too (the output layer is offloaded first)

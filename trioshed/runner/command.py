@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from trioshed.core.model import ModelSpec, Placement, RunnerOptions, rpc_endpoint
+
+if TYPE_CHECKING:
+    from trioshed.runner.slots import WarmReturns
 
 _LLAMA_BACKEND = {"cuda": "CUDA", "vulkan": "Vulkan", "rocm": "ROCm", "metal": "Metal", "sycl": "SYCL"}
 
@@ -43,6 +47,9 @@ class LaunchConfig:
     verbose: bool = True  # llama-server prints its buffer sizes only when verbose
     accounting_only: bool = False  # declared inventory: children run on the CPU
     stop_grace: float = 5.0
+    #: Warm returns (``trioshed.runner.slots``): the saved-slot store (its folder is the
+    #: runners' ``--slot-save-path``) and the bound on saves; None: off.
+    warm: WarmReturns | None = None
 
 
 def build_command(
@@ -55,6 +62,7 @@ def build_command(
     verbose: bool = True,
     accounting_only: bool = False,
     kv_cache_type: str | None = None,
+    slot_save_path: str | None = None,
 ) -> list[str]:
     """llama-server argv. trioshed decides placement itself, so ``--fit off`` with explicit ``-ngl``.
 
@@ -62,6 +70,11 @@ def build_command(
     the runner sat on ``placement.devices`` while the child itself runs on the CPU.
     ``kv_cache_type`` is the type the model really supports (``core.estimate.effective_kv_type``);
     it defaults to the requested one.
+
+    ``--cache-ram`` is always explicit (``options.cache_ram_mib``, counted in the estimate; b10068
+    would otherwise keep up to 8 GiB of prompts in host memory per runner). ``--swa-full`` with
+    ``options.swa_full`` (a no-op for models without sliding-window layers); ``slot_save_path``
+    enables the slot save/restore files (warm returns).
 
     A placement over RPC servers adds ``--rpc host:port,…`` (the servers in placement order) and
     names them ``RPC0``… in ``--device``. With ``accounting_only`` its local share runs on the CPU
@@ -115,6 +128,11 @@ def build_command(
             argv += ["--cache-type-k", cache_type, "--cache-type-v", cache_type]
     else:
         argv += ["--flash-attn", "off"]
+    argv += ["--cache-ram", str(max(0, options.cache_ram_mib))]
+    if options.swa_full:
+        argv += ["--swa-full"]
+    if slot_save_path:
+        argv += ["--slot-save-path", slot_save_path]
     if options.embedding:
         argv += ["--embeddings", "--pooling", "mean"]
     if options.use_mmap is False:

@@ -37,12 +37,13 @@ from contextlib import asynccontextmanager
 import trio
 
 from trioshed._util import single_error
-from trioshed.core.estimate import effective_kv_type
+from trioshed.core.estimate import effective_kv_type, kv_layer_bytes
 from trioshed.core.model import MeasuredMemory, ModelSpec, Placement, RunnerOptions
 from trioshed.errors import LoadFailed
 from trioshed.models.gguf_meta import read_metadata
 from trioshed.runner.client import ConnectionFailed, UpstreamPool
 from trioshed.runner.command import LaunchConfig, build_command
+from trioshed.runner.slots import RunnerSlots, save_before_stop
 
 try:
     from trioshed.runner.memlog import MemoryLogParser
@@ -226,6 +227,8 @@ class LlamaServer:
         # child is stopped); every request to this child goes through it.
         self.secret = secrets.token_urlsafe(32)  # the child's API key: only trioshed holds it
         self.upstream = UpstreamPool(port, max_idle=max(8, 4 * options.num_parallel), api_key=self.secret)
+        #: Warm returns (saved slots), set once ready when TRIOSHED_KV_CACHE_BUDGET is not 0.
+        self.slots: RunnerSlots | None = None
 
     @property
     def pid(self) -> int | None:
@@ -347,21 +350,29 @@ async def open_llama_server(
     port = free_port()
     server = LlamaServer(model, options, placement, port)
     try:
-        kv_type = effective_kv_type(options, read_metadata(model.path))
+        meta = read_metadata(model.path)
+        kv_type = effective_kv_type(options, meta)
     except (OSError, ValueError) as exc:
         raise LoadFailed(f"cannot read {model.path}: {exc}") from None
+    warm = config.warm if config.warm is not None and config.warm.enabled else None
     argv = build_command(
         config.binary, model, options, placement, port=port,
         verbose=config.verbose, accounting_only=config.accounting_only, kv_cache_type=kv_type,
+        slot_save_path=str(warm.store.folder) if warm is not None else None,
     )  # fmt: skip
     try:
         with single_error(LoadFailed):
             async with trio.open_nursery() as nursery:
                 await nursery.start(server._supervise, argv, config)
                 await server._wait_ready(config.load_timeout)
+                if warm is not None:
+                    per_token = sum(kv_layer_bytes(meta, options)) // max(1, options.kv_cells)
+                    server.slots = await warm.attach(model, options, kv_type, server.upstream, bytes_per_token=per_token)
                 try:
                     yield server
                 finally:
+                    # Warm returns: the slots are saved before the child stops, within a bound.
+                    await save_before_stop(server.slots, server.exited)
                     # Our idle keep-alive connections make llama-server take ~110 ms to exit on
                     # SIGTERM (under 10 ms without them): close them first.
                     with trio.move_on_after(1, shield=True):

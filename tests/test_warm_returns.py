@@ -1,0 +1,137 @@
+"""Warm returns end to end: real llama-server children save their slots when swapped out and
+restore them when the conversation comes back (``trioshed.runner.slots``).
+
+Two tiny models of the same shape but different weights share one runner place
+(``max_loaded_models=1``): asking for one unloads the other. Real clock, ``fail_after`` guards.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from trioshed.core.model import MiB
+from trioshed.runner.slots import WarmStats
+from trioshed.server import Server
+from trioshed.testing.server import open_test_server
+from trioshed.testing.tiny import write_tiny_model
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_leaked_runner")]
+
+HISTORY = "The river runs to the sea and the sea runs to the sky. " * 8
+OPTIONS = {"max_tokens": 8, "temperature": 0, "seed": 1}
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Path:
+    """``a`` and ``b``: one shape, different weights (llama-server would accept a's slot file
+    into b without complaint: only trioshed's key keeps them apart)."""
+    folder = tmp_path / "models"
+    folder.mkdir()
+    write_tiny_model(folder / "a.gguf", seed=1, name="a")
+    write_tiny_model(folder / "b.gguf", seed=2, name="b")
+    return folder
+
+
+def warm(server: Server) -> WarmStats:
+    assert server.state.warm is not None
+    return server.state.warm.statistics()
+
+
+async def complete(client: httpx.AsyncClient, model: str, prompt: str) -> tuple[str, int]:
+    """The answer, and how many prompt tokens llama-server found in its cache."""
+    r = await client.post("/v1/completions", json={"model": model, "prompt": prompt, **OPTIONS})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    return body["choices"][0]["text"], body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+async def generate(client: httpx.AsyncClient, model: str, prompt: str) -> str:
+    return (await complete(client, model, prompt))[0]
+
+
+def settings(kv: Path, **more: Any) -> dict[str, Any]:
+    return {"kv_cache_dir": kv, "kv_cache_budget": 64 * MiB, "max_loaded_models": 1, **more}
+
+
+async def cold_answer(store: Path, model: str, prompt: str) -> str:
+    """The same request computed from scratch (warm returns off)."""
+    async with open_test_server(store) as server, httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
+        answer, cached = await complete(client, model, prompt)
+        assert cached == 0
+        return answer
+
+
+async def test_a_swapped_out_conversation_is_restored_and_answers_as_computed_from_scratch(store: Path, tmp_path: Path) -> None:
+    kv = tmp_path / "kv"
+    with trio.fail_after(120):
+        async with open_test_server(store, **settings(kv)) as server, httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
+            first = await generate(client, "a", HISTORY)
+            await generate(client, "b", "something else entirely, long enough to be kept " * 2)  # a is swapped out
+            saved = warm(server)
+            assert (saved.saves, saved.files, saved.restores) == (1, 1, 0)
+            assert saved.bytes_on_disk == sum(p.stat().st_size for p in kv.glob("*.bin")) > 0
+            assert not list(kv.glob("partial-*"))
+
+            follow_up = HISTORY + first + " And then the rain came back. "
+            resumed, cached = await complete(client, "a", follow_up)  # b is swapped out, a restored
+            assert cached >= len(HISTORY)  # the tiny models' tokens are characters
+            after = warm(server)
+            assert (after.hits, after.restores, after.restore_failures) == (1, 1, 0)
+            assert after.restore_seconds > 0 and after.save_seconds > 0
+            assert after.saves == 2  # b's conversation was saved on its way out
+            metrics = (await client.get("/metrics")).text
+            assert "trioshed_kv_restores_total 1.0" in metrics and "trioshed_kv_bytes " in metrics
+        assert await cold_answer(store, "a", follow_up) == resumed
+
+
+async def test_a_slot_of_another_model_is_never_restored(store: Path, tmp_path: Path) -> None:
+    """Same shape, same prompt: b never gets a's slot, nor does a rewritten a.gguf."""
+    kv = tmp_path / "kv"
+    with trio.fail_after(120):
+        async with open_test_server(store, **settings(kv)) as server, httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
+            await generate(client, "a", HISTORY)
+            answer_b, cached = await complete(client, "b", HISTORY)  # a saved; b has no file of its own yet
+            assert cached == 0
+            assert warm(server).saves == 1 and warm(server).restores == 0
+            write_tiny_model(store / "a.gguf", seed=3, name="a")  # a replaced by other weights
+            answer_new_a, cached = await complete(client, "a", HISTORY)  # b saved; neither file fits
+            assert cached == 0
+            stats = warm(server)
+            assert (stats.restores, stats.hits) == (0, 0)
+        assert answer_b == await cold_answer(store, "b", HISTORY)
+        assert answer_new_a == await cold_answer(store, "a", HISTORY)
+
+
+async def test_a_corrupt_saved_slot_is_ignored_and_the_request_served(store: Path, tmp_path: Path) -> None:
+    kv = tmp_path / "kv"
+    with trio.fail_after(120):
+        async with open_test_server(store, **settings(kv)) as server, httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
+            first = await generate(client, "a", HISTORY)
+            await generate(client, "b", "x")  # a saved; b's slot holds too little to be kept
+            [saved] = kv.glob("*.bin")
+            data = bytearray(saved.read_bytes())
+            data[len(data) - 100] ^= 0xFF  # one KV byte: llama-server itself would take it
+            saved.write_bytes(bytes(data))
+            follow_up = HISTORY + first + " And then?"
+            answer, cached = await complete(client, "a", follow_up)
+            assert cached == 0
+            stats = warm(server)
+            assert (stats.restores, stats.restore_failures) == (0, 1)
+            assert not saved.exists()  # dropped
+        assert answer == await cold_answer(store, "a", follow_up)
+
+
+async def test_a_slot_larger_than_the_budget_is_not_kept(store: Path, tmp_path: Path) -> None:
+    kv = tmp_path / "kv"
+    with trio.fail_after(120):
+        async with open_test_server(store, **settings(kv, kv_cache_budget=64 * 1024)) as server, httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
+            await generate(client, "a", HISTORY)
+            await generate(client, "b", "x")
+            stats = warm(server)
+            assert (stats.saves, stats.saves_skipped, stats.files) == (0, 1, 0)
+            assert list(kv.iterdir()) == []
