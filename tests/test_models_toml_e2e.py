@@ -65,7 +65,9 @@ async def test_preloaded_pinned_parallel_model_with_aliases_and_args(
             argv = psutil.Process(pid).cmdline()
             assert argv[argv.index("--parallel") + 1] == "2"
             at = argv.index("--no-warmup")
-            assert argv[at : at + 5] == ["--no-warmup", "--cache-ram", "0", "--rope-freq-scale", "1.0"]
+            assert argv[at : at + 3] == ["--no-warmup", "--rope-freq-scale", "1.0"]
+            # models.toml's --cache-ram becomes the runner's own (counted in its estimate)
+            assert argv.count("--cache-ram") == 1 and argv[argv.index("--cache-ram") + 1] == "0"
 
             # The alias is the same model: served by the preloaded runner, no new load.
             record.clear()
@@ -78,7 +80,9 @@ async def test_preloaded_pinned_parallel_model_with_aliases_and_args(
             # num_parallel = 2: two leases at once on the one runner.
             spec = server.state.store.resolve("pre")
             options = server.state.runner_options(spec, {})
-            assert options == RunnerOptions(num_ctx=256, num_parallel=2, num_thread=1, extra_args=spec.args)
+            assert options == RunnerOptions(
+                num_ctx=256, num_parallel=2, num_thread=1, cache_ram_mib=0, extra_args=("--no-warmup", "--rope-freq-scale", "1.0")
+            )
             async with server.scheduler.acquire(spec, options) as first:
                 with trio.fail_after(5):
                     async with server.scheduler.acquire(spec, options) as second:

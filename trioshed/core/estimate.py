@@ -258,7 +258,11 @@ def compute_buffer(meta: MetadataLike, opts: RunnerOptions, *, partial: bool = F
     kv = n_head_kv * max(meta.key_length, meta.value_length)
     fa = opts.flash_attention
     cells = kv_cells(meta, opts)
-    per_stream = sorted({c // n_seq for c in cells})  # one mask per distinct cache size
+    # One mask per cache: the full one and, with sliding-window layers, the window's (its own
+    # cache even when ``--swa-full`` makes it as large: measured on gemma3-270m, b10068).
+    flags = swa_layers(meta)
+    caches = ([c for c, f in zip(cells, flags, strict=True) if f == swa] for swa in (False, True))
+    per_stream = sorted(layers[0] // n_seq for layers in caches if layers)
     n_kv = per_stream[-1] if per_stream else 0
     mask = sum(per_stream) * n_ubatch * (2 if fa else 4)
     attention = (n_embd + 4 * q + 2 * kv) if fa else (n_head * n_kv + n_embd + 5 * q + 2 * kv)
