@@ -167,6 +167,10 @@ class RunnerSlots:
                 return None
 
     async def _restore_for(self, body: dict[str, Any] | bytes) -> SavedSlot | None:
+        if isinstance(body, bytes):
+            body = json.loads(body)
+        if not isinstance(body, dict) or not (isinstance(body.get("prompt"), str | list) or isinstance(body.get("messages"), list)):
+            return None  # not a generation
         slot = await self._unused_slot()
         if slot is None:
             self._open = False
@@ -222,12 +226,8 @@ class RunnerSlots:
                 return sid
         return None
 
-    async def _prompt_tokens(self, body: dict[str, Any] | bytes) -> list[int] | None:
+    async def _prompt_tokens(self, body: dict[str, Any]) -> list[int] | None:
         """The tokens llama-server will compute for ``body``'s prompt (None: not a prompt)."""
-        if isinstance(body, bytes):
-            body = json.loads(body)
-        if not isinstance(body, dict):
-            return None
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             return prompt
