@@ -135,3 +135,29 @@ async def test_a_slot_larger_than_the_budget_is_not_kept(store: Path, tmp_path: 
             stats = warm(server)
             assert (stats.saves, stats.saves_skipped, stats.files) == (0, 1, 0)
             assert list(kv.iterdir()) == []
+
+
+async def test_gemma3_a_restored_slot_is_reused_with_swa_full(tmp_path: Path, gemma_model: Path) -> None:
+    """Gemma 3 has sliding-window layers: llama-server reuses a restored slot only with
+    --swa-full, which warm returns turn on (and /api/ps shows, with the prompt cache's size)."""
+    folder = tmp_path / "models"
+    folder.mkdir()
+    (folder / "gemma3.gguf").symlink_to(gemma_model)
+    write_tiny_model(folder / "tiny.gguf", name="tiny")
+    history = "Rivers carve valleys and carry sediment to the sea. " * 6
+    with trio.fail_after(300):
+        async with (
+            open_test_server(folder, **settings(tmp_path / "kv", allow_symlinks=True, cache_ram=64 * MiB)) as server,
+            httpx.AsyncClient(base_url=server.base_url, timeout=120) as client,
+        ):
+            first = await generate(client, "gemma3", history)
+            ps = (await client.get("/api/ps")).json()["models"][0]["runner"]
+            assert (ps["cache_ram"], ps["swa_full"]) == (64 * MiB, True)
+            await generate(client, "tiny", "x")  # gemma3 saved
+            follow_up = history + first + " And lakes?"
+            resumed, cached = await complete(client, "gemma3", follow_up)
+            assert warm(server).restores == 1 and cached >= 60
+        async with open_test_server(folder, allow_symlinks=True) as server, httpx.AsyncClient(base_url=server.base_url, timeout=120) as client:
+            cold, cached = await complete(client, "gemma3", follow_up)
+            assert cached == 0
+    assert resumed == cold
