@@ -162,6 +162,7 @@ class RunnerSlots:
             try:
                 return await self._restore_for(body)
             except (ConnectionFailed, OSError, ValueError, KeyError, TypeError) as exc:
+                self._open = False  # logged once: this runner looks for no more restores
                 self.warm._count("restore_failures")
                 log.warning("warm returns: restore for %s failed, computing the prompt instead: %s", self.model, exc)
                 return None
