@@ -8,7 +8,8 @@ returns on (``TRIOSHED_KV_CACHE_BUDGET``, a temporary ``TRIOSHED_KV_CACHE_DIR``)
 1. a request for another model (``tiny``) swaps Gemma out: its slot (the history, the last
    message and its answer) is saved;
 2. the next user message (a new one each time, after the same history) is sent, streamed, and
-   the time to its first token is taken, Gemma's load included. In the *restore* arm the saved
+   the time to its first token is taken, Gemma's load included (reported apart, from the
+   scheduler's ``ready`` event). In the *restore* arm the saved
    file is there and is restored before the request; in the *recompute* arm the saved files are
    deleted first, so the whole history is computed again, as on a trioshed without warm returns.
 
@@ -112,19 +113,23 @@ async def run(models: Path, *, pairs: int, threads: int) -> dict[str, Any]:
                     for e in files:
                         warm.store.remove(e.name)
                 k = len(samples) + 1
+                seq = server.scheduler.events.last_seq
                 result = await next_message(http, messages, f"Question {100 + k}. What about lake number {k}?")
-                result.update(arm=arm, pair=i, saved_bytes=size)
+                loads = [e.seconds for e in server.scheduler.events.after(seq) if e.kind == "ready" and e.model.startswith("gemma3")]
+                result.update(arm=arm, pair=i, saved_bytes=size, load_s=loads[0] if loads else None)
                 samples.append(result)
-                print(f"pair {i} {arm:9s}: TTFT {result['ttft_s']:.3f} s, cached {result['cached_tokens']}/{result['prompt_tokens']}, saved file {size / MiB:.1f} MiB", file=sys.stderr)
+                print(f"pair {i} {arm:9s}: TTFT {result['ttft_s']:.3f} s (load {result['load_s'] or 0:.2f} s), cached {result['cached_tokens']}/{result['prompt_tokens']}, saved file {size / MiB:.1f} MiB", file=sys.stderr)
         stats = warm.statistics()
     by_arm = {a: [s["ttft_s"] for s in samples if s["arm"] == a] for a in ("restore", "recompute")}
     med = {a: statistics.median(v) for a, v in by_arm.items()}
+    loads = {a: statistics.median(s["load_s"] or 0 for s in samples if s["arm"] == a) for a in by_arm}
     return {
         "history_prompt_tokens": first["prompt_tokens"],
         "threads": threads,
         "pairs": pairs,
         "ttft_median_s": med,
         "ratio_restore_to_recompute": med["restore"] / med["recompute"],
+        "gemma_load_median_s": loads,
         "saved_file_bytes": max(s["saved_bytes"] for s in samples),
         "warm_stats": {k: getattr(stats, k) for k in ("saves", "restores", "hits", "misses", "restore_failures", "save_seconds", "restore_seconds")},
         "samples": samples,
