@@ -43,7 +43,8 @@ async def test_eviction_under_memory_pressure_across_three_models(tmp_path: Path
     )
     # Once loaded, a runner counts with what llama.cpp reported (measured), not the estimate:
     # learn that size first, then declare a GPU where two fit and the third does not.
-    async with open_test_server(store) as probe, httpx.AsyncClient(base_url=probe.base_url, timeout=60) as http:
+    # No prompt cache (TRIOSHED_CACHE_RAM): the runners' sizes are their buffers alone.
+    async with open_test_server(store, cache_ram=0) as probe, httpx.AsyncClient(base_url=probe.base_url, timeout=60) as http:
         assert (await generate(http, "one")).status_code == 200
         measured = probe.scheduler.statistics().runners[0].size
     assert 0 < measured <= estimated
@@ -51,7 +52,7 @@ async def test_eviction_under_memory_pressure_across_three_models(tmp_path: Path
     gpu = Device("cuda:0", "cuda", 0, total, total)
     record: list[tuple[str, str]] = []
     with trio.fail_after(120):
-        async with open_test_server(store, devices=(gpu,), record=record) as server, httpx.AsyncClient(
+        async with open_test_server(store, devices=(gpu,), record=record, cache_ram=0) as server, httpx.AsyncClient(
             base_url=server.base_url, timeout=60
         ) as http:
             for name in ("one", "two"):

@@ -71,10 +71,16 @@ class Runner:
             return self._usage
         usage = sched.usage_of(self.placement)
         measured = self.handle.measured if self.handle is not None else None
-        predicted = self.placement.total
+        # llama-server's prompt cache (--cache-ram) is a limit it grows into, in system memory,
+        # absent from the buffers it reports: kept as predicted, outside the scaling.
+        prompt_cache = max(0, self.options.cache_ram_mib) * 1024 * 1024
+        predicted = self.placement.total - prompt_cache
         if measured is not None and measured.total > 0 and predicted > 0:
             scale = measured.total / predicted
-            usage = tuple((dev, int(b * scale)) for dev, b in usage)
+            usage = tuple(
+                (dev, int((b - prompt_cache) * scale) + prompt_cache if dev == sched.CPU_ID else int(b * scale))
+                for dev, b in usage
+            )
             self._usage = usage
         return usage
 

@@ -62,7 +62,9 @@ def runner_stats(r: Runner, *, waiting: int, now: float, wall: float) -> RunnerS
     else:
         expires = math.inf if r.timer.deadline == math.inf else wall + max(0.0, r.timer.deadline - now)
     usage = dict(view.usage)
-    size = sum(usage.values())
+    # The prompt cache's reservation (--cache-ram) is accounted in usage, shown apart in /api/ps
+    # (runner.cache_ram): size stays the child's own buffers.
+    size = max(0, sum(usage.values()) - max(0, r.options.cache_ram_mib) * 1024 * 1024)
     return RunnerStats(
         id=r.id,
         model=r.model.name,
@@ -76,7 +78,7 @@ def runner_stats(r: Runner, *, waiting: int, now: float, wall: float) -> RunnerS
         keep_alive=r.keep_alive,
         expires_at=expires,
         size=size,
-        size_vram=size - usage.get(sched.CPU_ID, 0),
+        size_vram=sum(usage.values()) - usage.get(sched.CPU_ID, 0),
         context_length=r.options.num_ctx,
         load_duration=r.load_duration,
         placement=r.placement,
