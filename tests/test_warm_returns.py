@@ -161,3 +161,50 @@ async def test_gemma3_a_restored_slot_is_reused_with_swa_full(tmp_path: Path, ge
             cold, cached = await complete(client, "gemma3", follow_up)
             assert cached == 0
     assert resumed == cold
+
+
+def test_the_slot_endpoints_answer_as_trioshed_expects(tmp_path: Path) -> None:
+    """b10068's slot calls and answers, as ``trioshed.runner.slots`` uses them (and the one gap
+    trioshed's key closes: a same-shaped model's file is accepted)."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    from trioshed.core.kvcache import slot_file_tokens
+    from trioshed.testing.llama import running_llama_server
+
+    def call(url: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=30) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    a, b = write_tiny_model(tmp_path / "a.gguf", seed=1), write_tiny_model(tmp_path / "b.gguf", seed=2)
+    wide = write_tiny_model(tmp_path / "wide.gguf", n_embd=128, seed=1)
+    kv = tmp_path / "kv"
+    kv.mkdir()
+    args = ["-c", "512", "-np", "1", "-t", "1", "--fit", "off", "-ngl", "0", "--device", "none", "--slot-save-path", str(kv)]
+    with running_llama_server(a, args) as server:
+        (fresh,) = call(server.url, "/slots")[1]
+        assert "id_task" not in fresh and fresh["is_processing"] is False
+        assert call(server.url, "/completion", {"prompt": HISTORY, "n_predict": 4, "temperature": 0})[0] == 200
+        (used,) = call(server.url, "/slots")[1]
+        assert "id_task" in used and used["n_prompt_tokens"] > 0
+        status, saved = call(server.url, "/slots/0?action=save", {"filename": "partial-x.bin"})
+        assert status == 200 and saved["n_saved"] > 0 and saved["n_written"] == (kv / "partial-x.bin").stat().st_size
+        assert "save_ms" in saved["timings"]
+        assert call(server.url, "/slots/0?action=save", {"filename": "../x.bin"})[0] == 400  # a bare name only
+        tokens = call(server.url, "/tokenize", {"content": HISTORY, "add_special": True, "parse_special": True})[1]["tokens"]
+        assert list(slot_file_tokens((kv / "partial-x.bin").read_bytes()))[: len(tokens)] == tokens
+        status, restored = call(server.url, "/slots/0?action=restore", {"filename": "partial-x.bin"})
+        assert status == 200 and restored["n_restored"] == saved["n_saved"] and "restore_ms" in restored["timings"]
+        status, error = call(server.url, "/slots/0?action=restore", {"filename": "missing.bin"})
+        assert status == 400 and "Unable to restore slot" in error["error"]["message"]
+    with running_llama_server(b, args) as server:  # same shape, other weights: accepted
+        assert call(server.url, "/slots/0?action=restore", {"filename": "partial-x.bin"})[0] == 200
+    with running_llama_server(wide, args) as server:  # another shape: refused, and it serves on
+        assert call(server.url, "/slots/0?action=restore", {"filename": "partial-x.bin"})[0] == 400
+        assert call(server.url, "/completion", {"prompt": "hi", "n_predict": 2})[0] == 200
