@@ -384,3 +384,25 @@ async def test_insecure_reaches_a_names_own_registry_over_http(tmp_path: Path, g
     check_shape(lines)
     assert o.OllamaStore(root).resolve(f"{host}/team/m:v1").name == f"{host}/team/m:v1"
     assert (root / "manifests" / host / "team/m/v1").is_file()
+
+
+async def test_a_blob_longer_than_its_manifest_says_keeps_nothing(tmp_path: Path, gguf: bytes) -> None:
+    root = tmp_path / "pulled"
+    async with open_stand_in() as stand_in:
+        stand_in.add_ollama_model("m", gguf)
+        stand_in.pad.add(sha(gguf))
+        with pytest.raises(RegistryError, match=rf"sends {len(gguf) + 1024} bytes .* the manifest says {len(gguf)}"):
+            await collect(puller(root, stand_in), "m")
+    assert tree_snapshot(root) == {}  # the blobs folder, empty
+
+
+async def test_a_server_without_range_support_starts_over(tmp_path: Path, gguf: bytes) -> None:
+    root = tmp_path / "pulled"
+    async with open_stand_in(StandIn(no_range=True)) as stand_in:
+        stand_in.add_ollama_model("m", gguf)
+        digest = sha(gguf)
+        stand_in.cut[digest] = 5000
+        lines = await collect(puller(root, stand_in), "m")
+    check_shape(lines)
+    assert [g.headers.get("range") for g in stand_in.blob_requests(digest)] == [None, "bytes=5000-"]
+    assert content(o.OllamaStore(root).resolve("m").path) == gguf  # the 200 answer replaced the 5000 bytes

@@ -12,7 +12,8 @@ uses them:
 
 ``/cdn/<digest>`` serves the bytes with ``Range: bytes=N-`` support (206 and ``Content-Range``).
 Faults for the tests: ``cut[digest] = n`` sends the full ``Content-Length`` but closes after
-``n`` bytes of the body (once, or on every request with ``cut_always``); ``tamper`` serves other bytes of the same size;
+``n`` bytes of the body (once, or on every request with ``cut_always``); ``tamper`` serves other
+bytes of the same size; ``pad`` serves 1 KiB more than the blob; ``no_range`` ignores ``Range``;
 ``gate[digest]`` sends half the blob, sets ``paused[digest]`` and waits for the gate before the
 rest; ``token`` requires ``Authorization: Bearer <token>`` on ``/v2/`` and answers 401 with a
 bearer challenge whose realm (``/token``) grants it. Every request is recorded in ``requests``.
@@ -51,6 +52,8 @@ class StandIn:
     cut: dict[str, int] = field(default_factory=dict)
     cut_always: bool = False
     tamper: set[str] = field(default_factory=set)
+    pad: set[str] = field(default_factory=set)  # these blobs are served with 1 KiB more than they are
+    no_range: bool = False  # answer 200 with the whole blob whatever the Range header says
     gate: dict[str, trio.Event] = field(default_factory=dict)
     paused: dict[str, trio.Event] = field(default_factory=dict)
     token: str | None = None
@@ -169,11 +172,13 @@ class StandIn:
         data = self.blobs[digest]
         if digest in self.tamper:
             data = bytes(b ^ 0xFF for b in data[:16]) + data[16:]
+        if digest in self.pad:
+            data += b"\0" * 1024
         start = 0
         status = "200 OK"
         extra: dict[str, str] = {"Accept-Ranges": "bytes", "Content-Type": "application/octet-stream"}
         wanted = headers.get("range", "")
-        if wanted.startswith("bytes=") and wanted.endswith("-") and wanted[6:-1].isdigit():
+        if not self.no_range and wanted.startswith("bytes=") and wanted.endswith("-") and wanted[6:-1].isdigit():
             start = int(wanted[6:-1])
             status = "206 Partial Content"
             extra["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
