@@ -45,12 +45,13 @@ class ServeProcess:
 
 
 @asynccontextmanager
-async def serve_process(store: Path, **env: str) -> AsyncIterator[ServeProcess]:
-    """Start trioshed on a free port with one runner thread; yield once ``GET /`` answers.
+async def serve_process(store: Path, port: int | None = None, **env: str) -> AsyncIterator[ServeProcess]:
+    """Start trioshed on ``port`` (default: a free one) with one runner thread; yield once ``GET /``
+    answers.
 
     The child is always stopped (SIGKILL if it is still running at the end) and reaped.
     """
-    port = free_port()
+    port = port or free_port()
     full_env = {
         **os.environ,
         "TRIOSHED_MODELS": str(store),

@@ -26,7 +26,7 @@ ROUTES = [
     ("POST", "/api/generate"), ("POST", "/api/chat"), ("POST", "/api/show"), ("POST", "/api/embed"),
     ("POST", "/api/embeddings"), ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"),
     ("POST", "/v1/embeddings"), ("DELETE", "/api/delete"), ("POST", "/api/pull"), ("GET", "/nowhere"),
-    ("POST", "/"), ("DELETE", "/"),
+    ("POST", "/"), ("DELETE", "/"), ("GET", "/api/events"), ("POST", "/api/pin"), ("POST", "/ui"),
 ]  # fmt: skip
 
 

@@ -13,6 +13,7 @@
     ├── UnsupportedMediaType (415)       a body that says it is not JSON
     ├── QueueFull (503, Retry-After)     the pending queue holds TRIOSHED_MAX_QUEUE requests
     ├── LoadCooldown (503, Retry-After)  the model failed to load recently; retried after a back-off
+    ├── EventStreamsBusy (503, Retry-After)  GET /api/events already streams to its most pages
     ├── InsufficientMemory (507)         the model cannot fit even with every other model unloaded
     │   └── PinnedModelsInTheWay         it would fit only by evicting models pinned in models.toml
     ├── RemoteUnavailable (503)          the model fits only with an RPC server that is down
@@ -92,6 +93,16 @@ class QueueFull(TrioshedError):
         super().__init__(
             "server busy, please try again. maximum pending requests exceeded",
             headers={"Retry-After": str(retry_after)},
+        )
+
+
+class EventStreamsBusy(TrioshedError):
+    status = 503
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(
+            f"{limit} status pages already follow GET /api/events (the most at once); close one, or try again later",
+            headers={"Retry-After": "5"},
         )
 
 

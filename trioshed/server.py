@@ -31,6 +31,7 @@ from trioshed.core.estimate import estimate
 from trioshed.core.model import MemoryEstimate, ModelSpec, RunnerOptions
 from trioshed.devices import DeviceSource, discover
 from trioshed.devices.rpc import RemoteDevices, check_addresses
+from trioshed.logtail import LogTail
 from trioshed.models.gguf_meta import read_metadata
 from trioshed.models.stores import Stores
 from trioshed.preload import preload_models
@@ -155,7 +156,8 @@ async def serve(
         warm = WarmReturns(SlotStore(settings.kv_cache_dir, 0), settings.kv_save_timeout)
     scheduler = build_scheduler(settings, devices, binary, record, warm=warm)
     store = Stores(settings.models, allow_symlinks=settings.allow_symlinks)
-    state = AppState(settings=settings, store=store, scheduler=scheduler, warm=warm)
+    log_tail = LogTail()  # the status page's log: the last lines, in memory
+    state = AppState(settings=settings, store=store, scheduler=scheduler, warm=warm, log_tail=log_tail)
     app = Drain(create_app(state), idle_timeout=settings.stream_idle_timeout)  # type: ignore[arg-type]
     config = hypercorn_config(settings)
     connections = ConnectionStats(settings.max_connections)
@@ -180,6 +182,7 @@ async def serve(
     )
     http_stopped = trio.Event()
     async with trio.open_nursery() as nursery:
+        await nursery.start(log_tail.run_installed)
         await nursery.start(scheduler.run)
         if links := state.store.links_out():
             log.warning(

@@ -20,6 +20,7 @@ from werkzeug.exceptions import HTTPException, MethodNotAllowed
 from trioshed import access
 from trioshed.api import (
     embed,
+    events,
     limits,
     manage,
     metrics,
@@ -28,7 +29,9 @@ from trioshed.api import (
     ollama_models,
     openai,
     openapi,
+    pin,
     pull,
+    ui,
 )
 from trioshed.api.protocols.errors import error_body
 from trioshed.api.state import AppState
@@ -70,6 +73,9 @@ def create_app(state: AppState) -> QuartTrio:
     app.register_blueprint(manage.bp)
     app.register_blueprint(pull.bp)
     app.register_blueprint(openapi.bp)
+    app.register_blueprint(ui.bp)
+    app.register_blueprint(events.bp)
+    app.register_blueprint(pin.bp)
     app.config["TRIOSHED_METRICS"] = metrics.Metrics(state.scheduler, warm=state.warm)
     observe.install(app, app.config["TRIOSHED_METRICS"], log_json=state.settings.log_format == "json")
     origins = access.allowed_origins(state.settings.origins)
@@ -94,7 +100,8 @@ def create_app(state: AppState) -> QuartTrio:
             )
         if request.method == "OPTIONS":
             return Response("", status=204)  # CORS preflight: browsers send it without credentials
-        if api_key and not (request.path == "/" and request.method in ("GET", "HEAD")):
+        public = request.method in ("GET", "HEAD") and (request.path == "/" or request.path in ui.PUBLIC)
+        if api_key and not public:
             if not access.key_matches(request.headers.get("Authorization"), request.headers.get("x-api-key"), api_key):
                 raise Unauthorized(
                     "missing or wrong API key: send 'Authorization: Bearer <TRIOSHED_API_KEY>' or 'x-api-key: <TRIOSHED_API_KEY>'"

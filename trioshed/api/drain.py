@@ -38,8 +38,9 @@ CUT_GRACE = 2.0  # seconds for cut requests to write their final line before the
 class RequestGuard:
     """One request in flight: its cancel scope, and the upstream wait it is in (if any)."""
 
-    def __init__(self, idle_timeout: float) -> None:
+    def __init__(self, idle_timeout: float, draining: trio.Event | None = None) -> None:
         self.idle_timeout = idle_timeout
+        self.draining = trio.Event() if draining is None else draining  # set when the server drains
         self.scope = trio.CancelScope()
         self._stop: TrioshedError | None = None
         self._waiting: trio.CancelScope | None = None
@@ -69,6 +70,13 @@ class RequestGuard:
             self._waiting.cancel(reason="request cut")
 
 
+def drain_started() -> trio.Event | None:
+    """Set once the server drains (None outside a drained app): a stream that would otherwise
+    run forever (``GET /api/events``) ends on it, so that it does not hold up the shutdown."""
+    guard = _current.get()
+    return None if guard is None else guard.draining
+
+
 async def bounded(step: Callable[[], Awaitable[T]], what: str) -> T:
     """:meth:`RequestGuard.bounded` for the current request (unbounded outside one)."""
     guard = _current.get()
@@ -87,6 +95,7 @@ class Drain:
         self.draining = False
         self.requested = trio.Event()  # a shutdown was asked for (signal, or a test)
         self.forced = trio.Event()  # a second signal: stop waiting
+        self.started = trio.Event()  # begin() was called: endless streams end
         self._inflight: set[RequestGuard] = set()
         self._changed = RepeatedEvent()
 
@@ -106,7 +115,7 @@ class Drain:
         if self.draining:
             await run_with_pump(self._refuse, scope, receive, send)
             return
-        guard = RequestGuard(self.idle_timeout)
+        guard = RequestGuard(self.idle_timeout, self.started)
         token = _current.set(guard)
         self._inflight.add(guard)
         try:
@@ -144,6 +153,7 @@ class Drain:
 
     def begin(self) -> None:
         self.draining = True
+        self.started.set()
 
     async def wait_idle(self) -> None:
         """Until no request is in flight or ``forced``."""

@@ -65,6 +65,7 @@ CAUSES = {
     "LoadCooldown": "cooldown",
     "ShuttingDown": "shutting_down",
     "RemoteUnavailable": "rpc_server_down",
+    "EventStreamsBusy": "event_streams_busy",
 }
 
 _METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS", "PATCH"})
@@ -217,7 +218,7 @@ class Metrics:
             ["model", "route"], buckets=_SECONDS_WAIT, registry=r,
         )  # fmt: skip
         self.unavailable = Counter(
-            "trioshed_unavailable", "503 answers by cause (queue_full, cooldown, shutting_down, rpc_server_down).", ["cause"], registry=r,
+            "trioshed_unavailable", "503 answers by cause (queue_full, cooldown, shutting_down, rpc_server_down, event_streams_busy).", ["cause"], registry=r,
         )  # fmt: skip
         for cause in CAUSES.values():
             self.unavailable.labels(cause)  # present at 0 from the start

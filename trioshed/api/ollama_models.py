@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import trio
-from quart import Blueprint, Response
+from quart import Blueprint, Response, request
 
 from trioshed import __version__
 from trioshed.api.preamble import read_body, state
@@ -252,5 +252,15 @@ async def version() -> Any:
 
 @bp.route("/", methods=["GET", "HEAD"])
 async def root() -> Response:
+    # Ollama's clients read this exact text; a browser asks for HTML and gets a link to the page
+    if request.accept_mimetypes.best_match(["text/plain", "text/html"]) == "text/html":
+        return Response(ROOT_HTML, content_type="text/html; charset=utf-8", headers={"Content-Security-Policy": "default-src 'none'"})
     return Response("Ollama is running", content_type="text/plain; charset=utf-8")
+
+
+ROOT_HTML = (
+    '<!doctype html><html lang="en"><head><meta charset="utf-8"><title>trioshed</title></head>'
+    '<body><p>Ollama is running (this is trioshed). <a href="/ui">Status page</a> · '
+    '<a href="/openapi.json">/openapi.json</a> · <a href="/metrics">/metrics</a></p></body></html>'
+)
 

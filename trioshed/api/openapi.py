@@ -81,7 +81,7 @@ _ERROR_STATUSES = {
     "413": "The request body is larger than 64 MiB.",
     "500": "The model failed to load (llama-server's own message) or an internal error.",
     "502": "llama-server answered with an error.",
-    "503": "Queue full, the model is in its load back-off, or trioshed is shutting down (Retry-After).",
+    "503": "Queue full, the model is in its load back-off, trioshed is shutting down, or (GET /api/events) too many pages follow the stream (Retry-After).",
     "507": "The model cannot fit even with every other model unloaded, or only by evicting pinned models.",
 }
 
@@ -215,6 +215,8 @@ def _schemas(ollama_names: bool) -> Schema:
             ("details", "model_info", "capabilities"),
         ),
         "VersionResponse": _obj({"version": _STR}, ("version",)),
+        "PinRequest": _obj({"model": _MODEL, "pinned": {"type": "boolean", "default": True}}, ("model",)),
+        "PinResponse": _obj({"model": _STR, "pinned": _BOOL, "loaded": {"type": "boolean", "description": "whether a runner of it is loaded now"}}, ("model", "pinned", "loaded")),
         "OpenAIChatRequest": _obj(
             {
                 **openai_extras,
@@ -298,7 +300,10 @@ def _paths() -> Schema:
     digest = {"name": "digest", "in": "path", "required": True, "schema": {"type": "string", "description": "sha256:<hex> (any value: the route answers 501)"}}
     return {
         "/": {
-            "get": _get_op("Liveness: `Ollama is running`", "text/plain", _STR, auth=False),
+            "get": {
+                **_get_op("Liveness: `Ollama is running` (a browser asking for HTML gets it with links to /ui)", "text/plain", _STR, auth=False),
+                "responses": {"200": {"description": "OK", "content": {"text/plain": {"schema": _STR}, "text/html": {"schema": _STR}}}},
+            },
             "head": {"summary": "Liveness", "security": [], "responses": {"200": {"description": "OK"}}},
         },
         "/api/version": {"get": _get_op("trioshed's version", "application/json", _ref("VersionResponse"))},
@@ -360,6 +365,19 @@ def _paths() -> Schema:
                 "responses": {"200": {"description": "OK", "content": {"application/json": {"schema": _ref("OpenAIModel")}}}, **_errors("400", "401", "404", openai=True)},
             },
         },
+        "/api/pin": {"post": _json_op("Pin or unpin a model until trioshed restarts (as models.toml's pinned; the file is not changed)", "PinRequest", _ref("PinResponse"), errors=("400", "401", "404", "413"))},
+        "/api/events": {
+            "get": {
+                "summary": "The status page's live stream: server-sent events `hello`, `state`, `events`, `log` (see the README)",
+                "responses": {
+                    "200": {"description": "an endless stream; a keep-alive comment at least every 5 s", "content": {SSE: {"schema": _SSE_EVENT}}},
+                    **_errors("401", "503"),
+                },
+            }
+        },
+        "/ui": {"get": _get_op("The status page (HTML; served without the API key, which the page asks for)", "text/html", _STR, auth=False)},
+        "/ui/ui.js": {"get": _get_op("The status page's script", "text/javascript", _STR, auth=False)},
+        "/ui/ui.css": {"get": _get_op("The status page's style sheet", "text/css", _STR, auth=False)},
         "/metrics": {"get": _get_op("Prometheus metrics (text exposition format 0.0.4)", "text/plain", _STR)},
         "/openapi.json": {"get": _get_op("This document", "application/json", {"type": "object"})},
     }

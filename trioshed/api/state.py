@@ -13,6 +13,7 @@ from trioshed.api.limits import check_runner_options
 from trioshed.config import Settings
 from trioshed.core.model import MiB, ModelSpec, RunnerOptions
 from trioshed.errors import BadRequest
+from trioshed.logtail import LogTail
 from trioshed.models.gguf_meta import GGUFMetadata, cached_metadata, read_metadata
 from trioshed.models.pull import Puller
 from trioshed.models.stores import Stores
@@ -29,6 +30,8 @@ class AppState:
     scheduler: Scheduler
     warm: WarmReturns | None = None  # saved slots (warm returns), for /metrics
     started: float = field(default_factory=time.time)
+    log_tail: LogTail | None = None  # the last log lines, for the status page (serve() installs one)
+    event_streams: int = 0  # GET /api/events streams open now
     _puller: Puller | None = None
 
     def puller(self) -> Puller:

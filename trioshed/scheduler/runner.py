@@ -51,6 +51,7 @@ class Runner:
     leases: int = 0
     evicting: bool = False
     keep_alive: float = 300.0
+    pinned: bool = False  # never a victim: models.toml's pinned, or Scheduler.pin() for the session
     last_used: float = 0.0
     # scope: the whole life (cancelling it aborts a load); timer: the serving phase, whose deadline
     # is the keep-alive expiry and whose cancellation is an unload.
@@ -116,5 +117,5 @@ class Runner:
             keep_alive=self.keep_alive,
             last_used=self.last_used,
             usage=self.usage(),
-            pinned=self.model.pinned,
+            pinned=self.pinned,
         )

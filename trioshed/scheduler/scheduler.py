@@ -23,7 +23,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import trio
 from trio_util import RepeatedEvent
@@ -38,7 +38,7 @@ from trioshed.scheduler.events import EventHistory
 from trioshed.scheduler.lease import Lease
 from trioshed.scheduler.lifetime import HEALTH_INTERVAL, RunnerLifetimes
 from trioshed.scheduler.runner import Estimator, Runner, RunnerFactory
-from trioshed.scheduler.stats import RunnerStats, SchedulerStatistics, runner_stats
+from trioshed.scheduler.stats import QueueStats, RunnerStats, SchedulerStatistics, runner_stats
 from trioshed.trace import current as current_trace
 
 __all__ = ["HEALTH_INTERVAL", "Lease", "RunnerStats", "Scheduler", "SchedulerStatistics"]
@@ -72,6 +72,7 @@ class _Request:
     error: TrioshedError | None = None
     load_duration: float = 0.0
     room_wait: str = ""  # why it waits for memory, as last logged ("" = it has not)
+    arrived: float = field(default_factory=time.time)  # wall clock: the status page's oldest wait
 
     @functools.cached_property
     def view(self) -> sched.RequestView:
@@ -118,6 +119,7 @@ class Scheduler(RunnerLifetimes):
         self._cooldowns: dict[str, tuple[float, str]] = {}
         self._backoff: dict[str, float] = {}
         self._changes = RepeatedEvent()  # set on every change the planner or a waiter cares about
+        self._session_pins: dict[str, bool] = {}  # model path -> pinned, set by pin() until restart
         self._dirty = False  # a change the planner must look at (others only wake waiters)
         self._ids = itertools.count(1)
         self._nursery: trio.Nursery | None = None
@@ -174,7 +176,7 @@ class Scheduler(RunnerLifetimes):
             id=next(self._ids),
             model=model,
             options=options,
-            keep_alive=_keep_alive(keep_alive, model, self.default_keep_alive),
+            keep_alive=_keep_alive(keep_alive, self._pinned_for_session(model), self.default_keep_alive),
             estimate=estimate,
         )
         runner = self._free_slot_now(req) if self._nothing_ahead(req) else None
@@ -260,6 +262,31 @@ class Scheduler(RunnerLifetimes):
             await self._wait_changed()
         return bool(runners)
 
+    def pin(self, model: ModelSpec, pinned: bool) -> bool:
+        """Pin or unpin ``model`` until trioshed restarts, over what models.toml says. A pinned
+        model is never evicted to make room and stays loaded (keep-alive forever) unless a
+        request's own ``keep_alive`` says otherwise, as ``pinned = true`` in models.toml; unpinned,
+        its keep-alive counts down from now. Returns whether a runner of it is loaded now."""
+        self._session_pins[model.path] = pinned
+        log.info("%s %s until trioshed restarts", "pinned" if pinned else "unpinned", model.name)
+        runners = [r for r in self._runners.values() if r.model.path == model.path and not r.stopping]
+        for r in runners:
+            r.pinned = pinned
+            r.keep_alive = _keep_alive(None, self._pinned_for_session(r.model), self.default_keep_alive)
+            if r.leases == 0 and r.state is RunnerState.READY:
+                r.timer.deadline = trio.current_time() + r.keep_alive
+        self._wake()
+        return bool(runners)
+
+    def _pinned_for_session(self, model: ModelSpec) -> ModelSpec:
+        """``model`` as pin() left it: pinned (keep-alive forever unless set), or unpinned."""
+        pinned = self._session_pins.get(model.path)
+        if pinned is None or pinned == model.pinned:
+            return model
+        if pinned:
+            return replace(model, pinned=True, keep_alive=math.inf if model.keep_alive is None else model.keep_alive)
+        return replace(model, pinned=False, keep_alive=None if model.keep_alive == math.inf else model.keep_alive)
+
     async def wait_changed(self) -> None:
         """Wait for the next change of state (a request queued or leased, a lease ended, a runner
         loaded, unloaded, crashed...); then read ``statistics()`` or ``events``."""
@@ -305,9 +332,17 @@ class Scheduler(RunnerLifetimes):
             loading=states.count(RunnerState.LOADING),
             unloading=states.count(RunnerState.UNLOADING),
             runners=tuple(sorted(runners, key=lambda s: (s.expires_at, s.id))),
+            queue=self._queue_stats(),
             remote=self._remote.statistics(remote_usage) if self._remote is not None else (),
             **self._counters,
         )
+
+    def _queue_stats(self) -> tuple[QueueStats, ...]:
+        by_model: dict[str, QueueStats] = {}
+        for req in self._waiting.values():  # arrival order: the first of each model is its oldest
+            q = by_model.get(req.model.name)
+            by_model[req.model.name] = QueueStats(req.model.name, "", 1, req.arrived) if q is None else replace(q, waiting=q.waiting + 1)
+        return tuple(by_model.values())
 
     # -- internals ----------------------------------------------------------------------------
 
@@ -489,6 +524,7 @@ class Scheduler(RunnerLifetimes):
             placement=placement,
             estimate=req.estimate,
             keep_alive=req.keep_alive,
+            pinned=self._session_pins.get(req.model.path, req.model.pinned),
             last_used=trio.current_time(),
             load_started=trio.current_time(),
         )

@@ -34,6 +34,17 @@ class RunnerStats:
     measured: MeasuredMemory | None
     options: RunnerOptions = field(default_factory=RunnerOptions)  # what the runner was started with
     usage: tuple[tuple[str, int], ...] = ()  # bytes per device id ("cpu" = system memory)
+    pinned: bool = False  # never evicted to make room (models.toml, or pinned for the session)
+
+
+@dataclass(frozen=True)
+class QueueStats:
+    """The requests waiting for one model (not yet holding a slot)."""
+
+    model: str
+    key: str  # whose requests ("" while trioshed has one API key or none)
+    waiting: int
+    since: float  # wall clock: when the oldest of them arrived
 
 
 @dataclass(frozen=True)
@@ -52,6 +63,7 @@ class SchedulerStatistics:
     room_waits: int = 0  # requests that had to wait for memory (counted once each)
     passes: int = 0  # planning passes run (a freed slot handed to a waiter needs none)
     remote: tuple[RemoteStats, ...] = ()  # TRIOSHED_RPC_SERVERS: state, size, user
+    queue: tuple[QueueStats, ...] = ()  # waiting requests per model, in arrival order of the oldest
 
 
 def runner_stats(r: Runner, *, waiting: int, now: float, wall: float) -> RunnerStats:
@@ -86,4 +98,5 @@ def runner_stats(r: Runner, *, waiting: int, now: float, wall: float) -> RunnerS
         measured=r.handle.measured if r.handle is not None else None,
         options=r.options,
         usage=view.usage,
+        pinned=r.pinned,
     )

@@ -1,0 +1,157 @@
+"""The status page in a real browser: headless Chromium (Debian's ``chromium``) against a real
+trioshed with tiny models, driven over the DevTools protocol (:mod:`tests.browser`).
+
+One session of an operator, in order: the page asks for the API key; a load through the page's
+own button (confirmed) appears live; a request for another model evicts the first (at most one
+loaded), and the eviction with its reason arrives live; a pin; an unknown model is a visible
+error that changes nothing; trioshed restarts and the page reconnects by itself. Screenshots
+(laptop and phone width) are written under the test's temporary folder. The page must not poll:
+after it opened, its only requests are the one event stream per server and the actions.
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+
+from tests.browser import Browser, find_chromium, open_browser
+from tests.conftest import add_tiny
+from tests.serve_process import serve_process
+from trioshed.testing.llama import free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_leaked_runner")]
+
+KEY = "ui-browser-key-0123456789"
+
+
+@pytest.fixture
+def chromium() -> str:
+    path = find_chromium()
+    if path is None:
+        pytest.skip("chromium is not installed (Debian: apt-get install chromium; .ci/run installs it): the status page's browser test cannot run")
+    return path
+
+
+def runner_rows(model: str = "") -> str:
+    """A JavaScript expression: the runner table's rows (of ``model``)."""
+    where = f'[data-model="{model}"]' if model else ""
+    return f"[...document.querySelectorAll('#runners tbody tr{where}')]"
+
+
+async def click(browser: Browser, selector: str) -> None:
+    await browser.evaluate(f"document.querySelector({selector!r}).click()")
+
+
+async def confirm(browser: Browser, expected: str) -> None:
+    """Answer the page's confirmation dialog with OK, after checking what it asks."""
+    text = await browser.wait_for("document.getElementById('confirm').open && document.getElementById('confirm-text').textContent")
+    assert expected in text
+    await click(browser, "#confirm-ok")
+
+
+async def load_through_the_page(browser: Browser, model: str) -> None:
+    await browser.evaluate(f"document.getElementById('load-model').value = {model!r}")
+    await click(browser, "#load-button")
+    await confirm(browser, f"Load {model}?")
+
+
+def problems(browser: Browser) -> list[str]:
+    """Page errors, less the network ones the test causes on purpose (401 before the key, the 404
+    of the unknown model, refused connections while trioshed restarts)."""
+    return [p for p in browser.problems() if "Failed to load resource" not in p and "net::ERR_" not in p]
+
+
+async def test_status_page_in_chromium_shows_loads_and_evictions_live_and_survives_a_restart(
+    chromium: str, model_store: Path, tmp_path: Path
+) -> None:
+    add_tiny(model_store, "other")
+    port = free_port()
+    # a declared GPU (accounting only: the runners really run on the CPU) to draw a GPU's bar too
+    env = {"TRIOSHED_API_KEY": KEY, "TRIOSHED_MAX_LOADED_MODELS": "1", "TRIOSHED_CONTEXT_LENGTH": "256",
+           "TRIOSHED_DEVICES": "cuda:0=64MiB", "TRIOSHED_GPU_OVERHEAD": "8MiB"}  # fmt: skip
+    auth = {"Authorization": f"Bearer {KEY}"}
+    with trio.fail_after(240):
+        async with open_browser(chromium, tmp_path / "chromium.log") as browser:
+            async with serve_process(model_store, port=port, **env) as served, httpx.AsyncClient(base_url=served.url, headers=auth, timeout=60) as http:
+                await browser.navigate(f"{served.url}/ui")
+                # the key: asked once, kept in the tab's sessionStorage, sent as a header
+                await browser.wait_for("document.body.dataset.stream === 'key' && !document.getElementById('key-form').hidden")
+                await browser.evaluate(f"document.getElementById('key-input').value = {KEY!r}")
+                await browser.evaluate("document.getElementById('key-form').requestSubmit()")
+                await browser.wait_for("document.body.dataset.stream === 'live' && document.querySelector('[data-device=\"cpu\"]')")
+                assert await browser.evaluate("sessionStorage.getItem('trioshed.apiKey')") == KEY
+                assert await browser.evaluate("document.getElementById('key-form').offsetParent") is None
+                assert await browser.evaluate("[...document.querySelectorAll('#model-names option')].map(o => o.value)") == ["other:latest", "tiny:latest"]
+                first_instance = await browser.evaluate("document.body.dataset.instance")
+                await browser.evaluate("window.notReloaded = true")  # gone if the page reloaded
+                opened = len(browser.requests())
+
+                # a load through the page's own button, confirmed: live in the runners and events
+                await load_through_the_page(browser, "tiny")
+                await browser.wait_for(f"{runner_rows('tiny:latest')}.some(r => r.dataset.state === 'ready')")
+                await browser.wait_for("document.body.dataset.action === 'done'")
+                kinds = await browser.wait_for("""(() => { const k = [...document.querySelectorAll('#events li[data-model="tiny:latest"]')].map(li => li.dataset.kind);
+                                                  return k.includes('load') && k.includes('ready') && k; })()""")
+                assert kinds.index("ready") < kinds.index("load")  # newest first
+                row = await browser.evaluate(f"{runner_rows('tiny:latest')}[0].innerText")
+                assert "est." in row and "measured" in row and "1 / 1" not in row  # slots: 0 in use after the load
+                gpu = await browser.evaluate("""[...document.querySelectorAll('[data-device="cuda:0"] .bar > span')].map(s => [s.className, s.title])""")
+                assert [c for c, _ in gpu] == ["runner", "reserved"] and gpu[0][1].startswith("tiny:latest: ") and gpu[1][1] == "reserved 8.00 MiB"
+                bar = await browser.evaluate("document.querySelector('[data-device=\"cuda:0\"] .bar').getAttribute('aria-label')")
+                assert bar.startswith("declared cuda:0: ") and "used by runners" in bar and "of 64.0 MiB" in bar
+
+                # another model evicts it (at most one loaded): the eviction and its reason arrive live
+                r = await http.post("/api/generate", json={"model": "other", "prompt": "hi", "options": {"num_predict": 2}, "stream": False})
+                assert r.status_code == 200, r.text
+                await browser.wait_for(f"{runner_rows('other:latest')}.some(r => r.dataset.state === 'ready') && {runner_rows('tiny:latest')}.length === 0")
+                evict = await browser.wait_for("document.querySelector('#events li[data-kind=\"evict\"][data-model=\"tiny:latest\"]')?.innerText")
+                assert "make room" in evict
+                await browser.wait_for("document.querySelector('#events li[data-kind=\"unload\"][data-model=\"tiny:latest\"]')")
+                await browser.wait_for("[...document.querySelectorAll('#log span')].some(s => s.textContent.includes('other'))")
+
+                # pin for the session, through the page
+                await click(browser, "#runners tbody tr[data-model='other:latest'] button.pin")
+                await confirm(browser, "Pin other:latest")
+                await browser.wait_for(f"{runner_rows('other:latest')}[0]?.querySelector('.pinned').textContent === 'pinned'")
+                ps = (await http.get("/api/ps")).json()["models"]
+                assert [m["name"] for m in ps] == ["other:latest"]
+
+                # an unknown model: a visible error, nothing changes
+                await load_through_the_page(browser, "no-such-model")
+                error = await browser.wait_for("!document.getElementById('error').hidden && document.getElementById('error').textContent")
+                assert "no-such-model" in error and "not found" in error
+                assert await browser.evaluate(f"{runner_rows()}.map(r => r.dataset.model)") == ["other:latest"]
+                assert [m["name"] for m in (await http.get("/api/ps")).json()["models"]] == ["other:latest"]
+
+                # live, not polled: the page is the one it was, it got many messages over one
+                # stream, and its only requests since it opened are the two actions that posted
+                assert await browser.evaluate("window.notReloaded") is True
+                assert int(await browser.evaluate("document.body.dataset.messages")) >= 6
+                later = browser.requests()[opened:]
+                assert [u.removeprefix(served.url) for u in later] == ["/api/generate", "/api/pin", "/api/generate"], later
+
+                (tmp_path / "ui.png").write_bytes(await browser.screenshot())
+                await browser.resize(390, 844, mobile=True)
+                await browser.wait_for("document.documentElement.clientWidth === 390")
+                # a phone: nothing wider than the screen (tables scroll inside their boxes)
+                assert await browser.evaluate("document.documentElement.scrollWidth") <= 390
+                (tmp_path / "ui-phone.png").write_bytes(await browser.screenshot())
+                await browser.resize(1280, 900)
+
+                # trioshed restarts: the page says so, then reconnects by itself
+                served.process.send_signal(signal.SIGTERM)
+                assert await served.wait_exit() == 0
+                await browser.wait_for("document.body.dataset.stream === 'reconnecting'")
+            async with serve_process(model_store, port=port, **env):
+                await browser.wait_for(f"document.body.dataset.stream === 'live' && document.body.dataset.instance !== {first_instance!r}")
+                await browser.wait_for(f"{runner_rows()}.length === 0")  # the new process has nothing loaded
+                assert await browser.evaluate("document.getElementById('key-form').offsetParent") is None  # not asked again
+                assert await browser.evaluate("window.notReloaded") is True
+
+            # nothing was fetched from anywhere else, and the page raised nothing (CSP included)
+            assert all(u.startswith(served.url) for u in browser.requests()), browser.requests()
+            assert problems(browser) == []

@@ -1,0 +1,140 @@
+"""``GET /api/events``: the status page's one live stream (server-sent events).
+
+Messages (each ``event: NAME`` and one ``data:`` line of JSON):
+
+- ``hello`` on connect: ``{"instance", "version", "time", "models"}``; ``instance`` changes when
+  trioshed restarts (a page then starts its lists afresh), ``models`` the store's names;
+- ``state``: devices, runners, queue and totals (:func:`trioshed.api.status.status`), whole,
+  whenever it changed;
+- ``events``: ``{"events": [...], "gap"}`` the scheduler's events after the last sent (load,
+  ready, evict, unloaded, crashed, load failed, refused), ``gap`` when some were missed;
+- ``log``: ``{"lines": [...], "gap"}`` new lines of the log tail (:mod:`trioshed.logtail`);
+- a comment line (``: keep-alive``) when nothing else was sent for :data:`REFRESH` seconds.
+
+Bounded per client: a stream holds only the sequence numbers it sent last and the last state it
+sent; what it sends is built when it is ready to send. A slow reader therefore gets fewer, newer
+messages (changes coalesce; events or log lines pushed out of the bounded histories meanwhile
+are reported as a ``gap``), never a growing buffer; at most :data:`MAX_STREAMS` streams at
+once (503 beyond). A vanished reader ends its stream at the next send. A drain (shutdown) ends
+every stream at once, so that an open page never delays a restart; the page reconnects.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
+from typing import Any
+
+import trio
+from quart import Blueprint, Response
+
+from trioshed import __version__
+from trioshed.api.drain import drain_started
+from trioshed.api.preamble import state
+from trioshed.api.state import AppState
+from trioshed.api.status import status
+from trioshed.errors import EventStreamsBusy
+
+bp = Blueprint("events", __name__)
+
+INSTANCE = secrets.token_hex(8)  # this process: a page seeing another one knows trioshed restarted
+MAX_STREAMS = 64  # open pages at once; each costs one task and one socket
+REFRESH = 5.0  # seconds: device memory is read again (and a keep-alive comment sent) at least this often
+COALESCE = 0.1  # seconds between two sends to one client: a burst of changes is one message
+
+
+def sse(event: str, data: Any) -> bytes:
+    return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+def state_message(st: AppState) -> dict[str, Any]:
+    scheduler = st.scheduler
+    source = scheduler.devices
+    return status(
+        scheduler.statistics(),
+        source.poll(),
+        source.system(),
+        free_known=source.kind == "nvml",
+        overhead=st.settings.gpu_overhead,
+        now=time.time(),
+    )
+
+
+def _event(e: Any) -> dict[str, Any]:
+    kind = {"unloaded": "unload", "crashed": "crash", "load failed": "load-failed"}.get(e.kind, e.kind)
+    out = {"seq": e.seq, "time": e.time, "kind": kind, "model": e.model, "reason": e.reason}
+    if e.kind == "ready":
+        out["detail"] = f"loaded in {e.seconds:.2f} s"
+    if e.status:
+        out["status"] = e.status
+        out["detail"] = f"HTTP {e.status}" + (f" x{e.count}" if e.count > 1 else "")
+    return out
+
+
+async def _first(*waits: Callable[[], Awaitable[object]], seconds: float) -> None:
+    """Return when any of ``waits`` returns, or after ``seconds``."""
+    with trio.move_on_after(seconds):
+        async with trio.open_nursery() as nursery:
+            for wait in waits:
+                async def one(wait: Callable[[], Awaitable[object]] = wait) -> None:
+                    await wait()
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(one)
+
+
+async def stream(st: AppState, stopping: trio.Event | None) -> AsyncIterator[bytes]:
+    """The messages for one client, until it leaves or trioshed drains."""
+    st.event_streams += 1  # counted here, not in the route: a stream never started never ends
+    try:
+        history, tail = st.scheduler.events, st.log_tail
+        models = sorted({spec.name for spec in await trio.to_thread.run_sync(st.store.list)})
+        yield sse("hello", {"instance": INSTANCE, "version": __version__, "time": time.time(), "models": models})
+        last_state: dict[str, Any] | None = None
+        event_seq = 0
+        log_seq = 0
+        while stopping is None or not stopping.is_set():
+            sent = False
+            current = state_message(st)
+            if last_state is None or {**current, "time": 0} != {**last_state, "time": 0}:
+                last_state = current
+                sent = True
+                yield sse("state", current)
+            events = history.after(event_seq)
+            if events:
+                gap = event_seq > 0 and events[0].seq > event_seq + 1 and events[0].kind != "refused"
+                event_seq = events[-1].seq
+                sent = True
+                yield sse("events", {"events": [_event(e) for e in events], "gap": gap})
+            if tail is not None:
+                lines, gap = tail.since(log_seq)
+                if lines:
+                    log_seq = lines[-1].seq
+                    sent = True
+                    yield sse("log", {"lines": [line.__dict__ for line in lines], "gap": gap and log_seq > len(lines)})
+            if not sent:
+                yield b": keep-alive\n\n"
+            waits: list[Callable[[], Awaitable[object]]] = [st.scheduler.wait_changed, partial(history.wait_after, event_seq)]
+            if tail is not None:
+                waits.append(tail.wait_changed)
+            if stopping is not None:
+                waits.append(stopping.wait)
+            await _first(*waits, seconds=REFRESH)
+            await trio.sleep(COALESCE)
+    finally:
+        st.event_streams -= 1
+
+
+@bp.get("/api/events")
+async def events() -> Response:
+    st = state()
+    if st.event_streams >= MAX_STREAMS:
+        raise EventStreamsBusy(MAX_STREAMS)
+    response = Response(stream(st, drain_started()), content_type="text/event-stream; charset=utf-8")
+    response.headers["Cache-Control"] = "no-cache"
+    response.headers["X-Accel-Buffering"] = "no"  # nginx and friends: pass each message on at once
+    response.timeout = None  # type: ignore[assignment]  # runs for as long as the page is open
+    return response
