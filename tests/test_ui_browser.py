@@ -11,6 +11,7 @@ after it opened, its only requests are the one event stream per server and the a
 
 from __future__ import annotations
 
+import os
 import signal
 from pathlib import Path
 
@@ -66,9 +67,10 @@ def problems(browser: Browser) -> list[str]:
 
 
 async def test_status_page_in_chromium_shows_loads_and_evictions_live_and_survives_a_restart(
-    chromium: str, model_store: Path, tmp_path: Path
+    chromium: str, model_store: Path, unknown_arch_model: Path, tmp_path: Path
 ) -> None:
     add_tiny(model_store, "other")
+    os.link(unknown_arch_model, model_store / "broken.gguf")  # llama-server refuses it: a load failure
     port = free_port()
     # a declared GPU (accounting only: the runners really run on the CPU) to draw a GPU's bar too
     env = {"TRIOSHED_API_KEY": KEY, "TRIOSHED_MAX_LOADED_MODELS": "1", "TRIOSHED_CONTEXT_LENGTH": "256",
@@ -85,7 +87,7 @@ async def test_status_page_in_chromium_shows_loads_and_evictions_live_and_surviv
                 await browser.wait_for("document.body.dataset.stream === 'live' && document.querySelector('[data-device=\"cpu\"]')")
                 assert await browser.evaluate("sessionStorage.getItem('trioshed.apiKey')") == KEY
                 assert await browser.evaluate("document.getElementById('key-form').offsetParent") is None
-                assert await browser.evaluate("[...document.querySelectorAll('#model-names option')].map(o => o.value)") == ["other:latest", "tiny:latest"]
+                assert await browser.evaluate("[...document.querySelectorAll('#model-names option')].map(o => o.value)") == ["broken:latest", "other:latest", "tiny:latest"]
                 first_instance = await browser.evaluate("document.body.dataset.instance")
                 await browser.evaluate("window.notReloaded = true")  # gone if the page reloaded
                 opened = len(browser.requests())
@@ -112,6 +114,17 @@ async def test_status_page_in_chromium_shows_loads_and_evictions_live_and_surviv
                 assert "make room" in evict
                 await browser.wait_for("document.querySelector('#events li[data-kind=\"unload\"][data-model=\"tiny:latest\"]')")
                 await browser.wait_for("[...document.querySelectorAll('#log span')].some(s => s.textContent.includes('other'))")
+
+                # a load that fails, then the 503 of its back-off: both arrive with their cause
+                assert (await http.post("/api/generate", json={"model": "broken", "prompt": "x"})).status_code == 500
+                assert (await http.post("/api/generate", json={"model": "broken", "prompt": "x"})).status_code == 503
+                failed = await browser.wait_for("document.querySelector('#events li[data-kind=\"load-failed\"][data-model=\"broken:latest\"]')?.innerText")
+                assert "llama-server" in failed
+                refused = await browser.wait_for("document.querySelector('#events li[data-kind=\"refused\"][data-model=\"broken:latest\"]')?.innerText")
+                assert "HTTP 503" in refused and "load_cooldown" in refused
+                r = await http.post("/api/generate", json={"model": "other", "prompt": "hi", "options": {"num_predict": 2}, "stream": False})
+                assert r.status_code == 200, r.text
+                await browser.wait_for(f"{runner_rows('other:latest')}.some(r => r.dataset.state === 'ready')")
 
                 # pin for the session, through the page
                 await click(browser, "#runners tbody tr[data-model='other:latest'] button.pin")

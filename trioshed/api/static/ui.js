@@ -154,7 +154,7 @@ function eventItem(e) {
   return el("li", { dataset: { kind: e.kind, model: e.model || "", seq: String(e.seq) } },
     el("time", { datetime: new Date(e.time * 1000).toISOString() }, clock(e.time)),
     el("span", { class: "kind kind-" + e.kind }, EVENT_WORDS[e.kind] || e.kind),
-    el("span", { class: "detail" }, words));
+    el("span", { class: "detail", title: words }, words.length > 240 ? words.slice(0, 240) + "…" : words));
 }
 
 function addEvents(list, gap) {
