@@ -208,3 +208,27 @@ def test_the_slot_endpoints_answer_as_trioshed_expects(tmp_path: Path) -> None:
     with running_llama_server(wide, args) as server:  # another shape: refused, and it serves on
         assert call(server.url, "/slots/0?action=restore", {"filename": "partial-x.bin"})[0] == 400
         assert call(server.url, "/completion", {"prompt": "hi", "n_predict": 2})[0] == 200
+
+
+async def test_a_reload_for_a_larger_context_keeps_the_conversation(store: Path, tmp_path: Path) -> None:
+    """A reload for other options unloads (and saves); the new runner's key is the same (the
+    context is not in it), and its larger context holds the file: restored."""
+
+    async def ollama(client: httpx.AsyncClient, prompt: str, num_ctx: int) -> str:
+        body = {"model": "a", "prompt": prompt, "raw": True, "stream": False,
+                "options": {"num_ctx": num_ctx, "num_predict": 8, "temperature": 0, "seed": 1}}  # fmt: skip
+        r = await client.post("/api/generate", json=body)
+        assert r.status_code == 200, r.text
+        answer: str = r.json()["response"]
+        return answer
+
+    with trio.fail_after(120):
+        async with open_test_server(store, **settings(tmp_path / "kv")) as server, httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
+            first = await ollama(client, HISTORY, 1024)
+            follow_up = HISTORY + first + " Then?"
+            resumed = await ollama(client, follow_up, 2048)  # reload: saved, then restored
+            stats = warm(server)
+            assert (stats.saves, stats.restores) == (1, 1)
+            assert [r.context_length for r in server.scheduler.statistics().runners] == [2048]
+        async with open_test_server(store) as server, httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
+            assert await ollama(client, follow_up, 2048) == resumed
