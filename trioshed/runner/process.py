@@ -250,6 +250,11 @@ class LlamaServer:
         await self._exited.wait()
         return self.returncode
 
+    def kill(self) -> None:
+        """SIGKILL the child now (a hung one: a stopped process does not act on SIGTERM)."""
+        if self.process is not None:
+            self.process.send_signal(signal.SIGKILL)
+
     async def health(self) -> bool:
         """True when the child answers ``/health`` with 200 within 10 s (the reference's ping)."""
         if self.exited:

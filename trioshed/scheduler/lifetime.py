@@ -33,6 +33,15 @@ COOLDOWN_MAX = 300.0
 VRAM_RECOVERY_TIMEOUT = 5.0
 VRAM_POLL_INTERVAL = 0.25
 HEALTH_INTERVAL = 15.0
+HEALTH_TIMEOUT = 10.0  # the reference's ping timeout
+#: A runner idle this long (seconds) is pinged before it is handed a request ...
+PING_IDLE = 1.0
+#: ... and killed as hung when it does not answer within this many seconds (the request then
+#: waits for its replacement): a request reaches a runner that answers, or gets an error, within
+#: a few seconds of the runner hanging (a stopped llama-server otherwise held it until the
+#: health monitor's two failures, and then nothing answered it at all).
+PING_TIMEOUT = 3.0
+PING_RETRIES = 2  # runners in a row that may fail their ping before a request takes one as it is
 REMOTE_CHECK_TIMEOUT = 3.0  # how long a crashed runner's RPC servers are checked before it is reported
 
 
@@ -66,7 +75,7 @@ class RunnerLifetimes:
                                 await handle.wait_exited()
                                 watchers.cancel_scope.cancel()
                             with trio.CancelScope(shield=True):  # bounded: REMOTE_CHECK_TIMEOUT
-                                cause = await self._check_remote(runner)
+                                cause = runner.hung or await self._check_remote(runner)
                             self._on_crash(runner, cause)
                             return
                         # Stopped (unload, eviction, keep-alive expiry): the child is still alive here,
@@ -92,23 +101,40 @@ class RunnerLifetimes:
             self._wake()
 
     async def _monitor_health(self, runner: Runner, handle: Any) -> None:
-        """Ping ``/health`` every HEALTH_INTERVAL; two failures in a row reload the runner.
+        """Ping ``/health`` every HEALTH_INTERVAL; two failures in a row: the runner is hung.
 
-        The exit watcher sees a dead child at once; this catches a live but hung one (the
-        reference pings on every reuse instead, adding a round trip to each request).
+        The exit watcher sees a dead child at once; this catches a live but hung one between
+        requests (a request pings a runner idle for PING_IDLE before using it). The streams on a
+        hung runner end with an error then (before, they waited for the stream idle timeout).
         """
         failures = 0
         while True:
             await trio.sleep(HEALTH_INTERVAL)
-            failures = 0 if await handle.health() else failures + 1
+            healthy = False
+            with trio.move_on_after(HEALTH_TIMEOUT):
+                healthy = await handle.health()
+            failures = 0 if healthy else failures + 1
             if failures >= 2:
-                self._note("unhealthy", runner.model)
-                runner.evicting = True
-                runner.unload_reason = "health check failed"
-                if runner.leases == 0:
-                    runner.stop("health check failed")
-                self._wake()
+                self._declare_hung(runner, f"did not answer two health checks {HEALTH_INTERVAL:g}s apart")
                 return
+
+    def _declare_hung(self, runner: Runner, why: str) -> None:
+        """A live runner that does not answer: kill it now (SIGKILL; a hung child may not act
+        on SIGTERM), so that its streams end with an error naming ``why`` and its requests'
+        model is loaded again. A handle that cannot be killed is unloaded once its leases end."""
+        if runner.hung:
+            return
+        runner.hung = f"it stopped answering ({why}) and was killed"
+        self._note("unhealthy", runner.model, why)
+        log.warning("llama-server for %s %s", runner.model.name, runner.hung)
+        runner.evicting = True
+        runner.unload_reason = "health check failed"
+        kill = getattr(runner.handle, "kill", None)
+        if kill is not None:
+            kill()
+        elif runner.leases == 0:
+            runner.stop("health check failed")
+        self._wake()
 
     def _on_ready(self, runner: Runner, handle: Any) -> None:
         runner.handle = handle

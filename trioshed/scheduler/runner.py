@@ -63,6 +63,7 @@ class Runner:
     load_started: float = 0.0
     load_duration: float = 0.0
     crash: RunnerCrashed | None = None
+    hung: str = ""  # why it was killed as hung ("": it was not)
     unload_reason: str = ""
 
     def usage(self) -> tuple[tuple[str, int], ...]:

@@ -36,7 +36,13 @@ from trioshed.devices.rpc import RemoteDevices
 from trioshed.errors import LoadFailed, QueueFull, ShuttingDown, TrioshedError
 from trioshed.scheduler.events import EventHistory
 from trioshed.scheduler.lease import Lease
-from trioshed.scheduler.lifetime import HEALTH_INTERVAL, RunnerLifetimes
+from trioshed.scheduler.lifetime import (
+    HEALTH_INTERVAL,
+    PING_IDLE,
+    PING_RETRIES,
+    PING_TIMEOUT,
+    RunnerLifetimes,
+)
 from trioshed.scheduler.runner import Estimator, Runner, RunnerFactory
 from trioshed.scheduler.stats import QueueStats, RunnerStats, SchedulerStatistics, runner_stats
 from trioshed.trace import current as current_trace
@@ -71,6 +77,7 @@ class _Request:
     runner: Runner | None = None
     error: TrioshedError | None = None
     load_duration: float = 0.0
+    idle_for: float = 0.0  # how long the runner it was handed had been idle (0: busy or fresh)
     room_wait: str = ""  # why it waits for memory, as last logged ("" = it has not)
     arrived: float = field(default_factory=time.time)  # wall clock: the status page's oldest wait
 
@@ -165,6 +172,28 @@ class Scheduler(RunnerLifetimes):
             lease.release()
 
     async def wait_for_lease(self, model: ModelSpec, options: RunnerOptions, keep_alive: float | None) -> Lease:
+        """A lease on a runner that answers: one idle for PING_IDLE or more is pinged first (the
+        reference pings on every reuse); one that does not answer within PING_TIMEOUT is killed
+        as hung and the request waits for its replacement (at most PING_RETRIES times)."""
+        for _ in range(PING_RETRIES):
+            req, lease = await self._wait_for_lease(model, options, keep_alive)
+            if req.idle_for < PING_IDLE:
+                return lease
+            try:
+                with trio.move_on_after(PING_TIMEOUT):
+                    if await lease.handle.health():
+                        return lease
+            except BaseException:
+                lease.release()
+                raise
+            assert req.runner is not None
+            self._declare_hung(req.runner, f"did not answer a health check within {PING_TIMEOUT:g}s before reuse")
+            lease.release()
+        return (await self._wait_for_lease(model, options, keep_alive))[1]  # as it comes, unpinged
+
+    async def _wait_for_lease(
+        self, model: ModelSpec, options: RunnerOptions, keep_alive: float | None
+    ) -> tuple[_Request, Lease]:
         if self._closing or self._nursery is None:
             raise ShuttingDown()
         trace, arrived = current_trace.get(), trio.current_time()
@@ -188,7 +217,7 @@ class Scheduler(RunnerLifetimes):
             await trio.lowlevel.cancel_shielded_checkpoint()
             if trace is not None:
                 trace.leased(model.name, 0.0, req.load_duration)
-            return Lease(self, runner, req.load_duration)
+            return req, Lease(self, runner, req.load_duration)
         self.submit_nowait(req)
         try:
             await req.done.wait()
@@ -200,7 +229,7 @@ class Scheduler(RunnerLifetimes):
         assert req.runner is not None
         if trace is not None:
             trace.leased(model.name, trio.current_time() - arrived, req.load_duration)
-        return Lease(self, req.runner, req.load_duration)
+        return req, Lease(self, req.runner, req.load_duration)
 
     def _nothing_ahead(self, req: _Request) -> bool:
         """No request for ``req``'s model waits, nor any still in the channel (of unknown model)."""
@@ -499,8 +528,10 @@ class Scheduler(RunnerLifetimes):
         log.log(level, "%s waits for memory: %s; %s (%s)%s", req.model.name, wait.reason, needed, free, leaving)
 
     def _dispatch(self, req: _Request, runner: Runner) -> None:
+        now = trio.current_time()
+        req.idle_for = now - runner.last_used if runner.leases == 0 and runner.served > 0 else 0.0
         runner.leases += 1
-        runner.last_used = trio.current_time()
+        runner.last_used = now
         runner.keep_alive = req.keep_alive
         runner.timer.deadline = math.inf
         req.load_duration = runner.load_duration if runner.served == 0 else 0.0

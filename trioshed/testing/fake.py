@@ -37,11 +37,14 @@ class FakeRunner:
     measured: None = None
     base_url: str = "http://fake.invalid"
     healthy: bool = True
+    frozen: bool = False  # a stopped process: its health check never answers
     _exited: trio.Event = field(default_factory=trio.Event)
 
     async def health(self) -> bool:
         await trio.lowlevel.checkpoint()
-        return self.healthy and not self.exited
+        if self.frozen and not self.exited:
+            await self._exited.wait()
+        return self.healthy and not self.exited and not self.frozen
 
     @property
     def exited(self) -> bool:
@@ -50,6 +53,10 @@ class FakeRunner:
     async def wait_exited(self) -> int | None:
         await self._exited.wait()
         return self.returncode
+
+    def kill(self) -> None:
+        """What the scheduler does to a hung runner (SIGKILL)."""
+        self.crash(-9)
 
     def crash(self, returncode: int = -9) -> None:
         self.returncode = returncode
