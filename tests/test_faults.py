@@ -128,8 +128,17 @@ async def test_model_files_and_the_store_changing_under_a_loaded_runner(model_st
             other = model_store / "other.gguf"
             os.truncate(other, 100)
             r = await generate(http, "other")
-            assert r.status_code == 500 and "truncated or corrupt GGUF header" in r.json()["error"], r.text
+            assert r.status_code == 500 and "cannot read model 'other:latest': damaged GGUF file" in r.json()["error"], r.text
+            r = await http.post("/api/show", json={"model": "other"})  # it said "internal error" with the path
+            assert r.status_code == 500 and "damaged GGUF file" in r.json()["error"], r.text
+            assert str(model_store) not in r.text and "Error" not in r.text
             assert len(server.scheduler.statistics().runners) == 2  # nothing crashed meanwhile
+            # replaced by another model file (written aside, renamed over it): served again
+            add_tiny(model_store, "fresh")
+            os.replace(model_store / "fresh.gguf", other)
+            r = await generate(http, "other")
+            assert r.status_code == 200, r.text
+            assert (await http.post("/api/show", json={"model": "other"})).status_code == 200
             # the store folder disappears altogether
             shutil.rmtree(model_store)
             assert (await http.get("/api/tags")).json() == {"models": []}

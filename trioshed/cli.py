@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -42,6 +43,29 @@ def provide_demo_model(store: Path) -> Path | None:
     return target
 
 
+def unusable_store(folder: Path) -> str | None:
+    """Why ``folder`` cannot be a model store (``None``: it can; it is created if missing)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        return "it is a file, not a folder; set TRIOSHED_MODELS to a folder"
+    except OSError as exc:
+        return f"cannot create it ({exc.strerror or type(exc).__name__}); set TRIOSHED_MODELS to a folder trioshed may create"
+    if not folder.is_dir():
+        return "it is not a folder; set TRIOSHED_MODELS to a folder"
+    if not os.access(folder, os.R_OK | os.X_OK):
+        return "cannot read it (permission denied)"
+    return None
+
+
+def _say(line: str) -> None:
+    """A line on stderr for the operator: never fatal (a full disk, a closed terminal)."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
+
+
 def _client(settings: Settings) -> httpx.Client:
     host = f"[{settings.host}]" if ":" in settings.host else settings.host
     if host in ("0.0.0.0", "[::]"):
@@ -65,15 +89,17 @@ def _cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     from trioshed.models.stores import store_folders
 
     folders = [f for f in store_folders(settings.models) if not is_ollama_store(f)]
+    for folder in folders:
+        if problem := unusable_store(folder):
+            _say(f"trioshed: TRIOSHED_MODELS: {folder}: {problem}")
+            return 2
     if folders and args.demo_model:
         provide_demo_model(folders[0])
-    for folder in folders:
-        folder.mkdir(parents=True, exist_ok=True)
     banner = f"trioshed {__version__}: serving {settings.models} on http://{settings.host}:{settings.port}"
     if settings.log_format == "json":
         logging.getLogger("trioshed").info(banner)  # every line of a JSON log is JSON
     else:
-        print(banner, file=sys.stderr, flush=True)
+        _say(banner)
     from trioshed.devices.rpc import check_addresses
 
     try:  # a public RPC server address is refused before anything starts

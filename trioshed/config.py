@@ -27,11 +27,16 @@ _BYTE_UNITS = {
 }  # fmt: skip
 
 
+#: Go's longest ``time.Duration`` in seconds (~292 years): what Ollama's keep-alive can hold.
+LONGEST_DURATION = 2**63 / 1e9
+
+
 def parse_duration(value: str | int | float | None) -> float:
     """Parse an Ollama-style keep-alive into seconds: ``math.inf`` means forever.
 
     Accepts numbers (seconds), numeric strings, and Go durations (``"5m"``, ``"1h30m"``, ``"-1m"``).
-    Any negative value means "keep forever"; 0 means "unload as soon as idle".
+    Any negative value means "keep forever", and so does one of :data:`LONGEST_DURATION` or more
+    (``1e308``, ``"9999999999h"``); 0 means "unload as soon as idle".
     """
     if value is None:
         raise ValueError("duration is missing")
@@ -61,7 +66,8 @@ def parse_duration(value: str | int | float | None) -> float:
             seconds = sign * total
     if math.isnan(seconds):
         raise ValueError(f"invalid duration {value!r}")
-    return math.inf if seconds < 0 else seconds
+    # Negative, or longer than Go's longest duration (~292 years): forever, as Ollama keeps it
+    return math.inf if seconds < 0 or seconds >= LONGEST_DURATION else seconds
 
 
 def parse_bytes(value: str | int) -> int:

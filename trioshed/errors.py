@@ -17,6 +17,8 @@
     ├── InsufficientMemory (507)         the model cannot fit even with every other model unloaded
     │   └── PinnedModelsInTheWay         it would fit only by evicting models pinned in models.toml
     ├── RemoteUnavailable (503)          the model fits only with an RPC server that is down
+    ├── ModelUnreadable (500)            a model's file cannot be read: not a GGUF, damaged, gone
+    │                                    (the message names the model; its path is only logged)
     ├── RunnerError (500)                a runner failed
     │   ├── LoadFailed                   llama-server exited or timed out before it was ready
     │   ├── RunnerCrashed                llama-server exited while serving (the next request reloads)
@@ -162,6 +164,21 @@ class RemoteUnavailable(TrioshedError):
             headers={"Retry-After": str(retry_after)},
         )
         self.down = down
+
+
+class ModelUnreadable(TrioshedError):
+    """A model's file is not a GGUF file, is damaged (truncated, replaced) or cannot be opened.
+
+    Clients learn the model and the kind of problem; the path and what the file holds go to
+    the log only (:func:`trioshed.models.gguf_meta.unreadable`)."""
+
+    status = 500
+
+    def __init__(self, model: str, problem: str) -> None:
+        super().__init__(
+            f"cannot read model '{model}': {problem}; check or replace its file (the server log names it)"
+        )
+        self.model = model
 
 
 class RunnerError(TrioshedError):

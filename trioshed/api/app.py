@@ -146,6 +146,7 @@ def create_app(state: AppState) -> QuartTrio:
     @app.errorhandler(Exception)
     async def _unexpected(exc: Exception) -> Any:
         log.exception("unhandled error on %s %s", request.method, request.path)
-        return _json_error(500, f"internal error: {type(exc).__name__}: {exc}")
+        # never the exception's text: it may hold paths or data; the log has it
+        return _json_error(500, f"internal error ({type(exc).__name__}) on {request.path[:100]}; the server log has the details")
 
     return app

@@ -26,11 +26,14 @@ log = logging.getLogger(__name__)
 bp = Blueprint("ollama_models", __name__)
 
 
-def rfc3339(ts: float) -> str:
-    if math.isinf(ts):
-        ts = datetime(2318, 1, 1, tzinfo=UTC).timestamp()  # "forever", as Ollama shows it
-    return datetime.fromtimestamp(ts, UTC).isoformat().replace("+00:00", "Z")
+_FOREVER = datetime(2318, 1, 1, tzinfo=UTC).timestamp()  # "forever", as Ollama shows it
 
+
+def rfc3339(ts: float) -> str:
+    """A wall-clock time as RFC 3339; anything past 2318 (or not finite) is Ollama's "forever"."""
+    if not math.isfinite(ts) or ts >= _FOREVER:
+        ts = _FOREVER
+    return datetime.fromtimestamp(max(ts, 0.0), UTC).isoformat().replace("+00:00", "Z")
 
 
 async def details(spec: ModelSpec) -> dict[str, Any]:
@@ -89,18 +92,18 @@ async def ps() -> Any:
     out = []
     stats = st.scheduler.statistics()
     for r in stats.runners:
-        spec = st.store.resolve(r.model) if _resolvable(st, r.model) else None
-        entry = {
-            "name": r.model,
-            "model": r.model,
-            "size": r.size,
-            "size_vram": r.size_vram,
-            "digest": (await st.digest(spec)) if spec else "",
-            "details": (await details(spec)) if spec else {},
-            "expires_at": rfc3339(r.expires_at),
-            "context_length": r.context_length,
-            "runner": await _runner_settings(st, r.options, spec, r),
-        }
+        entry: dict[str, Any] = {"name": r.model, "model": r.model, "size": r.size, "size_vram": r.size_vram}
+        try:
+            spec = st.store.resolve(r.model) if _resolvable(st, r.model) else None
+            entry.update({
+                "digest": (await st.digest(spec)) if spec else "",
+                "details": (await details(spec)) if spec else {},
+                "expires_at": rfc3339(r.expires_at),
+                "context_length": r.context_length,
+                "runner": await _runner_settings(st, r.options, spec, r),
+            })  # fmt: skip
+        except Exception:  # one runner's state never breaks the listing: it shows what is known
+            log.exception("/api/ps: cannot describe the runner of %s", r.model)
         if r.placement.endpoints:  # trioshed's addition: the RPC servers holding some layers
             entry["rpc_servers"] = list(r.placement.endpoints)
         out.append(entry)
@@ -182,7 +185,7 @@ async def show() -> Any:
     st = state()
     body = await read_body()
     spec = st.store.resolve(body.get("model") or body.get("name") or "")
-    meta = await trio.to_thread.run_sync(read_metadata, spec.path)
+    meta = await st.metadata(spec)
     options = st.runner_options(spec, {})
     est = estimate(meta, options)
     arch = meta.architecture

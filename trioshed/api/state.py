@@ -14,7 +14,7 @@ from trioshed.config import Settings
 from trioshed.core.model import MiB, ModelSpec, RunnerOptions
 from trioshed.errors import BadRequest
 from trioshed.logtail import LogTail
-from trioshed.models.gguf_meta import GGUFMetadata, cached_metadata, read_metadata
+from trioshed.models.gguf_meta import GGUFMetadata, cached_metadata, read_metadata, unreadable
 from trioshed.models.pull import Puller
 from trioshed.models.stores import Stores
 from trioshed.runner.slots import WarmReturns
@@ -77,7 +77,10 @@ class AppState:
         cached = cached_metadata(spec.path)
         if cached is not None:
             return cached
-        return await trio.to_thread.run_sync(read_metadata, spec.path)
+        try:
+            return await trio.to_thread.run_sync(read_metadata, spec.path)
+        except (OSError, ValueError) as exc:  # the client learns the model and the problem only
+            raise unreadable(spec.name, spec.path, exc) from None
 
     async def digest(self, spec: ModelSpec) -> str:
         cached = self.store.cached_digest(spec)

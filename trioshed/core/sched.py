@@ -164,18 +164,20 @@ def default_max_loaded(configured: int, gpu_count: int) -> int:
     return configured if configured > 0 else 3 * max(1, gpu_count)
 
 
+def same_files(a: ModelSpec, b: ModelSpec) -> bool:
+    """Whether two specs name the same files, the model's in the same state (size, mtime)."""
+    return (a.path, a.adapters, a.projector, a.size, a.modified) == (b.path, b.adapters, b.projector, b.size, b.modified)
+
+
 def can_serve(runner: RunnerView, model: ModelSpec, options: RunnerOptions) -> bool:
     """Whether ``runner`` can serve a request without a reload.
 
-    Same file, adapters and projector; equal runner options, except that ``num_gpu < 0`` (auto)
-    never forces a reload, a smaller ``num_ctx`` is served by a larger runner (ollama#6148), and
-    a runner started for embeddings serves generation too.
+    Same file (as it was when loaded: a file replaced since has another size or modification
+    time, and is loaded again), adapters and projector; equal runner options, except that
+    ``num_gpu < 0`` (auto) never forces a reload, a smaller ``num_ctx`` is served by a larger
+    runner (ollama#6148), and a runner started for embeddings serves generation too.
     """
-    if (runner.model.path, runner.model.adapters, runner.model.projector) != (
-        model.path,
-        model.adapters,
-        model.projector,
-    ):
+    if not same_files(runner.model, model):
         return False
     have, want = runner.options, options
     if have == want:
@@ -445,7 +447,8 @@ def _plan_one(
         # leases end. One runner per model file at a time, as in the reference.
         for r in same_model:
             if not r.evicting and r.state is RunnerState.READY:
-                actions.append(Evict(r.id, "reload: options changed"))
+                why = "options changed" if same_files(r.model, req.model) else "model file changed"
+                actions.append(Evict(r.id, f"reload: {why}"))
                 sim.set(replace(r, evicting=True))
         return "wait"
     cooldown = cooldowns.get(req.model.path)

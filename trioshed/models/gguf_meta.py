@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import io
+import logging
 import os
 import struct
 from collections.abc import Mapping
@@ -30,7 +31,11 @@ from typing import Any
 import gguf
 import numpy as np
 
-__all__ = ["SMALL_ARRAY", "ArrayInfo", "GGUFError", "GGUFMetadata", "TensorInfo", "read_metadata"]
+from trioshed.errors import ModelUnreadable
+
+__all__ = ["SMALL_ARRAY", "ArrayInfo", "GGUFError", "GGUFMetadata", "TensorInfo", "read_metadata", "unreadable"]
+
+log = logging.getLogger(__name__)
 
 #: Arrays with at most this many elements are decoded (as tuples); longer ones become ArrayInfo.
 SMALL_ARRAY = 64
@@ -58,7 +63,27 @@ _U64 = struct.Struct("<Q")
 
 
 class GGUFError(ValueError):
-    """The file is not a GGUF file this reader understands (bad magic, version, truncated)."""
+    """The file is not a GGUF file this reader understands (bad magic, version, truncated).
+
+    Its message names the path and may quote the file's first bytes: for the log, never for a
+    client (:func:`unreadable` says what a client may be told)."""
+
+    def __init__(self, message: str, problem: str = "damaged or not a GGUF file") -> None:
+        super().__init__(message)
+        self.problem = problem  # what a client may be told: no path, no bytes
+
+
+def unreadable(model: str, path: str, exc: Exception) -> ModelUnreadable:
+    """The client's error for a model file that :func:`read_metadata` refused; the details
+    (path, the bytes a non-GGUF file starts with) are logged here and go no further."""
+    log.warning("model %s: cannot read %s: %s", model, path, exc)
+    if isinstance(exc, GGUFError):
+        problem = exc.problem
+    elif isinstance(exc, OSError):
+        problem = f"its file cannot be opened ({exc.strerror or type(exc).__name__})"
+    else:
+        problem = "damaged or not a GGUF file"
+    return ModelUnreadable(model, problem)
 
 
 @dataclass(frozen=True)
@@ -288,7 +313,7 @@ def parse_file(path: str, size: int | None = None) -> GGUFMetadata:
             size = os.fstat(f.fileno()).st_size
         head = f.read(min(size, _CHUNK))
         if head[:4] != _GGUF_MAGIC:
-            raise GGUFError(f"{path}: not a GGUF file (starts with {head[:4]!r}, expected b'GGUF')")
+            raise GGUFError(f"{path}: not a GGUF file (starts with {head[:4]!r}, expected b'GGUF')", "not a GGUF file")
         return _Parser(path, f, head, size).parse()
 
 
@@ -324,7 +349,7 @@ class _Parser:
         self.base = self.pos
 
     def fail(self, what: str) -> GGUFError:
-        return GGUFError(f"{self.path}: {what} at byte {self.pos} of {self.size}")
+        return GGUFError(f"{self.path}: {what} at byte {self.pos} of {self.size}", "damaged GGUF file (truncated or corrupt)")
 
     def need(self, n: int) -> int:
         """Check that ``n`` bytes follow ``pos``; return ``pos``'s offset in ``buf``."""
@@ -482,7 +507,8 @@ class _Parser:
             if start + nbytes > self.size:
                 raise GGUFError(
                     f"{self.path}: truncated GGUF file: tensor {name!r} ends at byte "
-                    f"{start + nbytes}, the file has {self.size}"
+                    f"{start + nbytes}, the file has {self.size}",
+                    "truncated GGUF file",
                 )
             tensors.append(TensorInfo(name, ggml_type, shape, nbytes, start))
         return GGUFMetadata(

@@ -40,7 +40,7 @@ from trioshed._util import single_error
 from trioshed.core.estimate import effective_kv_type, kv_layer_bytes
 from trioshed.core.model import MeasuredMemory, ModelSpec, Placement, RunnerOptions
 from trioshed.errors import LoadFailed
-from trioshed.models.gguf_meta import read_metadata
+from trioshed.models.gguf_meta import read_metadata, unreadable
 from trioshed.runner.client import ConnectionFailed, UpstreamPool
 from trioshed.runner.command import LaunchConfig, build_command
 from trioshed.runner.slots import RunnerSlots, save_before_stop
@@ -50,6 +50,7 @@ try:
 except ImportError:  # pragma: no cover - lands with the memory-estimate work
     MemoryLogParser = None  # type: ignore[assignment,misc]
 
+log = logging.getLogger(__name__)
 #: Every line a child prints, at DEBUG, as "<model> [<pid>] <line>" (``--log-level debug``).
 output_log = logging.getLogger("trioshed.runner.output")
 
@@ -309,19 +310,30 @@ class LlamaServer:
                     self._output_hint = trio.Event()
         finally:
             self._progress = None
+        # Clients see llama-server's last words without the model's path (logged in full)
+        log.warning("llama-server for %s (%s) failed to load; its last output:\n%s", self.model.name, self.model.path, self.tail.text())
         if self.exited:
             raise LoadFailed(
                 f"llama-server exited with code {self.returncode} before it was ready; "
-                f"last output: {self.tail.errors()!r}; check that {self.model.path} is a valid GGUF "
-                "that this llama.cpp build supports",
+                f"last output: {self.scrubbed(self.tail.errors())!r}; check that the file of model "
+                f"'{self.model.name}' is a valid GGUF that this llama.cpp build supports",
                 returncode=self.returncode,
                 stderr_tail=self.tail.text(),
             )
         raise LoadFailed(
             f"llama-server made no progress loading {self.model.name} for {load_timeout:.0f}s "
-            f"(TRIOSHED_LOAD_TIMEOUT); last output: {self.tail.errors()!r}",
+            f"(TRIOSHED_LOAD_TIMEOUT); last output: {self.scrubbed(self.tail.errors())!r}",
             stderr_tail=self.tail.text(),
         )
+
+    def scrubbed(self, text: str) -> str:
+        """``text`` with the model's files named by the model, not by their paths."""
+        for path in sorted({self.model.path, *self.model.adapters, *filter(None, [self.model.projector])}, key=len, reverse=True):
+            text = text.replace(path, f"<{self.model.name}>")
+            folder = os.path.dirname(path)
+            if len(folder) > 1:
+                text = text.replace(folder, "<store>")
+        return text
 
     async def _supervise(self, argv: list[str], config: LaunchConfig, *, task_status: trio.TaskStatus[None]) -> None:
         """Own the child from spawn to reaping; cancellation stops it (SIGTERM, grace, SIGKILL)."""
@@ -358,7 +370,7 @@ async def open_llama_server(
         meta = read_metadata(model.path)
         kv_type = effective_kv_type(options, meta)
     except (OSError, ValueError) as exc:
-        raise LoadFailed(f"cannot read {model.path}: {exc}") from None
+        raise LoadFailed(unreadable(model.name, model.path, exc).message) from None
     warm = config.warm if config.warm is not None and config.warm.enabled else None
     argv = build_command(
         config.binary, model, options, placement, port=port,

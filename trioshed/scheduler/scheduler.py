@@ -33,7 +33,8 @@ from trioshed.core.model import MemoryEstimate, ModelSpec, Placement, RunnerOpti
 from trioshed.core.sched import Dispatch, Evict, Fail, Load, Machine, RunnerState
 from trioshed.devices import DeviceSource
 from trioshed.devices.rpc import RemoteDevices
-from trioshed.errors import LoadFailed, QueueFull, ShuttingDown, TrioshedError
+from trioshed.errors import QueueFull, ShuttingDown, TrioshedError
+from trioshed.models.gguf_meta import unreadable
 from trioshed.scheduler.events import EventHistory
 from trioshed.scheduler.lease import Lease
 from trioshed.scheduler.lifetime import (
@@ -200,7 +201,7 @@ class Scheduler(RunnerLifetimes):
         try:
             estimate = self._estimator(model, options)  # cached GGUF header read: microseconds once warm
         except (OSError, ValueError) as exc:
-            raise LoadFailed(f"cannot read model '{model.name}' ({model.path}): {exc}") from None
+            raise unreadable(model.name, model.path, exc) from None
         req = _Request(
             id=next(self._ids),
             model=model,

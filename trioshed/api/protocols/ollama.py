@@ -242,11 +242,18 @@ def is_load_only(kind: Kind | Literal["embed"], req: Mapping[str, Any]) -> bool:
     input answers ``{"model": ..., "embeddings": []}``.
     """
     req = require_object(req)
-    if kind == "generate":
-        return not req.get("prompt") and not req.get("suffix")
+    # Types first, as Ollama decodes them: {"prompt": {}} is a 400, not an empty prompt (a load)
     if kind == "embed":
-        return not req.get("input")
-    return not req.get("messages")
+        texts = req.get("input")
+        if texts is not None and not (
+            isinstance(texts, str) or (isinstance(texts, list) and all(isinstance(t, str) for t in texts))
+        ):
+            raise BadRequest(f'"input" must be a string or a list of strings, got {json_type(texts)}')
+        return not texts
+    think_params(req.get("think"))
+    if kind == "generate":
+        return not field(req, "prompt", str, "a string") and not field(req, "suffix", str, "a string")
+    return not field(req, "messages", list, "a list of messages")
 
 
 def now_rfc3339() -> str:
