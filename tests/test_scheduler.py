@@ -80,6 +80,7 @@ async def running(
     max_loaded: int = 0,
     load_time: float = 1.0,
     keep_alive: float = 300.0,
+    max_extra_wait: float = 0.0,
 ) -> AsyncIterator[Harness]:
     record: list[tuple[str, str]] = []
     factory = FakeFactory(load_time=load_time, record=record)
@@ -98,6 +99,7 @@ async def running(
         max_loaded_models=max_loaded,
         default_keep_alive=keep_alive,
         record=record,
+        max_extra_wait=max_extra_wait,
     )
     async with trio.open_nursery() as nursery:
         await nursery.start(sched.run)

@@ -18,6 +18,7 @@ keep_alive = "10m"
 max_loaded_models = 2
 num_parallel = 4
 max_queue = 64
+max_extra_wait = "2s"
 load_timeout = 90
 sched_spread = true
 gpu_overhead = "512MiB"
@@ -67,6 +68,7 @@ def test_every_setting_can_be_given_in_the_file(tmp_path: Path) -> None:
     assert (s.shutdown_timeout, s.stream_idle_timeout, s.max_body) == (20, 120, 16 * 2**20)
     assert (s.http_idle_timeout, s.max_connections, s.allow_symlinks) == (45, 256, True)
     assert (s.kv_cache_dir, s.kv_cache_budget, s.kv_save_timeout, s.cache_ram) == (tmp_path / "kv", 2 * 2**30, 3, 256 * 2**20)
+    assert s.max_extra_wait == 2
     # the file covers every TRIOSHED_* setting there is
     assert set(load_settings_file(path)) - {"port"} == set(SETTING_NAMES)
 

@@ -178,6 +178,7 @@ class Settings:
     max_loaded_models: int = 0
     num_parallel: int = 1
     max_queue: int = 512
+    max_extra_wait: float = 5.0  # seconds a request's swap may be held for a loaded model's queue
     load_timeout: float = 300.0
     sched_spread: bool = False
     gpu_overhead: int = 0
@@ -267,6 +268,12 @@ def _positive_timeout(seconds: float) -> float:
     return seconds
 
 
+def _extra_wait(seconds: float) -> float:
+    if seconds < 0 or seconds == math.inf:  # parse_duration reads a negative as "forever"
+        raise ValueError("must be 0 (arrival order) or a number of seconds: a request is never passed over without bound")
+    return seconds
+
+
 def _at_least(minimum: int, what: str = "") -> Callable[[str], int]:
     def parse(value: str) -> int:
         number = int(value)
@@ -285,6 +292,7 @@ _PARSERS: dict[str, Callable[[str], object]] = {
     "max_loaded_models": _at_least(0, " (0 = automatic)"),
     "num_parallel": _at_least(1),
     "max_queue": _at_least(1),
+    "max_extra_wait": lambda v: _extra_wait(parse_duration(v)),
     "load_timeout": lambda v: _positive_timeout(parse_duration(v)),
     "sched_spread": _bool,
     "gpu_overhead": parse_bytes,

@@ -115,6 +115,7 @@ def build_scheduler(
         estimator=estimate_model,
         place=placement.place,
         max_queue=settings.max_queue,
+        max_extra_wait=settings.max_extra_wait,
         max_loaded_models=settings.max_loaded_models,
         default_keep_alive=settings.keep_alive,
         gpu_overhead=settings.gpu_overhead,

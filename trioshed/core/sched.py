@@ -15,12 +15,25 @@ whole queue while one request waits for memory, ``plan()`` looks at every waitin
   one that would fit only with an RPC server that is down fails with 503 naming that server;
 * an RPC server (``Device.is_remote``) serves one llama-server at a time: while a runner uses it
   (or a request has reserved it) it counts as full for every other placement.
+
+Swap-aware with a bound (``max_extra_wait`` > 0, TRIOSHED_MAX_EXTRA_WAIT): a swap costs a load
+(seconds to minutes), so a request that would evict a runner whose model still has requests
+queued *holds* its swap instead, and the runner serves them first. Two kinds of queued requests
+hold it: those that arrived before the request (that is arrival order: always), and those that
+arrived after it, only until the request has been held ``max_extra_wait`` seconds (counted from
+the first pass that held it, ``RequestView.held_since``). From then on the request is *due*: the
+victims take no request that arrived after it (``Plan.closed``) and are evicted once the earlier
+ones have their slots. Victims are chosen among runners with nothing queued first, then of lower
+``priority``. With ``max_extra_wait`` 0 a swap is held only for the requests that arrived before
+it: arrival order, as in Ollama's queue (trioshed before evicted the runner at once and loaded it
+again for them).
 """
 
 from __future__ import annotations
 
 import enum
 import functools
+import math
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -79,6 +92,7 @@ class RequestView:
     options: RunnerOptions
     estimate: MemoryEstimate
     priority: int = 0  # models.toml priority: higher is planned first
+    held_since: float | None = None  # when a pass first held its swap for another model's queue
 
     @functools.cached_property
     def key(self) -> tuple[object, ...]:
@@ -156,6 +170,14 @@ class Plan(list[Action]):
     def __init__(self, actions: Sequence[Action] = (), waits: Sequence[RoomWait] = ()) -> None:
         super().__init__(actions)
         self.waits: list[RoomWait] = list(waits)
+        #: requests whose swap this pass held for another model's queued requests (the caller
+        #: stamps ``held_since`` on the first)
+        self.held: list[int] = []
+        #: runner id -> the first request id it may no longer take (requests arrived at or after
+        #: a due request that waits to evict it); the caller's fast paths must respect it too
+        self.closed: dict[int, int] = {}
+        #: when a held request becomes due: plan again then, even if nothing else changes
+        self.wake_at: float = math.inf
 Placer = Callable[..., Placement | DoesNotFit]
 
 
@@ -211,8 +233,14 @@ class _Sim:
     pass costs about O(requests + runners) rather than their product.
     """
 
-    def __init__(self, machine: Machine, runners: Sequence[RunnerView]) -> None:
+    def __init__(
+        self,
+        machine: Machine,
+        runners: Sequence[RunnerView],
+        victim_key: Callable[[RunnerView], tuple[object, ...]] | None = None,
+    ) -> None:
         self.machine = machine
+        self.victim_key: Callable[[RunnerView], tuple[object, ...]] = victim_key or victim_order
         self.runners: dict[int, RunnerView] = {}
         self.by_path: dict[str, list[int]] = defaultdict(list)
         self.used_all: Counter[str] = Counter()  # every runner of ours, leaving ones included
@@ -361,7 +389,7 @@ class _Sim:
         leased meanwhile last."""
         if self._order is None:
             ready = [r for r in self.runners.values() if r.state is RunnerState.READY and not r.evicting and not r.pinned]
-            self._order = [r.id for r in sorted(ready, key=victim_order)]
+            self._order = [r.id for r in sorted(ready, key=self.victim_key)]
         live = [self.runners[i] for i in self._order if not self.runners[i].evicting]
         return [r for r in live if r.id not in self.touched] + [r for r in live if r.id in self.touched]
 
@@ -382,6 +410,7 @@ def plan(
     now: float,
     cooldowns: Mapping[str, tuple[float, str]] | None = None,
     next_runner_id: int = -1,
+    max_extra_wait: float = 0.0,
 ) -> Plan:
     """Decide what to do for every waiting request, highest priority first, then oldest first.
     Pure: no I/O, no clock.
@@ -393,13 +422,18 @@ def plan(
     ``cooldowns`` maps a model path to (until, cause) after a failed load. Runners created by a
     ``Load`` in this pass are given ids counting down from ``next_runner_id`` so that later
     requests for the same model join them (the caller maps them to the runners it creates).
+
+    ``max_extra_wait``: how long a request's swap may be held for later requests of the models it
+    would evict (0: never; see the module's docstring).
     """
     actions = Plan()
-    sim = _Sim(machine, runners)
+    queue = _Queue(requests, max_extra_wait, now)
+    sim = _Sim(machine, runners, queue.victim_key if max_extra_wait > 0 else None)
     cooldowns = cooldowns or {}
     system_capacity = sim.system_capacity()
     new_id = next_runner_id
     waiting: set[tuple[object, ...]] = set()  # requests like these already wait in this pass
+    held: set[tuple[object, ...]] = set()  # ... and their swap is held
 
     def load(req: RequestView, placement: Placement) -> None:
         nonlocal new_id
@@ -411,12 +445,55 @@ def plan(
     for req in sorted(requests, key=lambda r: -r.priority):  # stable: arrival order within a priority
         key = req.key
         if key in waiting or req.model.path in sim.reserved:
+            if key in held:
+                actions.held.append(req.id)  # its swap is held as the one ahead of it: its bound runs too
             continue  # an earlier request like it already waits (for a slot, a load, room)
-        decided = len(actions)
-        outcome = _plan_one(req, sim, machine, place, now, cooldowns, system_capacity, actions, load)
+        decided, holds = len(actions), len(actions.held)
+        outcome = _plan_one(req, sim, machine, place, now, cooldowns, system_capacity, actions, load, queue)
+        if outcome != "wait":
+            queue.decided(req)
         if outcome == "wait" and len(actions) == decided:
             waiting.add(key)
+            if len(actions.held) > holds:
+                held.add(key)
     return actions
+
+
+class _Queue:
+    """The waiting requests as the swap-aware rules see them during one pass: per model file,
+    those not yet dispatched or failed in this pass, to tell whether a victim still has some."""
+
+    def __init__(self, requests: Sequence[RequestView], bound: float, now: float) -> None:
+        self.bound = bound
+        self.now = now
+        self.by_path: dict[str, dict[int, RequestView]] = defaultdict(dict)
+        for r in requests:
+            self.by_path[r.model.path][r.id] = r
+        self.closed: dict[int, int] = {}
+
+    def decided(self, req: RequestView) -> None:
+        self.by_path[req.model.path].pop(req.id, None)
+
+    def due(self, req: RequestView) -> bool:
+        return self.bound <= 0 or (req.held_since is not None and self.now - req.held_since >= self.bound)
+
+    def victim_key(self, r: RunnerView) -> tuple[object, ...]:
+        """Eviction order: idle first, nothing queued for it, lower priority, then as usual."""
+        return (r.leases > 0, bool(self.by_path.get(r.model.path)), r.model.priority, *victim_order(r)[1:])
+
+    def holding(self, victim: RunnerView, req: RequestView) -> bool:
+        """Whether ``victim`` still has queued requests that ``req``'s swap must let it serve."""
+        due = self.due(req)
+        return any(
+            (w.id < req.id or not due) and can_serve(victim, w.model, w.options)
+            for w in self.by_path.get(victim.model.path, {}).values()
+        )
+
+    def open_to(self, runner: RunnerView, req: RequestView) -> bool:
+        return req.id < self.closed.get(runner.id, math.inf)
+
+    def close(self, runner: RunnerView, req: RequestView) -> None:
+        self.closed[runner.id] = min(self.closed.get(runner.id, req.id), req.id)
 
 
 def _plan_one(
@@ -429,12 +506,17 @@ def _plan_one(
     system_capacity: int,
     actions: Plan,
     load: Callable[[RequestView, Placement], None],
+    queue: _Queue | None = None,
 ) -> str:
     """Decide for one request; returns "wait" when it stays queued."""
     same_model = sim.same_model(req.model.path)
     usable = [r for r in same_model if not _leaving(r) and can_serve(r, req.model, req.options)]
     if usable:
-        ready = [r for r in usable if r.state is RunnerState.READY and r.leases < r.slots]
+        ready = [
+            r
+            for r in usable
+            if r.state is RunnerState.READY and r.leases < r.slots and (queue is None or queue.open_to(r, req))
+        ]
         if not ready:
             return "wait"  # joins the load, or waits for a free slot
         target = min(ready, key=lambda r: (r.leases, r.id))
@@ -519,6 +601,20 @@ def _plan_one(
             without = [v for v in chosen if v is not victim]
             if sim.fits_after(place, req, without, best_layers) is not None:
                 chosen = without
+    if queue is not None and fit is not None and chosen:
+        holding = [v for v in chosen if queue.holding(v, req)]
+        if holding:
+            # Hold the swap: the victims serve their queued requests first (see the docstring).
+            actions.held.append(req.id)
+            busy = ", ".join(sorted({v.model.name for v in holding}))
+            if queue.due(req):
+                for v in chosen:
+                    queue.close(v, req)
+                    actions.closed[v.id] = queue.closed[v.id]
+                return wait(f"{busy} first serves the requests queued before it, then is evicted", wanted)
+            since = req.held_since if req.held_since is not None else now
+            actions.wake_at = min(actions.wake_at, since + queue.bound)
+            return wait(f"{busy} serves its queued requests first (at most {queue.bound:g}s more)", wanted)
     for victim in chosen:
         actions.append(Evict(victim.id, f"make room for {req.model.name}"))
         sim.set(replace(victim, evicting=True))

@@ -65,6 +65,9 @@ class Runner:
     crash: RunnerCrashed | None = None
     hung: str = ""  # why it was killed as hung ("": it was not)
     unload_reason: str = ""
+    # Requests with this id or later may not take a slot: a request that arrived before them is
+    # due to evict this runner (core.sched's Plan.closed, kept until the next planning pass).
+    closed_from: float = math.inf
 
     def usage(self) -> tuple[tuple[str, int], ...]:
         """Bytes per device: the placement's prediction, scaled to llama.cpp's measured total

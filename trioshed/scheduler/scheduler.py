@@ -81,10 +81,18 @@ class _Request:
     idle_for: float = 0.0  # how long the runner it was handed had been idle (0: busy or fresh)
     room_wait: str = ""  # why it waits for memory, as last logged ("" = it has not)
     arrived: float = field(default_factory=time.time)  # wall clock: the status page's oldest wait
+    held_since: float | None = None  # when its swap was first held for another model's queue
 
     @functools.cached_property
     def view(self) -> sched.RequestView:
-        return sched.RequestView(self.id, self.model, self.options, self.estimate, priority=self.model.priority)
+        return sched.RequestView(
+            self.id, self.model, self.options, self.estimate, priority=self.model.priority, held_since=self.held_since
+        )
+
+    def held(self, now: float) -> None:
+        if self.held_since is None:
+            self.held_since = now
+            self.__dict__.pop("view", None)  # the cached view carries it
 
 
 class Scheduler(RunnerLifetimes):
@@ -98,6 +106,7 @@ class Scheduler(RunnerLifetimes):
         estimator: Estimator,
         place: sched.Placer,
         max_queue: int = 512,
+        max_extra_wait: float = 0.0,
         max_loaded_models: int = 0,
         default_keep_alive: float = 300.0,
         gpu_overhead: int = 0,
@@ -111,6 +120,8 @@ class Scheduler(RunnerLifetimes):
         self._estimator = estimator
         self._place = place
         self.max_queue = max_queue
+        self.max_extra_wait = max_extra_wait  # TRIOSHED_MAX_EXTRA_WAIT (0: arrival order)
+        self._hold_timer = trio.CancelScope()  # its deadline: when a held request becomes due
         self.max_loaded = sched.default_max_loaded(max_loaded_models, len(devices.gpus))
         self.default_keep_alive = default_keep_alive
         self._overhead = gpu_overhead
@@ -145,6 +156,7 @@ class Scheduler(RunnerLifetimes):
                     self._remote.on_change = self._wake
                     await nursery.start(self._remote.run, self._remote_busy)
                 nursery.start_soon(self._receive_requests)
+                nursery.start_soon(self._wake_when_due)
                 task_status.started()
                 async with aclosing(self._changes.events()) as changes:
                     async for _ in changes:  # eventually consistent: bursts coalesce into one pass
@@ -244,6 +256,7 @@ class Scheduler(RunnerLifetimes):
             if (
                 runner.model.path == req.model.path
                 and runner.free_slot
+                and req.id < runner.closed_from
                 and sched.can_serve(runner.view(), req.model, req.options)
             ):
                 return runner
@@ -391,6 +404,14 @@ class Scheduler(RunnerLifetimes):
         if event in _EVENTS:
             self.events.add(event, model.name, reason, seconds)
 
+    async def _wake_when_due(self) -> None:
+        """Plan again when a held request becomes due (nothing else may change meanwhile)."""
+        while True:
+            with self._hold_timer:
+                await trio.sleep_forever()
+            self._hold_timer = trio.CancelScope()
+            self._wake()
+
     async def _receive_requests(self) -> None:
         async with self._pending_recv:
             async for req in self._pending_recv:
@@ -462,6 +483,8 @@ class Scheduler(RunnerLifetimes):
         if not same or runner.id not in self._runners or not runner.free_slot:
             return False
         oldest = next(iter(same.values()))
+        if oldest.id >= runner.closed_from:
+            return False  # a request of another model, older than it, is due to evict this one
         if not sched.can_serve(runner.view(), oldest.model, oldest.options):
             return False  # it waits for a reload: the planner decides
         self._dispatch(oldest, runner)
@@ -481,6 +504,9 @@ class Scheduler(RunnerLifetimes):
     def _schedule(self) -> None:
         now = trio.current_time()
         if not self._waiting:
+            self._hold_timer.deadline = math.inf
+            for r in self._runners.values():
+                r.closed_from = math.inf
             return
         self._counters["passes"] += 1
         requests = self._waiting.copy()
@@ -492,7 +518,13 @@ class Scheduler(RunnerLifetimes):
             now=now,
             cooldowns=self._cooldowns,
             next_runner_id=-1,
+            max_extra_wait=self.max_extra_wait,
         )
+        for rid in actions.held:
+            requests[rid].held(now)
+        for r in self._runners.values():
+            r.closed_from = actions.closed.get(r.id, math.inf)
+        self._hold_timer.deadline = actions.wake_at
         provisional: dict[int, Runner] = {}
         for action in actions:
             match action:

@@ -1,0 +1,147 @@
+"""Swap-aware dispatch with a bound (TRIOSHED_MAX_EXTRA_WAIT), through the Trio scheduler with
+fake runners under MockClock: a loaded model serves its queue before it is evicted, a request is
+never held past the bound, and the bound at 0 is arrival order (the policy before, Ollama's)."""
+
+from __future__ import annotations
+
+import trio
+import trio.testing
+
+from tests.test_scheduler import running, spec
+from trioshed.core.model import RunnerOptions
+
+TWO = RunnerOptions(num_parallel=2)
+ONE = RunnerOptions(num_parallel=1)
+
+
+async def burst(bound: float, n: int = 24, models: str = "abc", serve: float = 1.0) -> tuple[int, float, list[str]]:
+    """n requests arriving together, cycling over ``models``, room for one runner with 2 slots;
+    each holds its lease ``serve`` seconds. Returns (loads, time to the last answer, order served)."""
+    async with running({m: 1 for m in models}, max_loaded=1, load_time=2, max_extra_wait=bound, max_queue=64) as h:
+        served: list[str] = []
+        start = trio.current_time()
+        done = [0.0]
+
+        async def one(name: str) -> None:
+            async with h.sched.acquire(spec(name), TWO):
+                served.append(name)
+                await trio.sleep(serve)
+            done[0] = trio.current_time() - start
+
+        async with trio.open_nursery() as nursery:
+            for i in range(n):
+                nursery.start_soon(one, models[i % len(models)])
+                await trio.testing.wait_all_tasks_blocked()  # arrival order = start order
+        return h.sched.statistics().loads, done[0], served
+
+
+async def test_a_burst_over_three_models_loads_each_once_by_default(autojump_clock: trio.testing.MockClock) -> None:
+    loads, total, served = await burst(bound=60)
+    assert loads == 3
+    assert served == ["a"] * 8 + ["b"] * 8 + ["c"] * 8
+    strict_loads, strict_total, _ = await burst(bound=0)
+    assert strict_loads >= 12  # each swap serves one round of slots at best
+    assert total < strict_total
+
+
+async def flood(bound: float) -> tuple[float, list[str]]:
+    """a is loaded, one request on it and one queued; b arrives at t=0.5; from t=1 a floods (a
+    new request every 0.5 s, each holding the one slot 1 s). Returns b's wait and the order served."""
+    async with running({"a": 1, "b": 1}, max_loaded=1, load_time=2, max_extra_wait=bound, max_queue=64) as h:
+        await h.once("a", options=ONE)
+        got_b: list[float] = []
+        served: list[str] = []
+
+        async def a_user() -> None:
+            async with h.sched.acquire(spec("a"), ONE):
+                served.append("a")
+                await trio.sleep(1)
+
+        async def b_user() -> None:
+            t0 = trio.current_time()
+            async with h.sched.acquire(spec("b"), ONE):
+                served.append("b")
+                got_b.append(trio.current_time() - t0)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(a_user)
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(a_user)  # queued before b: served before b in any mode
+            await trio.sleep(0.5)
+            nursery.start_soon(b_user)
+            await trio.sleep(0.5)
+            for _ in range(60):
+                if got_b:
+                    break
+                nursery.start_soon(a_user)
+                await trio.sleep(0.5)
+        assert got_b
+        return got_b[0], served
+
+
+async def test_the_bound_caps_how_long_a_swap_is_held(autojump_clock: trio.testing.MockClock) -> None:
+    for bound in (0.0, 3.0, 10.0):
+        waited, served = await flood(bound)
+        # its turn: when the request queued before it has its slot (t=1, 0.5 s after it came);
+        # then held ≤ bound, then the lease a holds ends (≤ 1 s) and b loads (2 s)
+        assert bound <= waited <= 0.5 + bound + 1 + 2, (bound, waited)
+        assert served[:2] == ["a", "a"]  # the one queued before b: served before b is loaded
+        if bound == 0:
+            assert served[2] == "b"  # arrival order: the flood after b waits
+        else:
+            assert served.count("a") >= 2 + bound  # held: a served its flood meanwhile
+
+
+async def test_requests_queued_before_the_swap_are_served_first_even_past_the_bound(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # a loads with four requests waiting for it; b arrives after them; the bound (0.5 s) is
+    # far shorter than serving them (4 s): a still serves them before it is evicted (arrival
+    # order), but not the a request that arrives after b.
+    async with running({"a": 1, "b": 1}, max_loaded=1, load_time=2, max_extra_wait=0.5) as h:
+        served: list[str] = []
+
+        async def user(name: str) -> None:
+            async with h.sched.acquire(spec(name), ONE):
+                served.append(name)
+                await trio.sleep(1)
+
+        async with trio.open_nursery() as nursery:
+            for name in ("a", "a", "a", "a", "b"):
+                nursery.start_soon(user, name)
+                await trio.testing.wait_all_tasks_blocked()
+            await trio.sleep(3)  # a is ready and has served one; b's hold is past its bound
+            nursery.start_soon(user, "a")
+        assert served == ["a", "a", "a", "a", "b", "a"]
+        assert h.sched.statistics().loads == 3
+
+
+async def test_at_bound_0_a_swap_is_never_held(autojump_clock: trio.testing.MockClock) -> None:
+    async with running({"a": 1, "b": 1}, max_loaded=1, load_time=2, max_extra_wait=0) as h:
+        served: list[str] = []
+
+        async def user(name: str) -> None:
+            async with h.sched.acquire(spec(name), ONE):
+                served.append(name)
+                await trio.sleep(1)
+
+        async with trio.open_nursery() as nursery:
+            for name in ("a", "b", "a", "b"):
+                nursery.start_soon(user, name)
+                await trio.testing.wait_all_tasks_blocked()
+        assert served == ["a", "b", "a", "b"]
+        assert h.sched.statistics().loads == 4
+
+
+async def test_a_held_request_says_why_it_waits(autojump_clock: trio.testing.MockClock, caplog: object) -> None:
+    async with running({"a": 1, "b": 1}, max_loaded=1, load_time=2, max_extra_wait=5) as h:
+        release = trio.Event()
+        await h.hold("a", release, options=ONE)
+        got: list[str] = []
+        h.want("a", got)
+        h.want("b", got)
+        await trio.testing.wait_all_tasks_blocked()
+        assert h.events("wait for room") == [("wait for room", "b")]
+        release.set()
+        await trio.sleep(10)
+        assert got == ["a", "b"]
