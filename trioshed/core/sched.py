@@ -18,10 +18,11 @@ whole queue while one request waits for memory, ``plan()`` looks at every waitin
 
 Swap-aware with a bound (``max_extra_wait`` > 0, TRIOSHED_MAX_EXTRA_WAIT): a swap costs a load
 (seconds to minutes), so a request that would evict a runner whose model still has requests
-queued *holds* its swap instead, and the runner serves them first. Two kinds of queued requests
-hold it: those that arrived before the request (that is arrival order: always), and those that
-arrived after it, only until the request has been held ``max_extra_wait`` seconds (counted from
-the first pass that held it, ``RequestView.held_since``). From then on the request is *due*: the
+queued (or that is busy serving) *holds* its swap instead, and the runner serves them first. Two
+kinds of queued requests hold it: those that arrived before the request (that is arrival order:
+always), and those that arrived after it (and a runner's leases), only until the request has been
+held ``max_extra_wait`` seconds (counted from the first pass that held it,
+``RequestView.held_since``). From then on the request is *due*: the
 victims take no request that arrived after it (``Plan.closed``) and are evicted once the earlier
 ones have their slots. Victims are chosen among runners with nothing queued first, then of lower
 ``priority``. With ``max_extra_wait`` 0 a swap is held only for the requests that arrived before
@@ -475,7 +476,8 @@ class _Queue:
         self.by_path[req.model.path].pop(req.id, None)
 
     def due(self, req: RequestView) -> bool:
-        return self.bound <= 0 or (req.held_since is not None and self.now - req.held_since >= self.bound)
+        # the same sum as Plan.wake_at's: a wake-up at that time finds the request due
+        return self.bound <= 0 or (req.held_since is not None and self.now >= req.held_since + self.bound)
 
     def victim_key(self, r: RunnerView) -> tuple[object, ...]:
         """Eviction order: idle first, nothing queued for it, lower priority, then as usual."""
@@ -484,9 +486,17 @@ class _Queue:
     def holding(self, victim: RunnerView, req: RequestView) -> bool:
         """Whether ``victim`` still has queued requests that ``req``'s swap must let it serve."""
         due = self.due(req)
+        if victim.leases > 0 and not due:
+            return True  # busy: its clients' next requests would follow it into a reload
         return any(
             (w.id < req.id or not due) and can_serve(victim, w.model, w.options)
             for w in self.by_path.get(victim.model.path, {}).values()
+        )
+
+    def owed(self, victim: RunnerView, req: RequestView) -> int:
+        """How many requests that arrived before ``req`` still wait for ``victim``."""
+        return sum(
+            1 for w in self.by_path.get(victim.model.path, {}).values() if w.id < req.id and can_serve(victim, w.model, w.options)
         )
 
     def open_to(self, runner: RunnerView, req: RequestView) -> bool:
@@ -590,8 +600,13 @@ def _plan_one(
     # Not now: make room. Victims in order (idle first, shortest keep-alive, least recently
     # used) until the request fits once they are gone; then drop any victim not needed.
     fit = sim.fits_after(place, req, chosen, best_layers)
+    candidates = sim.candidates()
+    if queue is not None and queue.bound > 0 and queue.due(req):
+        # Due: the victims that owe the fewest earlier requests first, and a stable choice from
+        # pass to pass (that count only falls), so that the ones it closes stay closed.
+        candidates.sort(key=lambda v: (queue.owed(v, req), v.id))
     if fit is None:
-        for victim in sim.candidates():
+        for victim in candidates:
             chosen.append(victim)
             fit = sim.fits_after(place, req, chosen, best_layers)
             if fit is not None:
