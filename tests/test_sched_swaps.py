@@ -145,3 +145,38 @@ async def test_a_held_request_says_why_it_waits(autojump_clock: trio.testing.Moc
         release.set()
         await trio.sleep(10)
         assert got == ["a", "b"]
+
+
+async def test_clients_that_come_straight_back_keep_their_model_within_the_bound(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # Two clients send a's requests back to back (1 s each, 0.1 s between): between two of them
+    # a has no lease and nothing queued. b arrives at t=0.5: a runner used within the last
+    # second still holds the swap, up to the bound; arrival order swaps at the first gap.
+    for bound, held in ((0.0, False), (5.0, True)):
+        async with running({"a": 1, "b": 1}, max_loaded=1, load_time=2, max_extra_wait=bound, max_queue=64) as h:
+            await h.once("a", options=TWO)
+            waited: list[float] = []
+
+            async def a_client(stop: trio.Event) -> None:
+                while not stop.is_set():
+                    async with h.sched.acquire(spec("a"), TWO):
+                        await trio.sleep(1)
+                    await trio.sleep(0.1)
+
+            async def b_user(stop: trio.Event, waited: list[float]) -> None:
+                t0 = trio.current_time()
+                async with h.sched.acquire(spec("b"), TWO):
+                    waited.append(trio.current_time() - t0)
+                stop.set()
+
+            stop = trio.Event()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(a_client, stop)
+                nursery.start_soon(a_client, stop)
+                await trio.sleep(0.5)
+                nursery.start_soon(b_user, stop, waited)
+            if held:
+                assert bound <= waited[0] <= bound + 1 + 2  # held to its bound, then a drains, b loads
+            else:
+                assert waited[0] <= 0.5 + 2  # swapped at the first gap (t=1)

@@ -460,6 +460,9 @@ def plan(
     return actions
 
 
+RECENTLY_USED = 1.0  # seconds: a runner used this recently still holds a swap (within the bound)
+
+
 class _Queue:
     """The waiting requests as the swap-aware rules see them during one pass: per model file,
     those not yet dispatched or failed in this pass, to tell whether a victim still has some."""
@@ -483,15 +486,24 @@ class _Queue:
         """Eviction order: idle first, nothing queued for it, lower priority, then as usual."""
         return (r.leases > 0, bool(self.by_path.get(r.model.path)), r.model.priority, *victim_order(r)[1:])
 
-    def holding(self, victim: RunnerView, req: RequestView) -> bool:
-        """Whether ``victim`` still has queued requests that ``req``'s swap must let it serve."""
+    def holding(self, victim: RunnerView, req: RequestView) -> float | None:
+        """Until when ``victim`` holds ``req``'s swap (None: it does not): while it has queued
+        requests to serve first (those before ``req`` always; later ones until ``req`` is due;
+        ``inf``: until a change or ``req``'s due time), and, until ``req`` is due, while it is busy
+        or was busy within the last :data:`RECENTLY_USED` seconds (clients that send their
+        next request as soon as one is answered leave its queue empty between two)."""
         due = self.due(req)
-        if victim.leases > 0 and not due:
-            return True  # busy: its clients' next requests would follow it into a reload
-        return any(
+        if any(
             (w.id < req.id or not due) and can_serve(victim, w.model, w.options)
             for w in self.by_path.get(victim.model.path, {}).values()
-        )
+        ):
+            return math.inf
+        if due:
+            return None
+        if victim.leases > 0:
+            return math.inf  # busy: its clients' next requests would follow it into a reload
+        recent = victim.last_used + min(self.bound, RECENTLY_USED)
+        return recent if self.now < recent else None
 
     def owed(self, victim: RunnerView, req: RequestView) -> int:
         """How many requests that arrived before ``req`` still wait for ``victim``."""
@@ -617,7 +629,8 @@ def _plan_one(
             if sim.fits_after(place, req, without, best_layers) is not None:
                 chosen = without
     if queue is not None and fit is not None and chosen:
-        holding = [v for v in chosen if queue.holding(v, req)]
+        until = {v.id: queue.holding(v, req) for v in chosen}
+        holding = [v for v in chosen if until[v.id] is not None]
         if holding:
             # Hold the swap: the victims serve their queued requests first (see the docstring).
             actions.held.append(req.id)
@@ -628,7 +641,7 @@ def _plan_one(
                     actions.closed[v.id] = queue.closed[v.id]
                 return wait(f"{busy} first serves the requests queued before it, then is evicted", wanted)
             since = req.held_since if req.held_since is not None else now
-            actions.wake_at = min(actions.wake_at, since + queue.bound)
+            actions.wake_at = min(actions.wake_at, since + queue.bound, *(t for t in until.values() if t is not None))
             return wait(f"{busy} serves its queued requests first (at most {queue.bound:g}s more)", wanted)
     for victim in chosen:
         actions.append(Evict(victim.id, f"make room for {req.model.name}"))
