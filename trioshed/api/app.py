@@ -19,6 +19,7 @@ from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
 from trioshed import access
 from trioshed.api import (
+    anthropic,
     embed,
     events,
     limits,
@@ -68,6 +69,7 @@ def create_app(state: AppState) -> QuartTrio:
     app.register_blueprint(ollama.bp)
     app.register_blueprint(ollama_models.bp)
     app.register_blueprint(openai.bp)
+    app.register_blueprint(anthropic.bp)
     app.register_blueprint(metrics.bp)
     app.register_blueprint(embed.bp)
     app.register_blueprint(manage.bp)

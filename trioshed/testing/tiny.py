@@ -39,6 +39,22 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
+#: A chatml template that offers tools and renders tool calls and results the way llama-server's
+#: template analysis recognizes (``<tool_call>`` JSON), so that its chat answers carry parsed
+#: ``tool_calls`` (a continued assistant message holding a call is parsed as one).
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n# Tools\n<tools>{% for tool in tools %}{{ tool | tojson }}{% endfor %}</tools>\n"
+    "Call a function with a JSON object inside <tool_call></tool_call> tags:\n"
+    '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n{% endif %}'
+    "{% for message in messages %}"
+    "{% if message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n</tool_response><|im_end|>\n"
+    "{% elif message.tool_calls %}<|im_start|>assistant\n{% for tc in message.tool_calls %}<tool_call>\n"
+    '{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n'
+    "{% else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
 _WEIGHT_TYPES = {
     "F32": gguf.GGMLQuantizationType.F32,
     "F16": gguf.GGMLQuantizationType.F16,
@@ -132,6 +148,7 @@ def write_tiny_model(
     weight_type: str = "F32",
     tied_embeddings: bool = False,
     pooling_type: int | None = None,
+    chat_template: str = CHATML_TEMPLATE,
 ) -> Path:
     """Write a random-weight llama GGUF to ``path`` (atomically: temporary file, then rename).
 
@@ -140,7 +157,8 @@ def write_tiny_model(
     are multiples of 32). ``tied_embeddings`` omits ``output.weight`` so llama.cpp reuses
     ``token_embd.weight`` as the output projection, as gemma3 does. The same arguments and seed
     always give the same bytes. ``pooling_type`` sets ``llama.pooling_type``, which marks an
-    embedding model (1 = mean).
+    embedding model (1 = mean). ``chat_template`` is the template llama-server applies
+    (:data:`TOOLS_TEMPLATE` for one with tools).
     """
     n_head_kv = n_head if n_head_kv is None else n_head_kv
     n_ff = 2 * n_embd if n_ff is None else n_ff
@@ -231,7 +249,7 @@ def write_tiny_model(
         writer.add_eos_token_id(EOS_ID)
         writer.add_add_bos_token(True)
         writer.add_add_eos_token(False)
-        writer.add_chat_template(CHATML_TEMPLATE)
+        writer.add_chat_template(chat_template)
         if pooling_type is not None:
             writer.add_pooling_type(gguf.PoolingType(pooling_type))
         for tensor_name, data in tensors:
