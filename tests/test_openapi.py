@@ -120,6 +120,10 @@ async def test_answers_match_their_documented_schemas(model_store: Path) -> None
         ("get", "/v1/models/{model}", "/v1/models/nope", None, 404),
         ("post", "/v1/chat/completions", "/v1/chat/completions", {"model": "nope", "messages": []}, 404),
         ("post", "/api/pull", "/api/pull", {"model": "../x"}, 400),
+        ("post", "/v1/messages", "/v1/messages", {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}, 200),
+        ("post", "/v1/messages", "/v1/messages", {"model": "nope", "max_tokens": 2, "messages": []}, 404),
+        ("post", "/v1/messages", "/v1/messages", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}, 400),
+        ("post", "/v1/messages/count_tokens", "/v1/messages/count_tokens", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}, 200),
     ]
     with trio.fail_after(30):
         async with open_test_server(model_store) as server, httpx.AsyncClient(base_url=server.base_url) as http:

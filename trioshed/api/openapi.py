@@ -245,14 +245,53 @@ def _schemas(ollama_names: bool) -> Schema:
             },
             ("model", "input"),
         ),
+        **_anthropic_schemas(),
         "OpenAIResponse": {"type": "object", "description": "OpenAI's answer as llama-server gives it, naming the model as the client did", "properties": {"object": _STR, "model": _STR}},
         "OpenAIModel": _obj({"id": _STR, "object": {"const": "model"}, "created": _INT, "owned_by": _STR}, ("id", "object")),
         "OpenAIModelList": _obj({"object": {"const": "list"}, "data": {"type": "array", "items": _ref("OpenAIModel")}}, ("object", "data")),
     }
 
 
-def _errors(*statuses: str, openai: bool = False) -> Schema:
-    schema = _ref("OpenAIError") if openai else _ref("Error")
+def _anthropic_schemas() -> Schema:
+    """Anthropic's Messages API: what ``/v1/messages`` and ``/v1/messages/count_tokens`` take and give."""
+    block = {"type": "object", "properties": {"type": _STR}, "required": ["type"]}
+    message = _obj({"role": {"type": "string", "enum": ["user", "assistant"]}, "content": {"anyOf": [_STR, {"type": "array", "items": block}]}},
+                   ("role", "content"))  # fmt: skip
+    conversation = {
+        "model": _MODEL, "messages": {"type": "array", "minItems": 1, "items": message},
+        "system": {"anyOf": [_STR, {"type": "array", "items": block}]},
+        "tools": {"type": "array", "items": _obj({"name": _STR, "description": _STR, "input_schema": {"type": "object"}}, ("name", "input_schema"))},
+        "tool_choice": _obj({"type": {"type": "string", "enum": ["auto", "any", "tool", "none"]}, "name": _STR, "disable_parallel_tool_use": _BOOL}, ("type",)),
+        "thinking": _obj({"type": {"type": "string", "enum": ["enabled", "disabled", "adaptive"]}, "budget_tokens": _INT}, ("type",)),
+        "keep_alive": _ref("KeepAlive"), "options": _ref("Options"),
+    }  # fmt: skip
+    usage = _obj({"input_tokens": _INT, "output_tokens": _INT, "cache_creation_input_tokens": _INT, "cache_read_input_tokens": _INT},
+                 ("input_tokens", "output_tokens"))  # fmt: skip
+    return {
+        "AnthropicMessagesRequest": _obj(
+            {
+                **conversation, "max_tokens": {"type": "integer", "minimum": 1}, "stream": _BOOL,
+                "stop_sequences": _STRINGS, "temperature": _NUM, "top_p": _NUM, "top_k": _INT, "metadata": {"type": "object"},
+            },
+            ("model", "max_tokens", "messages"),
+        ),
+        "AnthropicCountTokensRequest": _obj(conversation, ("model", "messages")),
+        "AnthropicMessage": _obj(
+            {
+                "id": _STR, "type": {"const": "message"}, "role": {"const": "assistant"}, "model": _STR,
+                "content": {"type": "array", "items": block},
+                "stop_reason": {"type": ["string", "null"], "enum": ["end_turn", "max_tokens", "stop_sequence", "tool_use", None]},
+                "stop_sequence": {"type": ["string", "null"]}, "usage": usage,
+            },
+            ("id", "type", "role", "model", "content", "stop_reason", "usage"),
+        ),
+        "AnthropicTokenCount": _obj({"input_tokens": _INT}, ("input_tokens",)),
+        "AnthropicError": _obj({"type": {"const": "error"}, "error": _obj({"type": _STR, "message": _STR}, ("type", "message"))}, ("type", "error")),
+    }
+
+
+def _errors(*statuses: str, openai: bool = False, anthropic: bool = False) -> Schema:
+    schema = _ref("AnthropicError") if anthropic else _ref("OpenAIError") if openai else _ref("Error")
     return {s: {"description": _ERROR_STATUSES[s], "content": {"application/json": {"schema": schema}}} for s in statuses}
 
 
@@ -267,14 +306,16 @@ _SSE_EVENT: Schema = {
 }
 
 
-def _json_op(summary: str, request: str, response: Schema, *, stream: str | None = None, errors: tuple[str, ...] = _MODEL_ERRORS, openai: bool = False) -> Schema:
+def _json_op(summary: str, request: str, response: Schema, *, stream: str | None = None, errors: tuple[str, ...] = _MODEL_ERRORS,
+             openai: bool = False, anthropic: bool = False) -> Schema:
     content: Schema = {"application/json": {"schema": response}}
     if stream is not None:
         content[stream] = {"schema": response if stream == NDJSON else _SSE_EVENT}
     return {
         "summary": summary,
         "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}},
-        "responses": {"200": {"description": "the answer" + (" (streamed unless `stream` is false)" if stream == NDJSON else ""), "content": content}, **_errors(*errors, openai=openai)},
+        "responses": {"200": {"description": "the answer" + (" (streamed unless `stream` is false)" if stream == NDJSON else ""), "content": content},
+                      **_errors(*errors, openai=openai, anthropic=anthropic)},
     }
 
 
@@ -356,6 +397,10 @@ def _paths() -> Schema:
         },
         "/v1/chat/completions": {"post": _json_op("Chat completions (OpenAI)", "OpenAIChatRequest", _ref("OpenAIResponse"), stream=SSE, openai=True)},
         "/v1/completions": {"post": _json_op("Completions (OpenAI)", "OpenAICompletionRequest", _ref("OpenAIResponse"), stream=SSE, openai=True)},
+        "/v1/messages": {"post": _json_op("Messages (Anthropic): Claude Code and the anthropic SDK; streamed as Anthropic's events when `stream` is true",
+                                          "AnthropicMessagesRequest", _ref("AnthropicMessage"), stream=SSE, anthropic=True)},
+        "/v1/messages/count_tokens": {"post": _json_op("Count a conversation's input tokens with the model's template and tokenizer (Anthropic)",
+                                                       "AnthropicCountTokensRequest", _ref("AnthropicTokenCount"), anthropic=True)},
         "/v1/embeddings": {"post": _json_op("Embeddings (OpenAI)", "OpenAIEmbeddingRequest", _ref("OpenAIResponse"), openai=True)},
         "/v1/models": {"get": _get_op("Models in the store (OpenAI)", "application/json", _ref("OpenAIModelList"))},
         "/v1/models/{model}": {
@@ -391,7 +436,7 @@ def document(ollama_names: bool = False) -> Schema:
         "info": {
             "title": "trioshed",
             "version": __version__,
-            "description": "Ollama's API (/api/*) and OpenAI's (/v1/*) over llama.cpp runners that trioshed schedules.",
+            "description": "Ollama's API (/api/*), OpenAI's (/v1/*) and Anthropic's Messages (/v1/messages) over llama.cpp runners that trioshed schedules.",
             "license": {"name": "MIT", "identifier": "MIT"},
         },
         "servers": [{"url": "http://127.0.0.1:11434"}],

@@ -96,7 +96,7 @@ async def open_upstream_bytes(lease: Lease, path: str, body: dict[str, Any] | by
             response = await step(lease, lambda: stack.enter_async_context(pool.request("POST", path, payload)))
             if response.status != 200:
                 raw = await step(lease, response.read)
-                raise UpstreamError(upstream_message(raw, response.status), status=response.status)
+                raise UpstreamError(upstream_message(raw, response.status), status=client_status(response.status, raw))
             async with aclosing(response.batches()) as pieces, aclosing(_bounded_pieces(lease, pieces)) as bounded_pieces:
                 yield bounded_pieces
     except ConnectionFailed as exc:
