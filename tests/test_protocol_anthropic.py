@@ -144,6 +144,14 @@ def test_system_blocks_and_content_blocks() -> None:
     ]  # fmt: skip
 
 
+def test_claude_codes_billing_line_is_left_out_of_the_system_prompt() -> None:
+    """It changes every request (cch=...): kept, llama-server's prompt cache would miss from the top."""
+    billing = "x-anthropic-billing-header: cc_version=2.0.14; cc_entrypoint=cli; cch=3f9a1;"
+    req = {**BASE, "system": [{"type": "text", "text": billing}, {"type": "text", "text": "You are Claude Code."}]}
+    assert messages_upstream(req).upstream.body["messages"][0] == {"role": "system", "content": "You are Claude Code."}
+    assert messages_upstream({**BASE, "system": billing}).upstream.body["messages"] == [{"role": "user", "content": "hi"}]
+
+
 def test_a_tool_round_trip_becomes_tool_calls_and_tool_messages() -> None:
     req = {**BASE, "tools": [WEATHER], "tool_choice": {"type": "auto"}, "messages": [
         {"role": "user", "content": "Weather in Paris?"},

@@ -26,9 +26,11 @@ the turn and for a stop string and never which string, while Anthropic's answer 
 ``stopping_word`` says it, so they go upstream.
 
 ``max_tokens`` is required (as Anthropic requires it); ``temperature``, ``top_p``, ``top_k`` pass
-through; ``metadata`` and ``cache_control`` are accepted and ignored. ``thinking`` is honoured
-when the model can think (``thinking_capable``) and ignored otherwise: Claude Code sends it by its
-own settings, whatever the model, and a refusal would make every other local model unusable.
+through; ``metadata`` and ``cache_control`` are accepted and ignored, and so is the billing line
+Claude Code puts first in ``system`` (it changes every request and would defeat the prompt cache).
+``thinking`` is honoured when the model can think (``thinking_capable``) and ignored otherwise:
+Claude Code sends it by its own settings, whatever the model, and a refusal would make every
+other local model unusable.
 
 :func:`count_tokens_upstream` is the rendering that ``/v1/messages/count_tokens`` counts.
 Validation errors are :class:`BadRequest` with Anthropic-style messages (``field: problem``).
@@ -209,18 +211,26 @@ def _message(raw: object, i: int) -> list[dict[str, Any]]:
     return out
 
 
+#: How Claude Code's first system block starts: billing metadata for Anthropic with a hash that
+#: changes every request (``cch=...``); left in, it would spoil llama-server's prompt cache from
+#: the top of the prompt on, so every turn would evaluate the whole ~20k-token prompt again.
+_BILLING_HEADER = "x-anthropic-billing-header:"
+
+
 def _system(system: object) -> str | None:
     if system is None:
         return None
     if isinstance(system, str):
-        return system
+        return None if system.startswith(_BILLING_HEADER) else system
     blocks = _need(system, list, "system", "a valid string or list of text blocks")
     texts = []
     for j, block in enumerate(blocks):
         block = _need(block, Mapping, f"system.{j}", "a valid dictionary")
         if block.get("type") != "text":
             raise BadRequest(f"system.{j}.type: the system prompt holds text blocks, got {json.dumps(block.get('type'))}")
-        texts.append(_text(block, f"system.{j}"))
+        text = _text(block, f"system.{j}")
+        if not text.startswith(_BILLING_HEADER):
+            texts.append(text)
     return "\n\n".join(texts)
 
 
