@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trioshed.api.protocols.llama import Upstream
+from trioshed.api.protocols.options import json_type, require_object
 from trioshed.api.protocols.transcript import TURN_STOP, transcript_prompt
 from trioshed.errors import BadRequest
 
@@ -86,25 +87,9 @@ class TokenCount:
     runner_options: dict[str, Any] = field(default_factory=dict)
 
 
-def _json_type(value: object) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int | float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "array"
-    if isinstance(value, Mapping):
-        return "object"
-    return type(value).__name__
-
-
 def _need(value: object, types: type | tuple[type, ...], where: str, words: str) -> Any:
     if not isinstance(value, types) or (isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,))):
-        raise BadRequest(f"{where}: Input should be {words}, got {_json_type(value)}")
+        raise BadRequest(f"{where}: Input should be {words}, got {json_type(value)}")
     return value
 
 
@@ -342,15 +327,9 @@ def _prefill(messages: list[dict[str, Any]]) -> str:
     return ""
 
 
-def _require_object(req: object) -> Mapping[str, Any]:
-    if not isinstance(req, Mapping):
-        raise BadRequest(f"request body must be a JSON object, got {_json_type(req)}")
-    return req
-
-
 def messages_upstream(req: Mapping[str, Any], *, chat_template: bool = True, thinking_capable: bool = False) -> MessagesUpstream:
     """The llama-server request for a ``/v1/messages`` body (see the module's docstring)."""
-    req = _require_object(req)
+    req = require_object(req)
     max_tokens = _max_tokens(req)
     messages = chat_messages(req)
     stops = _stop_sequences(req)
@@ -378,7 +357,7 @@ def messages_upstream(req: Mapping[str, Any], *, chat_template: bool = True, thi
 def count_tokens_upstream(req: Mapping[str, Any], *, chat_template: bool = True, thinking_capable: bool = False) -> TokenCount:
     """What ``/v1/messages/count_tokens`` renders and counts for its body (``model``,
     ``messages``, ``system``, ``tools``, ``tool_choice``, ``thinking``; no ``max_tokens``)."""
-    req = _require_object(req)
+    req = require_object(req)
     messages = chat_messages(req)
     if not chat_template:
         return TokenCount(text=transcript_prompt(messages))
