@@ -152,13 +152,20 @@ async def test_errors_have_anthropics_shape(store: Path) -> None:
                 await in_thread(client_for(server.base_url, auth_token="wrong").messages.create, model="tiny", max_tokens=4,
                                 messages=[{"role": "user", "content": "hi"}])  # fmt: skip
             assert denied.value.status_code == 401 and denied.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
+            # the SDK's api_key (ANTHROPIC_API_KEY) goes as x-api-key: accepted in place of the bearer token
+            with pytest.raises(anthropic.AuthenticationError):
+                await in_thread(client_for(server.base_url, api_key="wrong").messages.count_tokens, model="tiny",
+                                messages=[{"role": "user", "content": "hi"}])  # fmt: skip
+            keyed = await in_thread(client_for(server.base_url, api_key="right").messages.count_tokens, model="tiny",
+                                    messages=[{"role": "user", "content": "hi"}])  # fmt: skip
+            assert keyed.input_tokens > 0
             async with httpx.AsyncClient(base_url=server.base_url, headers={"Authorization": "Bearer right"}) as http:
                 r = await http.post("/v1/messages", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
                 assert r.status_code == 400
                 assert r.json() == {"type": "error", "error": {"type": "invalid_request_error", "message": "max_tokens: Field required"}}
                 r = await http.post("/v1/messages/count_tokens", content=b"{")
                 assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
-            assert server.scheduler.statistics().loads == 0
+            assert server.scheduler.statistics().loads == 1  # count_tokens' tokenizer; nothing before the key was right
 
 
 async def test_gemma_through_the_transcript(gemma_store: Path) -> None:
