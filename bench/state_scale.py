@@ -6,7 +6,8 @@ a model of its own), starts the real scheduler with the in-process fake runner f
 :mod:`trioshed.testing.fake` (no processes) and the real app (in-process, Quart's test client:
 no sockets), loads ``runners`` models, then times:
 
-- ``GET /api/ps``, ``GET /metrics``, ``GET /api/tags`` (the first ``/api/tags`` reads every GGUF
+- ``GET /api/ps``, ``GET /metrics`` (after each loaded model served a request on two routes),
+  ``GET /api/tags`` (the first ``/api/tags`` reads every GGUF
   header: reported apart as ``cold``), the median of ``calls`` calls;
 - one scheduling pass of the loop (``Scheduler._schedule``: views of every runner and
   ``core.sched.plan``) with every slot leased and ``queued`` requests waiting.
@@ -47,6 +48,7 @@ async def measure_point(models: int, runners: int, *, queued: int = 512, calls: 
     from trioshed.scheduler import Scheduler
     from trioshed.testing.fake import FakeFactory, fixed_estimator, simple_place
     from trioshed.testing.tiny import write_tiny_model
+    from trioshed.trace import RequestTrace
 
     store_dir = work / f"store-{models}"
     store_dir.mkdir(parents=True, exist_ok=True)
@@ -91,6 +93,12 @@ async def measure_point(models: int, runners: int, *, queued: int = 512, calls: 
             async with scheduler.acquire(spec, opts):
                 pass
         assert scheduler.statistics().loaded == runners
+        # as if each loaded model had served requests on two routes (what /metrics then lists)
+        metrics = app.config["TRIOSHED_METRICS"]
+        for spec in specs:
+            for route in ("/api/chat", "/v1/chat/completions"):
+                metrics.request_finished(RequestTrace(method="POST", path=route, client="bench", started=0.0, route=route,
+                                                      status=200, model=spec.name, queue_wait=0.01), 0.5)  # fmt: skip
         t = time.perf_counter()
         response = await client.get("/api/tags")
         tags = json.loads(await response.get_data())

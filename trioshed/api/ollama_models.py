@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
+import os
 from datetime import UTC, datetime
 from typing import Any
 
@@ -16,7 +18,6 @@ from trioshed.api.preamble import read_body, state
 from trioshed.api.state import AppState
 from trioshed.core.estimate import effective_kv_type, estimate
 from trioshed.core.model import ModelSpec, RunnerOptions
-from trioshed.errors import TrioshedError
 from trioshed.models.capabilities import capabilities
 from trioshed.models.gguf_meta import read_metadata
 from trioshed.models.ollama_store import OllamaManifest
@@ -36,21 +37,30 @@ def rfc3339(ts: float) -> str:
     return datetime.fromtimestamp(max(ts, 0.0), UTC).isoformat().replace("+00:00", "Z")
 
 
-async def details(spec: ModelSpec) -> dict[str, Any]:
+_NO_DETAILS = {"parent_model": "", "format": "gguf", "family": "", "families": None, "parameter_size": "", "quantization_level": ""}
+
+
+@functools.lru_cache(maxsize=4096)
+def _file_details(path: str, identity: tuple[int, int, int, int]) -> tuple[str, str, str]:
+    """(architecture, parameter size, quantization) of a GGUF file as it is now (``identity``:
+    device, inode, mtime, size): a few bytes per model, so a store of thousands lists from
+    memory with one stat each (the full headers' cache holds 64)."""
+    del identity  # part of the cache key only
+    meta = read_metadata(path)
+    return meta.architecture or "", _human_params(meta.parameter_count), meta.quantization or ""
+
+
+def details_now(spec: ModelSpec) -> dict[str, Any]:
+    """A model's ``details`` as Ollama lists them. Blocking (a stat; the header on a miss): call
+    it in a worker thread. A broken or vanished file still lists, with what is known."""
     try:
-        meta = await trio.to_thread.run_sync(read_metadata, spec.path)
-    except Exception as exc:  # a broken file still lists, with what is known
-        log.warning("cannot read metadata of %s: %s", spec.path, exc)
-        return {"parent_model": "", "format": "gguf", "family": "", "families": None, "parameter_size": "", "quantization_level": ""}
-    arch = meta.architecture or ""
-    out = {
-        "parent_model": "",
-        "format": "gguf",
-        "family": arch,
-        "families": [arch] if arch else None,
-        "parameter_size": _human_params(meta.parameter_count),
-        "quantization_level": meta.quantization or "",
-    }
+        st = os.stat(spec.path)
+        arch, params, quant = _file_details(spec.path, (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size))
+    except Exception as exc:
+        log.warning("cannot read metadata of model '%s': %s", spec.name, exc)
+        return dict(_NO_DETAILS)
+    out = {"parent_model": "", "format": "gguf", "family": arch, "families": [arch] if arch else None,
+           "parameter_size": params, "quantization_level": quant}  # fmt: skip
     origin = spec.origin
     if isinstance(origin, OllamaManifest):  # what the manifest's config says, as Ollama lists it
         out["family"] = origin.family or out["family"]
@@ -58,6 +68,19 @@ async def details(spec: ModelSpec) -> dict[str, Any]:
         out["parameter_size"] = origin.parameter_size or out["parameter_size"]
         out["quantization_level"] = origin.quantization_level or out["quantization_level"]
     return out
+
+
+async def details(spec: ModelSpec) -> dict[str, Any]:
+    return await trio.to_thread.run_sync(details_now, spec)
+
+
+def _digest_now(st: AppState, spec: ModelSpec) -> str:
+    """The model's digest (blocking: hashes the file the first time), "" if it cannot be read."""
+    try:
+        return st.store.digest(spec)
+    except OSError as exc:
+        log.warning("cannot hash model '%s': %s", spec.name, exc)
+        return ""
 
 
 def _human_params(n: int) -> str:
@@ -71,42 +94,40 @@ def _human_params(n: int) -> str:
 @bp.get("/api/tags")
 async def tags() -> Any:
     st = state()
-    models = []
-    for spec in await trio.to_thread.run_sync(st.store.list):
-        models.append(
-            {
-                "name": spec.name,
-                "model": spec.name,
-                "modified_at": rfc3339(spec.modified),
-                "size": spec.size,
-                "digest": await st.digest(spec),
-                "details": await details(spec),
-            }
-        )
-    return {"models": models}
+
+    def listing() -> list[dict[str, Any]]:  # one worker thread for the whole store's stats and reads
+        return [
+            {"name": spec.name, "model": spec.name, "modified_at": rfc3339(spec.modified), "size": spec.size,
+             "digest": _digest_now(st, spec), "details": details_now(spec)}
+            for spec in st.store.list()
+        ]  # fmt: skip
+
+    return {"models": await trio.to_thread.run_sync(listing)}
 
 
 @bp.get("/api/ps")
 async def ps() -> Any:
     st = state()
-    out = []
-    stats = st.scheduler.statistics()
-    for r in stats.runners:
-        entry: dict[str, Any] = {"name": r.model, "model": r.model, "size": r.size, "size_vram": r.size_vram}
+    stats = st.scheduler.statistics()  # a snapshot, taken on the Trio thread
+
+    def entry(r: RunnerStats) -> dict[str, Any]:  # blocking: stats, and hashing a file the first time
+        out: dict[str, Any] = {"name": r.model, "model": r.model, "size": r.size, "size_vram": r.size_vram}
+        spec = r.spec
         try:
-            spec = st.store.resolve(r.model) if _resolvable(st, r.model) else None
-            entry.update({
-                "digest": (await st.digest(spec)) if spec else "",
-                "details": (await details(spec)) if spec else {},
+            out.update({
+                "digest": _digest_now(st, spec) if spec else "",
+                "details": details_now(spec) if spec else {},
                 "expires_at": rfc3339(r.expires_at),
                 "context_length": r.context_length,
-                "runner": await _runner_settings(st, r.options, spec, r),
+                "runner": _runner_settings_now(st, r.options, spec, r),
             })  # fmt: skip
         except Exception:  # one runner's state never breaks the listing: it shows what is known
             log.exception("/api/ps: cannot describe the runner of %s", r.model)
         if r.placement.endpoints:  # trioshed's addition: the RPC servers holding some layers
-            entry["rpc_servers"] = list(r.placement.endpoints)
-        out.append(entry)
+            out["rpc_servers"] = list(r.placement.endpoints)
+        return out
+
+    out = await trio.to_thread.run_sync(lambda: [entry(r) for r in stats.runners])
     if not stats.remote:
         return {"models": out}
     servers = [
@@ -128,6 +149,12 @@ async def ps() -> Any:
 async def _runner_settings(
     st: AppState, options: RunnerOptions, spec: ModelSpec | None, stats: RunnerStats | None = None
 ) -> dict[str, Any]:
+    return await trio.to_thread.run_sync(_runner_settings_now, st, options, spec, stats)
+
+
+def _runner_settings_now(
+    st: AppState, options: RunnerOptions, spec: ModelSpec | None, stats: RunnerStats | None = None
+) -> dict[str, Any]:
     """The llama-server settings a runner has (or would have): what its size depends on.
 
     ``num_ctx`` is per slot, as in Ollama; llama-server gets ``--ctx-size`` = ``kv_cells`` =
@@ -139,11 +166,12 @@ async def _runner_settings(
     is what llama.cpp reported allocating (``measured``, the sum of its buffers) or the estimate.
     """
     kv_type = options.kv_cache_type
-    if spec is not None:
-        try:
-            kv_type = effective_kv_type(options, await st.metadata(spec))
-        except (OSError, ValueError):
-            pass
+    try:
+        kv_type = effective_kv_type(options)
+        if spec is not None and kv_type not in ("f16", "f32", "bf16"):  # the header decides only then
+            kv_type = effective_kv_type(options, read_metadata(spec.path))
+    except (OSError, ValueError):
+        pass
     out: dict[str, Any] = {
         "num_ctx": options.num_ctx,
         "num_parallel": options.num_parallel,
@@ -170,14 +198,6 @@ async def _runner_settings(
             }
         out["estimated"] = stats.estimate.total
     return out
-
-
-def _resolvable(st: AppState, name: str) -> bool:
-    try:
-        st.store.resolve(name)
-    except TrioshedError:
-        return False
-    return True
 
 
 @bp.post("/api/show")

@@ -81,9 +81,3 @@ class AppState:
             return await trio.to_thread.run_sync(read_metadata, spec.path)
         except (OSError, ValueError) as exc:  # the client learns the model and the problem only
             raise unreadable(spec.name, spec.path, exc) from None
-
-    async def digest(self, spec: ModelSpec) -> str:
-        cached = self.store.cached_digest(spec)
-        if cached is not None:
-            return cached
-        return await trio.to_thread.run_sync(self.store.digest, spec)

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import re
+import stat as stat_module
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -153,10 +155,25 @@ class ModelStore:
 
     def list(self) -> list[ModelSpec]:
         specs: dict[str, ModelSpec] = {}
-        if self.root.is_dir():
-            for path in sorted(self.root.glob("*.gguf")):
-                if path.is_file() and _NAME.match(path.stem) and self._inside(path):
-                    specs[f"{path.stem}:latest"] = self._spec_from_file(f"{path.stem}:latest", path)
+        try:
+            with os.scandir(self.root) as found:
+                entries = sorted((e for e in found if e.name.endswith(".gguf")), key=lambda e: e.name)
+        except OSError:  # no folder (yet), or not one
+            entries = []
+        # One stat per file: a store of thousands lists in milliseconds (issue 20: the glob, the
+        # is_file and two resolves per file were ~17 system calls each).
+        for found_file in entries:
+            stem = found_file.name[: -len(".gguf")]
+            if not _NAME.match(stem):
+                continue
+            try:
+                st = found_file.stat()  # follows a symlink
+            except OSError:
+                continue  # a dangling link, or gone since
+            if not stat_module.S_ISREG(st.st_mode) or (found_file.is_symlink() and not self._inside(Path(found_file.path))):
+                continue
+            name = f"{stem}:latest"
+            specs[name] = ModelSpec(name=name, path=found_file.path, size=st.st_size, modified=st.st_mtime)
         for name, entry in self.catalogue().names.items():  # entries and their aliases
             try:
                 specs[name] = self._spec_from_entry(entry, name)

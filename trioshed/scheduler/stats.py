@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from trioshed.core import sched
-from trioshed.core.model import MeasuredMemory, MemoryEstimate, Placement, RunnerOptions
+from trioshed.core.model import MeasuredMemory, MemoryEstimate, ModelSpec, Placement, RunnerOptions
 from trioshed.core.sched import RunnerState
 from trioshed.devices.rpc import RemoteStats
 from trioshed.scheduler.runner import Runner
@@ -35,6 +35,7 @@ class RunnerStats:
     options: RunnerOptions = field(default_factory=RunnerOptions)  # what the runner was started with
     usage: tuple[tuple[str, int], ...] = ()  # bytes per device id ("cpu" = system memory)
     pinned: bool = False  # never evicted to make room (models.toml, or pinned for the session)
+    spec: ModelSpec | None = None  # the model as the runner was loaded (its file, its store entry)
 
 
 @dataclass(frozen=True)
@@ -99,4 +100,5 @@ def runner_stats(r: Runner, *, waiting: int, now: float, wall: float) -> RunnerS
         options=r.options,
         usage=view.usage,
         pinned=r.pinned,
+        spec=r.model,
     )
