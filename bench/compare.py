@@ -40,7 +40,7 @@ from typing import Any
 
 import trio
 
-from bench import procs, report, scenarios, sched_scale
+from bench import procs, relay, report, scenarios, sched_scale, state_scale
 from bench.load import Target, open_client
 from bench.models import GEMMA, TINY_SIZES, prepare_models
 from bench.plan import API_BY_FAMILY, PLANS, TARGETS, Plan
@@ -234,7 +234,7 @@ def binary_version(binary: str, env: dict[str, str]) -> str:
         return ""
 
 
-GROUPS = ("steady", "overload", "swap", "hol", "sched")
+GROUPS = ("steady", "overload", "swap", "hol", "sched", "relay", "state")
 
 
 async def compare(plan: Plan, *, wanted: Sequence[str], groups: Sequence[str], work: Path,
@@ -284,6 +284,12 @@ async def compare(plan: Plan, *, wanted: Sequence[str], groups: Sequence[str], w
                     run.results["sched-scale"] = await trio.to_thread.run_sync(
                         lambda: sched_scale.run(**sched_scale.SIZES[plan.mode])
                     )
+                elif group == "relay" and "trioshed" in wanted and plan.mode != "smoke":
+                    run.say("relay ceiling: trioshed over a stand-in upstream, the raw floor, trioshed vs router (real binary)")
+                    run.results["relay"] = await relay.run_all(quick=plan.mode != "full", say=run.say)
+                elif group == "state" and plan.mode != "smoke":
+                    run.say("scale of state: /api/ps, /metrics, /api/tags, one pass at 1,000 models / 200 fake runners")
+                    run.results["state-scale"] = await state_scale.run()
         if hard_stop.cancelled_caught:
             run.say("hard time limit reached: the run was cut short; results so far are written")
             meta["cut_short"] = True

@@ -40,8 +40,10 @@ from bench import procs
 from bench.standin import write_wrapper
 
 CONCURRENCY = (1, 16, 64, 256)
+_REPO = str(Path(__file__).resolve().parent.parent)
 
-#: protocol -> (path, body(model, n), the bytes that end a complete answer)
+#: protocol -> (path, body(model, n), the bytes that end a complete answer); the bytes that mark
+#: one token in the answer are in TOKEN_MARKS (answers may end early at an end-of-sequence token)
 PROTOCOLS: dict[str, tuple[str, Any, bytes]] = {
     "ollama-generate": ("/api/generate", lambda m, n: {"model": m, "prompt": "hi", "raw": True, "stream": True,
                                                        "options": {"num_predict": n}}, b'"done":true'),
@@ -51,22 +53,30 @@ PROTOCOLS: dict[str, tuple[str, Any, bytes]] = {
                                                           "stream": True, "max_tokens": n}, b"data: [DONE]"),
     "anthropic": ("/v1/messages", lambda m, n: {"model": m, "messages": [{"role": "user", "content": "hi"}],
                                                 "stream": True, "max_tokens": n}, b"message_stop"),
+    # llama-server's own streaming route, through llama.cpp's router (trioshed's raw generate
+    # goes upstream to the same route)
+    "native": ("/completion", lambda m, n: {"model": m, "prompt": "hi", "stream": True, "n_predict": n}, b'"stop":true'),
 }  # fmt: skip
+TOKEN_MARKS = {"ollama-generate": b'"done": false', "ollama-chat": b'"done": false', "openai-chat": b'"content":"',
+               "anthropic": b'"text_delta"', "native": b'"stop":false'}  # fmt: skip
+#: What trioshed serves (the router comparison adds "native").
+TRIOSHED_PROTOCOLS = ("ollama-generate", "ollama-chat", "openai-chat", "anthropic")
 
 
 @dataclass
 class Block:
     protocol: str
     concurrency: int
-    tokens: int  # per request
+    tokens: int  # per request, asked for
     requests: int
     failed: int
     wall_s: float
     cpu_s: float  # the proxy's process CPU over the block
+    relayed: int = 0  # tokens counted in the answers
 
     @property
     def tokens_total(self) -> int:
-        return self.tokens * (self.requests - self.failed)
+        return self.relayed
 
     @property
     def tokens_per_s(self) -> float:
@@ -77,7 +87,8 @@ class Block:
         return self.tokens_total / self.cpu_s if self.cpu_s else 0.0
 
 
-async def one_request(port: int, path: str, body: bytes, end: bytes) -> bool:
+async def one_request(port: int, path: str, body: bytes, end: bytes, mark: bytes = b"\0") -> tuple[bool, int]:
+    """One streamed request; (complete, tokens counted by ``mark``)."""
     stream = await trio.open_tcp_stream("127.0.0.1", port)
     async with stream:
         await stream.send_all(
@@ -85,28 +96,33 @@ async def one_request(port: int, path: str, body: bytes, end: bytes) -> bool:
             b"Connection: close\r\n\r\n%s" % (path.encode(), len(body), body)
         )
         tail = b""
+        tokens = 0
+        keep = len(mark) - 1
         while data := await stream.receive_some(262144):
+            joined = tail[-keep:] + data if keep else data
+            tokens += joined.count(mark)
             tail = (tail + data)[-4096:]
-        return end in tail.replace(b" ", b"")
+        return end in tail.replace(b" ", b""), tokens
 
 
 async def run_block(port: int, pid: int, protocol: str, model: str, concurrency: int, tokens: int, requests: int) -> Block:
     path, make, end = PROTOCOLS[protocol]
     body = json.dumps(make(model, tokens)).encode()
     proc = psutil.Process(pid)
-    failed = 0
+    failed = relayed = 0
     remaining = requests
 
     async def worker() -> None:
-        nonlocal failed, remaining
+        nonlocal failed, remaining, relayed
         while remaining > 0:
             remaining -= 1
             try:
                 with trio.fail_after(120):
-                    ok = await one_request(port, path, body, end.replace(b" ", b""))
+                    ok, n = await one_request(port, path, body, end.replace(b" ", b""), TOKEN_MARKS[protocol])
             except (OSError, trio.TooSlowError):
-                ok = False
+                ok, n = False, 0
             failed += not ok
+            relayed += n
 
     cpu0 = sum(proc.cpu_times()[:2])
     t0 = time.perf_counter()
@@ -115,24 +131,27 @@ async def run_block(port: int, pid: int, protocol: str, model: str, concurrency:
             nursery.start_soon(worker)
     wall = time.perf_counter() - t0
     cpu = sum(proc.cpu_times()[:2]) - cpu0
-    return Block(protocol, concurrency, tokens, requests, failed, wall, cpu)
+    return Block(protocol, concurrency, tokens, requests, failed, wall, cpu, relayed)
 
 
 def _requests_for(concurrency: int, tokens: int, quick: bool) -> int:
-    total_tokens = 60_000 if quick else 200_000
-    return max(concurrency * 2, min(4000, total_tokens // max(tokens, 1)))
+    """Requests in a block: ~30k (quick) or 150k tokens, at most 400 / 2,000 requests, and every
+    stream slot used twice."""
+    total_tokens, most = (30_000, 400) if quick else (150_000, 2_000)
+    return max(concurrency * 2, min(most, total_tokens // max(tokens, 1)))
 
 
 async def _served(port: int, path: str) -> bool:
     stream = await trio.open_tcp_stream("127.0.0.1", port)
     async with stream:
-        await stream.send_all(b"POST %s HTTP/1.1\r\nHost: localhost\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}" % path.encode())
+        await stream.send_all(b"POST %s HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: 2\r\n"
+                              b"Connection: close\r\n\r\n{}" % path.encode())
         head = await stream.receive_some(64)
     return not head.startswith(b"HTTP/1.1 404")
 
 
 async def measure(server_port: int, pid: int, model: str, *, tokens: int, protocols: Sequence[str],
-                  concurrency: Sequence[int], quick: bool, say: Any = print) -> dict[str, Any]:  # fmt: skip
+                  concurrency: Sequence[int], quick: bool, say: Any = print, requests: int | None = None) -> dict[str, Any]:  # fmt: skip
     """Every block for one running proxy; returns a JSON-able dict of rows."""
     rows: list[dict[str, Any]] = []
     for protocol in protocols:
@@ -141,8 +160,8 @@ async def measure(server_port: int, pid: int, model: str, *, tokens: int, protoc
             continue
         await run_block(server_port, pid, protocol, model, 1, 4, 4)  # warm: the runner is loaded, paths imported
         for c in concurrency:
-            short = await run_block(server_port, pid, protocol, model, c, 1, _requests_for(c, 16, quick))
-            long = await run_block(server_port, pid, protocol, model, c, tokens, _requests_for(c, tokens, quick))
+            short = await run_block(server_port, pid, protocol, model, c, 1, requests or _requests_for(c, 1, quick))
+            long = await run_block(server_port, pid, protocol, model, c, tokens, requests or _requests_for(c, tokens, quick))
             per_req = short.cpu_s / max(short.requests, 1)  # a request with 1 token: ~all per-request cost
             per_tok = max(long.cpu_s - per_req * long.requests, 0.0) / max(long.tokens_total, 1)
             row = {
@@ -158,8 +177,8 @@ async def measure(server_port: int, pid: int, model: str, *, tokens: int, protoc
     return {"rows": rows}
 
 
-async def run(*, tokens: int = 256, quick: bool = True, protocols: Sequence[str] = tuple(PROTOCOLS),
-              concurrency: Sequence[int] = CONCURRENCY, work: Path | None = None) -> dict[str, Any]:  # fmt: skip
+async def run(*, tokens: int = 256, quick: bool = True, protocols: Sequence[str] = TRIOSHED_PROTOCOLS,
+              concurrency: Sequence[int] = CONCURRENCY, work: Path | None = None, requests: int | None = None) -> dict[str, Any]:  # fmt: skip
     """trioshed over the stand-in: the relay table."""
     from trioshed.testing.tiny import write_tiny_model
 
@@ -172,12 +191,46 @@ async def run(*, tokens: int = 256, quick: bool = True, protocols: Sequence[str]
         flags = procs.RunnerFlags(parallel=max(concurrency), ctx_per_slot=64)
         env = {"TRIOSHED_LLAMA_SERVER": str(wrapper), "TRIOSHED_MAX_CONNECTIONS": "1024"}
         async with procs.open_trioshed(models, flags, base / "logs", max_loaded=1, extra_env=env) as server:
-            env_binary = server.argv  # noqa: F841 - kept for the record below
             port = int(server.base_url.rsplit(":", 1)[1])
             result = await measure(port, server.pid, "tiny", tokens=tokens, protocols=protocols,
-                                   concurrency=concurrency, quick=quick)  # fmt: skip
+                                   concurrency=concurrency, quick=quick, requests=requests)  # fmt: skip
         result["upstream"] = "bench.standin (events written back to back, one write each)"
         return result
+
+
+async def run_real(*, tokens: int = 256, concurrency: Sequence[int] = (16, 64), requests: int = 64,
+                   work: Path | None = None, say: Any = print) -> dict[str, Any]:  # fmt: skip
+    """trioshed and llama.cpp's router over the real llama-server on a tiny model (one thread,
+    ``max(concurrency)`` slots): tokens arrive one per event as the model makes them, so each is
+    its own read: the per-token cost of a proxy that is not saturated. Each proxy's own process
+    CPU (its children excluded)."""
+    from trioshed.testing.tiny import write_tiny_model
+
+    with tempfile.TemporaryDirectory(prefix="relay-real-") as tmp:
+        base = Path(work or tmp)
+        models = base / "models"
+        models.mkdir(parents=True, exist_ok=True)
+        write_tiny_model(models / "tiny.gguf")
+        flags = procs.RunnerFlags(parallel=max(concurrency), ctx_per_slot=tokens + 64)
+        rows: list[dict[str, Any]] = []
+        targets = (
+            ("trioshed", lambda: procs.open_trioshed(models, flags, base / "logs", max_loaded=1), ("ollama-generate", "openai-chat")),
+            ("router", lambda: procs.open_router(models, 1, flags, base / "logs"), ("native", "openai-chat")),
+        )  # fmt: skip
+        for name, opener, protos in targets:
+            async with opener() as server:
+                port = int(server.base_url.rsplit(":", 1)[1])
+                for protocol in protos:
+                    await run_block(port, server.pid, protocol, "tiny", 1, 4, 4)  # loads the model
+                    for c in concurrency:
+                        block = await run_block(port, server.pid, protocol, "tiny", c, tokens, requests)
+                        row = {"proxy": name, "protocol": protocol, "concurrency": c, "tokens_per_s": round(block.tokens_per_s),
+                               "cpu_us_per_token_all_in": round(block.cpu_s / max(block.tokens_total, 1) * 1e6, 1),
+                               "failed": block.failed}  # fmt: skip
+                        rows.append(row)
+                        say(f"relay (real llama-server) {name:8s} {protocol:16s} c={c:<3d} {row['tokens_per_s']:>6d} tok/s  "
+                            f"{row['cpu_us_per_token_all_in']:>6.1f} us CPU per token (all in)  failed {block.failed}")
+        return {"rows": rows, "upstream": f"llama-server tiny model, -t 1, {max(concurrency)} slots"}
 
 
 def table(result: dict[str, Any]) -> str:
@@ -189,17 +242,136 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+async def _raw_relay_connection(upstream_port: int, client: trio.SocketStream) -> None:
+    """Forward one request to the upstream and its answer back, bytes as they come: what a
+    relay costs in Python and Trio with no HTTP library (the floor under every proxy here)."""
+    async with client:
+        request = b""
+        while b"\r\n\r\n" not in request or len(request) < request.index(b"\r\n\r\n") + 4 + _length(request):
+            data = await client.receive_some(65536)
+            if not data:
+                return
+            request += data
+        upstream = await trio.open_tcp_stream("127.0.0.1", upstream_port)
+        async with upstream:
+            await upstream.send_all(request)
+            while data := await upstream.receive_some(65536):
+                await client.send_all(data)
+
+
+def _length(request: bytes) -> int:
+    head = request.split(b"\r\n\r\n", 1)[0].lower()
+    for line in head.split(b"\r\n"):
+        if line.startswith(b"content-length:"):
+            return int(line.split(b":", 1)[1])
+    return 0
+
+
+async def serve_raw_relay(upstream_port: int, port: int) -> None:
+    from functools import partial
+
+    await trio.serve_tcp(partial(_raw_relay_connection, upstream_port), port, host="127.0.0.1")
+
+
+async def run_floor(*, tokens: int = 256, concurrency: Sequence[int] = CONCURRENCY, quick: bool = True,
+                    work: Path | None = None, say: Any = print) -> dict[str, Any]:  # fmt: skip
+    """The stand-in behind the raw relay (no HTTP library), on llama-server's own route: the
+    per-token and per-request floor of any Python/Trio relay on this machine."""
+    with tempfile.TemporaryDirectory(prefix="relay-floor-") as tmp:
+        base = Path(work or tmp)
+        up_port, port = procs.free_port(), procs.free_port()
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([_REPO, env.get("PYTHONPATH", "")])
+        async with procs.open_server("standin", [sys.executable, "-m", "bench.standin", "--port", str(up_port)], env=env,
+                                     base_url=f"http://127.0.0.1:{up_port}", ready_path="/health", log_path=base / "standin.log"), \
+                procs.open_server("raw-relay", [sys.executable, "-m", "bench.relay", "--raw-relay", str(up_port), str(port)], env=env,
+                                  base_url=f"http://127.0.0.1:{port}", ready_path="/health", log_path=base / "relay.log") as relay:  # fmt: skip
+            rows = []
+            for c in concurrency:
+                short = await run_block(port, relay.pid, "native", "tiny", c, 1, _requests_for(c, 1, quick))
+                long = await run_block(port, relay.pid, "native", "tiny", c, tokens, _requests_for(c, tokens, quick))
+                per_req = short.cpu_s / max(short.requests, 1)
+                per_tok = max(long.cpu_s - per_req * long.requests, 0.0) / max(long.tokens_total, 1)
+                row = {"protocol": "raw relay", "concurrency": c, "tokens": tokens, "tokens_per_s": round(long.tokens_per_s),
+                       "tokens_per_cpu_s": round(long.tokens_per_cpu_s), "cpu_us_per_token": round(per_tok * 1e6, 2),
+                       "cpu_us_per_request": round(per_req * 1e6, 1), "failed": long.failed + short.failed}  # fmt: skip
+                rows.append(row)
+                say(f"relay floor (raw) c={c:<4d} {row['tokens_per_s']:>8d} tok/s  {row['tokens_per_cpu_s']:>8d} tok/cpu-s  "
+                    f"{row['cpu_us_per_token']:>7.2f} us/token  {row['cpu_us_per_request']:>8.1f} us/request")
+        return {"rows": rows}
+
+
+#: Issue 20's relay targets: tokens one trioshed process relays per CPU-second.
+TARGETS = {"openai-chat": 100_000, "ollama-generate": 50_000, "ollama-chat": 50_000}
+
+
+def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """Met / not met, from a :func:`run_all` document."""
+    out = []
+    best: dict[str, int] = {}
+    for r in doc.get("standin", {}).get("rows", []):
+        best[r["protocol"]] = max(best.get(r["protocol"], 0), r["tokens_per_cpu_s"])
+    floor = max((r["tokens_per_cpu_s"] for r in doc.get("floor", {}).get("rows", [])), default=None)
+    for protocol, target in TARGETS.items():
+        if protocol in best:
+            out.append({"target": f"{protocol}: >= {target:,} relayed tokens per CPU-second", "value": best[protocol],
+                        "met": best[protocol] >= target, "floor": floor})  # fmt: skip
+    real = {(r["proxy"], r["protocol"], r["concurrency"]): r["cpu_us_per_token_all_in"] for r in doc.get("real", {}).get("rows", [])}
+    for (proxy, protocol, c), us in real.items():
+        if proxy == "trioshed" and protocol == "openai-chat" and ("router", "openai-chat", c) in real:
+            router = real[("router", "openai-chat", c)]
+            out.append({"target": f"CPU per relayed token (real llama-server, {c} streams) <= the router's", "value": us,
+                        "router": router, "met": us <= router})  # fmt: skip
+    return out
+
+
+async def run_all(*, quick: bool = True, say: Any = print) -> dict[str, Any]:
+    """The stand-in table, the raw-relay floor and trioshed vs the router on the real binary."""
+    return {
+        "standin": await run(quick=quick),
+        "floor": await run_floor(quick=quick, say=say),
+        "real": await run_real(requests=48 if quick else 160, say=say),
+    }
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    lines = ["### Relay ceiling (trioshed over a stand-in llama-server that writes as fast as it can)", "", table(doc["standin"]), "",
+             "The floor: a raw Trio relay with no HTTP library over the same stand-in (llama-server's /completion):", "",
+             table(doc["floor"]), "", "### Real llama-server (tiny model): trioshed and llama.cpp's router, each process's own CPU", "",
+             real_table(doc["real"]), "", "| target | value | met |", "| --- | ---: | --- |"]  # fmt: skip
+    for t in targets(doc):
+        extra = f" (router {t['router']})" if "router" in t else (f" (raw relay floor {t['floor']:,})" if t.get("floor") else "")
+        lines.append(f"| {t['target']} | {t['value']:,}{extra} | {'yes' if t['met'] else '**no**'} |")
+    return "\n".join(lines) + "\n"
+
+
+def real_table(result: dict[str, Any]) -> str:
+    lines = ["| proxy | protocol | streams | tokens/s (wall) | CPU us per token, all in |", "| --- | --- | ---: | ---: | ---: |"]
+    for r in result["rows"]:
+        lines.append(f"| {r['proxy']} | {r['protocol']} | {r['concurrency']} | {r['tokens_per_s']:,} | {r['cpu_us_per_token_all_in']:.1f} |")
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--full", action="store_true", help="larger samples")
     parser.add_argument("--protocol", action="append", choices=list(PROTOCOLS))
     parser.add_argument("--concurrency", type=int, action="append")
+    parser.add_argument("--all", action="store_true", help="also the raw-relay floor and trioshed vs the router on the real binary")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--raw-relay", nargs=2, type=int, metavar=("UPSTREAM_PORT", "PORT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    result = trio.run(lambda: run(tokens=args.tokens, quick=not args.full, protocols=args.protocol or tuple(PROTOCOLS),
-                                  concurrency=args.concurrency or CONCURRENCY))  # fmt: skip
-    print(table(result))
+    if args.raw_relay:
+        trio.run(serve_raw_relay, *args.raw_relay)
+        return 0
+    if args.all:
+        result = trio.run(lambda: run_all(quick=not args.full))
+        print(markdown(result))
+    else:
+        result = trio.run(lambda: run(tokens=args.tokens, quick=not args.full, protocols=args.protocol or TRIOSHED_PROTOCOLS,
+                                      concurrency=args.concurrency or CONCURRENCY))  # fmt: skip
+        print(table(result))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     return 0

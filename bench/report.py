@@ -279,6 +279,17 @@ def markdown(doc: Mapping[str, Any], files: Mapping[str, str]) -> str:
             if "sched" in files:
                 out += [f"![sched]({files['sched']})", ""]
             continue
+        if scen == "relay":
+            from bench.relay import markdown as relay_markdown
+
+            out += [f"### {scen}", "", relay_markdown(data)]
+            continue
+        if scen == "state-scale":
+            from bench.state_scale import table as state_table
+
+            met = ", ".join(f"{k} {'yes' if v else '**no**'}" for k, v in data["met"].items())
+            out += [f"### {scen}", "", state_table(data), "", f"Under {data['target_ms']} ms at the largest point: {met}", ""]
+            continue
         pt = data.get("per_target", {})
         out.append(f"### {scen}")
         out.append("")
