@@ -30,6 +30,7 @@ llama_server = "/opt/llama/llama-server"
 devices = "cuda:0=24GiB"
 origins = ["https://a.example", "https://b.example"]
 api_key = "secret"
+keys_file = "keys.toml"
 rpc_servers = ["10.0.0.2:50052=16GiB", "10.0.0.3:50052"]
 rpc_allow_public = false
 rpc_probe_interval = "1m"
@@ -55,7 +56,9 @@ def write(tmp_path: Path, text: str) -> Path:
 
 def test_every_setting_can_be_given_in_the_file(tmp_path: Path) -> None:
     path = write(tmp_path, EVERY)
+    (tmp_path / "keys.toml").write_text('[[key]]\nname = "alice"\nkey = "alice-secret"\n')
     s = Settings.from_env({}, file=path)
+    assert s.keys_file == tmp_path / "keys.toml"  # relative to the file
     assert (s.host, s.port, s.models) == ("0.0.0.0", 8080, tmp_path / "store")  # relative to the file
     assert (s.keep_alive, s.max_loaded_models, s.num_parallel, s.max_queue, s.load_timeout) == (600, 2, 4, 64, 90)
     assert (s.sched_spread, s.gpu_overhead, s.context_length, s.num_thread) == (True, 512 * 2**20, 8192, 2)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from trioshed.core.model import KV_CACHE_TYPES, Device
+from trioshed.keys import keyring
 
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
 _UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -190,6 +191,7 @@ class Settings:
     devices: tuple[Device, ...] | None = None
     origins: tuple[str, ...] = ()
     api_key: str | None = None
+    keys_file: Path | None = None  # more API keys, with names, weights and limits (trioshed.keys)
     runner_verbose: bool = True
     rpc_servers: tuple[RpcServer, ...] = ()
     rpc_allow_public: bool = False
@@ -239,6 +241,8 @@ class Settings:
                 raise ValueError(f"TRIOSHED_{name.upper()} must be at least 1")
         if self.max_loaded_models < 0:
             raise ValueError("TRIOSHED_MAX_LOADED_MODELS must be 0 (automatic) or more")
+        if self.keys_file is not None:
+            keyring(self.api_key, self.keys_file)  # a bad keys file stops serve at start-up
 
     def with_(self, **changes: object) -> Settings:
         return replace(self, **changes)  # type: ignore[arg-type]
@@ -304,6 +308,7 @@ _PARSERS: dict[str, Callable[[str], object]] = {
     "devices": parse_devices,
     "origins": lambda v: tuple(o.strip() for o in v.split(",") if o.strip()),
     "api_key": str,
+    "keys_file": lambda v: Path(v).expanduser(),
     "rpc_servers": parse_rpc_servers,
     "rpc_allow_public": _bool,
     "rpc_probe_interval": lambda v: _positive_timeout(parse_duration(v)),
@@ -350,7 +355,7 @@ def load_settings_file(path: Path) -> dict[str, object]:
         try:
             raw = _file_value(key, value)
             relative = not Path(raw).expanduser().is_absolute()
-            if relative and (key in ("models", "kv_cache_dir") or (key == "llama_server" and "/" in raw)):
+            if relative and (key in ("models", "kv_cache_dir", "keys_file") or (key == "llama_server" and "/" in raw)):
                 raw = str(Path(path).parent / raw)  # a bare llama_server name is looked up on PATH
             kwargs.update(_parse_setting(key, raw))
         except ValueError as exc:

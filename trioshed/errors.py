@@ -11,6 +11,7 @@
     ├── Conflict (409)                   a store change that would break another model
     ├── PayloadTooLarge (413)
     ├── UnsupportedMediaType (415)       a body that says it is not JSON
+    ├── TooManyRequests (429, Retry-After) an API key's limit (concurrent, queued, per minute)
     ├── QueueFull (503, Retry-After)     the pending queue holds TRIOSHED_MAX_QUEUE requests
     ├── LoadCooldown (503, Retry-After)  the model failed to load recently; retried after a back-off
     ├── EventStreamsBusy (503, Retry-After)  GET /api/events already streams to its most pages
@@ -86,6 +87,20 @@ class PayloadTooLarge(TrioshedError):
 
 class UnsupportedMediaType(TrioshedError):
     status = 415
+
+
+class TooManyRequests(TrioshedError):
+    """An API key reached one of its limits (keys file): the message names the key and the limit."""
+
+    status = 429
+
+    def __init__(self, key: str, limit: str, value: int, retry_after: int = 1) -> None:
+        super().__init__(
+            f"API key '{key}' reached its limit of {value} {limit}; retry after {retry_after} s "
+            "or raise the limit in the keys file (TRIOSHED_KEYS_FILE)",
+            headers={"Retry-After": str(retry_after)},
+        )
+        self.limit = limit
 
 
 class QueueFull(TrioshedError):

@@ -164,7 +164,7 @@ async def serve(
     connections = ConnectionStats(settings.max_connections)
     if not is_loopback(settings.host):
         # the Host check against DNS rebinding applies to loopback listeners only (trioshed.access)
-        if settings.api_key:
+        if settings.api_key or settings.keys_file:
             log.info("listening on %s: Host names are not checked; TRIOSHED_API_KEY guards every route", settings.host)
         else:
             log.warning(

@@ -30,6 +30,7 @@ class RequestTrace:
     prompt_tokens: int | None = None
     eval_tokens: int | None = None
     error: str = ""  # for a 503, its cause: queue_full, cooldown, shutting_down
+    key: str = ""  # the API key's name ("" = no keys configured); never the key itself
 
     def leased(self, model: str, queue_wait: float, load_wait: float) -> None:
         self.model = model

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import socket
+import time
 from typing import Any
 
 from quart import Response, has_request_context, request
@@ -36,7 +37,16 @@ from trioshed.api import (
 )
 from trioshed.api.protocols.errors import error_body
 from trioshed.api.state import AppState
-from trioshed.errors import Forbidden, ModelNotFound, PayloadTooLarge, TrioshedError, Unauthorized
+from trioshed.errors import (
+    Forbidden,
+    ModelNotFound,
+    PayloadTooLarge,
+    TooManyRequests,
+    TrioshedError,
+    Unauthorized,
+)
+from trioshed.keys import RequestRate, current_key, keyring
+from trioshed.trace import current as current_trace
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +93,8 @@ def create_app(state: AppState) -> QuartTrio:
     origins = access.allowed_origins(state.settings.origins)
     check_host = access.is_loopback(state.settings.host)  # else the API key guards (serve says so)
     hostname = socket.gethostname()
-    api_key = state.settings.api_key
+    keys = keyring(state.settings.api_key, state.settings.keys_file)  # TRIOSHED_API_KEY, TRIOSHED_KEYS_FILE
+    rate = RequestRate()
 
     def origin_ok(origin: str) -> bool:
         return access.same_origin(origin, request.headers.get("Host", "")) or access.origin_allowed(origin, origins)
@@ -103,11 +114,20 @@ def create_app(state: AppState) -> QuartTrio:
         if request.method == "OPTIONS":
             return Response("", status=204)  # CORS preflight: browsers send it without credentials
         public = request.method in ("GET", "HEAD") and (request.path == "/" or request.path in ui.PUBLIC)
-        if api_key and not public:
-            if not access.key_matches(request.headers.get("Authorization"), request.headers.get("x-api-key"), api_key):
+        if keys.required and not public:
+            # constant time, against every key and both headers: nothing tells how much of a guess was right
+            key = keys.identify_headers(request.headers.get("Authorization"), request.headers.get("x-api-key"))
+            if key is None:
                 raise Unauthorized(
                     "missing or wrong API key: send 'Authorization: Bearer <TRIOSHED_API_KEY>' or 'x-api-key: <TRIOSHED_API_KEY>'"
                 )
+            current_key.set(key)  # who the scheduler counts and shares slots for
+            trace = current_trace.get()
+            if trace is not None:
+                trace.key = key.name
+            retry = rate.admit(key, time.monotonic())
+            if retry is not None:
+                raise TooManyRequests(key.name, "requests per minute", key.requests_per_minute, retry)
         length = request.content_length
         if request.path.startswith(_UNREAD_BODIES):
             return None

@@ -115,6 +115,14 @@ class SchedulerCollector:
         yield size
         yield leases
         yield self._device_memory(stats)
+        if stats.tenants:  # per API key name
+            waiting = GaugeMetricFamily("trioshed_key_queued_requests", "Requests waiting for a runner, by API key name.", labels=["key"])
+            holding = GaugeMetricFamily("trioshed_key_leases", "Requests holding a runner slot, by API key name.", labels=["key"])
+            for t in stats.tenants:
+                waiting.add_metric([t.key], t.queued)
+                holding.add_metric([t.key], t.leased)
+            yield waiting
+            yield holding
         if stats.remote:  # TRIOSHED_RPC_SERVERS: one series per server
             up = GaugeMetricFamily("trioshed_rpc_server_up", "Whether an RPC server answers its probe (1) or not (0).", labels=["endpoint"])
             rpc = GaugeMetricFamily("trioshed_rpc_server_bytes", "An RPC server's memory (kind: total, used by trioshed's runners).", labels=["endpoint", "kind"])
@@ -237,6 +245,15 @@ class Metrics:
         )  # fmt: skip
         for cause in CAUSES.values():
             self.unavailable.labels(cause)  # present at 0 from the start
+        # Per API key, by its name (only when keys are configured; never the key itself)
+        self.key_requests = Counter(
+            "trioshed_key_requests", "HTTP requests answered, by API key name and status (429: a key's limit).",
+            ["key", "status"], registry=r,
+        )  # fmt: skip
+        self.key_queue_wait = Histogram(
+            "trioshed_key_queue_wait_seconds", "Time from arrival at the scheduler to a runner slot, by API key name.",
+            ["key"], buckets=_SECONDS_WAIT, registry=r,
+        )  # fmt: skip
         self._children: dict[tuple[str, str, int, str], tuple[Any, Any, Any, Any, Any]] = {}
         self._events = scheduler.events
         self._seen = self._events.last_seq  # counted from here on
@@ -284,6 +301,10 @@ class Metrics:
             children[4].observe(trace.queue_wait)
         if trace.status == 503:
             self.unavailable.labels(trace.error or "other").inc()
+        if trace.key:
+            self.key_requests.labels(trace.key, str(trace.status)).inc()
+            if trace.queue_wait is not None:
+                self.key_queue_wait.labels(trace.key).observe(trace.queue_wait)
 
     def render(self) -> bytes:
         self._count_events()

@@ -96,5 +96,6 @@ def log_fields(trace: RequestTrace, duration: float) -> dict[str, Any]:
         "eval_tokens": trace.eval_tokens,
         "duration_ms": _ms(duration),
         "client": trace.client,
+        "key": trace.key or None,  # the API key's name, never the key
         "error": trace.error or None,
     }

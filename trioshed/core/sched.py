@@ -94,6 +94,8 @@ class RequestView:
     estimate: MemoryEstimate
     priority: int = 0  # models.toml priority: higher is planned first
     held_since: float | None = None  # when a pass first held its swap for another model's queue
+    tenant: str = ""  # the API key's name: slots are shared between tenants by weight
+    share: float = 0.0  # its start tag in the weighted fair order (FairShare.arrive)
 
     @functools.cached_property
     def key(self) -> tuple[object, ...]:
@@ -426,6 +428,10 @@ def plan(
 
     ``max_extra_wait``: how long a request's swap may be held for later requests of the models it
     would evict (0: never; see the module's docstring).
+
+    Several tenants (API keys): within a priority, requests are planned in weighted fair order
+    (:func:`fair_order`, by the start tags :class:`FairShare` gave them), so a tenant that floods
+    the queue cannot push another's requests back by more than its share.
     """
     actions = Plan()
     queue = _Queue(requests, max_extra_wait, now)
@@ -443,7 +449,7 @@ def plan(
                            pinned=req.model.pinned))  # fmt: skip
         new_id -= 1
 
-    for req in sorted(requests, key=lambda r: -r.priority):  # stable: arrival order within a priority
+    for req in fair_order(requests):
         key = req.key
         if key in waiting or req.model.path in sim.reserved:
             if key in held:
@@ -458,6 +464,34 @@ def plan(
             if len(actions.held) > holds:
                 held.add(key)
     return actions
+
+
+def fair_order(requests: Sequence[RequestView]) -> list[RequestView]:
+    """Highest priority first; within a priority, by start tag (weighted fair order between
+    tenants), ties in arrival order. One tenant: arrival order within a priority, as before."""
+    if len({r.tenant for r in requests}) <= 1:
+        return sorted(requests, key=lambda r: -r.priority)  # stable: arrival order within a priority
+    return sorted(requests, key=lambda r: (-r.priority, r.share, r.id))
+
+
+class FairShare:
+    """Start-time fair queuing between tenants: each request gets a start tag when it arrives,
+    ``max(now_virtual, its tenant's last finish)``, and its tenant's finish moves on by
+    ``1 / weight``; the virtual clock is the largest tag dispatched so far. Requests served in
+    tag order give each tenant with requests waiting a share of slots proportional to its
+    weight, however many requests another tenant queues. Pure: the caller stamps and reports."""
+
+    def __init__(self) -> None:
+        self.virtual = 0.0
+        self._finish: dict[str, float] = {}
+
+    def arrive(self, tenant: str, weight: float) -> float:
+        start = max(self.virtual, self._finish.get(tenant, 0.0))
+        self._finish[tenant] = start + 1.0 / weight
+        return start
+
+    def dispatched(self, share: float) -> None:
+        self.virtual = max(self.virtual, share)
 
 
 RECENTLY_USED = 1.0  # seconds: a runner used this recently still holds a swap (within the bound)

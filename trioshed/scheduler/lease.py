@@ -15,9 +15,10 @@ if TYPE_CHECKING:
 class Lease:
     """A request's hold on a runner slot, from dispatch until released (synchronous, idempotent)."""
 
-    def __init__(self, scheduler: Scheduler, runner: Runner, load_duration: float) -> None:
+    def __init__(self, scheduler: Scheduler, runner: Runner, load_duration: float, tenant: str = "") -> None:
         self._scheduler = scheduler
         self._runner = runner
+        self._tenant = tenant  # the API key's name: its slot is counted until released
         self.load_duration = load_duration
         self.released = False
 
@@ -54,4 +55,4 @@ class Lease:
     def release(self) -> None:
         if not self.released:
             self.released = True
-            self._scheduler._release(self._runner)
+            self._scheduler._release(self._runner, self._tenant)

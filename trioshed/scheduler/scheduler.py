@@ -24,6 +24,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field, replace
+from typing import NoReturn
 
 import trio
 from trio_util import RepeatedEvent
@@ -33,7 +34,8 @@ from trioshed.core.model import MemoryEstimate, ModelSpec, Placement, RunnerOpti
 from trioshed.core.sched import Dispatch, Evict, Fail, Load, Machine, RunnerState
 from trioshed.devices import DeviceSource
 from trioshed.devices.rpc import RemoteDevices
-from trioshed.errors import QueueFull, ShuttingDown, TrioshedError
+from trioshed.errors import QueueFull, ShuttingDown, TooManyRequests, TrioshedError
+from trioshed.keys import ANONYMOUS, ApiKey, current_key
 from trioshed.models.gguf_meta import unreadable
 from trioshed.scheduler.events import EventHistory
 from trioshed.scheduler.lease import Lease
@@ -45,7 +47,13 @@ from trioshed.scheduler.lifetime import (
     RunnerLifetimes,
 )
 from trioshed.scheduler.runner import Estimator, Runner, RunnerFactory
-from trioshed.scheduler.stats import QueueStats, RunnerStats, SchedulerStatistics, runner_stats
+from trioshed.scheduler.stats import (
+    QueueStats,
+    RunnerStats,
+    SchedulerStatistics,
+    TenantStats,
+    runner_stats,
+)
 from trioshed.trace import current as current_trace
 
 __all__ = ["HEALTH_INTERVAL", "Lease", "RunnerStats", "Scheduler", "SchedulerStatistics"]
@@ -67,6 +75,14 @@ def _keep_alive(requested: float | None, model: ModelSpec, default: float) -> fl
     return default if model.keep_alive is None else model.keep_alive
 
 
+@dataclass
+class _Tenant:
+    """An API key's requests in the scheduler now (its limits count these)."""
+
+    queued: int = 0
+    leased: int = 0
+
+
 @dataclass(eq=False)
 class _Request:
     id: int
@@ -82,12 +98,15 @@ class _Request:
     room_wait: str = ""  # why it waits for memory, as last logged ("" = it has not)
     arrived: float = field(default_factory=time.time)  # wall clock: the status page's oldest wait
     held_since: float | None = None  # when its swap was first held for another model's queue
+    key: ApiKey = ANONYMOUS  # whose request: its tenant and weight
+    share: float = 0.0  # its start tag in the fair order between tenants
 
     @functools.cached_property
     def view(self) -> sched.RequestView:
         return sched.RequestView(
-            self.id, self.model, self.options, self.estimate, priority=self.model.priority, held_since=self.held_since
-        )
+            self.id, self.model, self.options, self.estimate, priority=self.model.priority,
+            held_since=self.held_since, tenant=self.key.name, share=self.share,
+        )  # fmt: skip
 
     def held(self, now: float) -> None:
         if self.held_since is None:
@@ -143,6 +162,8 @@ class Scheduler(RunnerLifetimes):
         self._ids = itertools.count(1)
         self._nursery: trio.Nursery | None = None
         self._closing = False
+        self._tenants: dict[str, _Tenant] = {}  # by API key name ("" = no keys configured)
+        self._fair = sched.FairShare()  # the weighted fair order between them
         self._counters = dict(loads=0, unloads=0, crashes=0, load_failures=0, rejected=0, room_waits=0, passes=0)
 
     # -- the public surface -------------------------------------------------------------------
@@ -209,7 +230,10 @@ class Scheduler(RunnerLifetimes):
     ) -> tuple[_Request, Lease]:
         if self._closing or self._nursery is None:
             raise ShuttingDown()
-        trace, arrived = current_trace.get(), trio.current_time()
+        trace, arrived, key = current_trace.get(), trio.current_time(), current_key.get()
+        tenant = self._tenants.setdefault(key.name, _Tenant())
+        if key.max_concurrent and tenant.queued + tenant.leased >= key.max_concurrent:
+            self._refuse(model, TooManyRequests(key.name, "concurrent requests", key.max_concurrent))
         try:
             estimate = self._estimator(model, options)  # cached GGUF header read: microseconds once warm
         except (OSError, ValueError) as exc:
@@ -220,6 +244,8 @@ class Scheduler(RunnerLifetimes):
             options=options,
             keep_alive=_keep_alive(keep_alive, self._pinned_for_session(model), self.default_keep_alive),
             estimate=estimate,
+            key=key,
+            share=self._fair.arrive(key.name, key.weight),
         )
         runner = self._free_slot_now(req) if self._nothing_ahead(req) else None
         if runner is not None:
@@ -230,19 +256,31 @@ class Scheduler(RunnerLifetimes):
             await trio.lowlevel.cancel_shielded_checkpoint()
             if trace is not None:
                 trace.leased(model.name, 0.0, req.load_duration)
-            return req, Lease(self, runner, req.load_duration)
-        self.submit_nowait(req)
+            tenant.leased += 1
+            return req, Lease(self, runner, req.load_duration, key.name)
+        if key.max_queued and tenant.queued >= key.max_queued:
+            self._refuse(model, TooManyRequests(key.name, "queued requests", key.max_queued))
+        tenant.queued += 1
         try:
-            await req.done.wait()
-        except BaseException:
-            self._withdraw(req)
-            raise
+            self.submit_nowait(req)
+            try:
+                await req.done.wait()
+            except BaseException:
+                self._withdraw(req)
+                raise
+        finally:
+            tenant.queued -= 1
         if req.error is not None:
             raise req.error
         assert req.runner is not None
         if trace is not None:
             trace.leased(model.name, trio.current_time() - arrived, req.load_duration)
-        return req, Lease(self, req.runner, req.load_duration)
+        tenant.leased += 1
+        return req, Lease(self, req.runner, req.load_duration, key.name)
+
+    def _refuse(self, model: ModelSpec, error: TrioshedError) -> NoReturn:
+        self.events.refused(model.name, error)
+        raise error
 
     def _nothing_ahead(self, req: _Request) -> bool:
         """No request for ``req``'s model waits, nor any still in the channel (of unknown model)."""
@@ -377,6 +415,9 @@ class Scheduler(RunnerLifetimes):
             runners=tuple(sorted(runners, key=lambda s: (s.expires_at, s.id))),
             queue=self._queue_stats(),
             remote=self._remote.statistics(remote_usage) if self._remote is not None else (),
+            tenants=tuple(
+                TenantStats(name, t.queued, t.leased) for name, t in sorted(self._tenants.items()) if name
+            ),
             **self._counters,
         )
 
@@ -456,7 +497,9 @@ class Scheduler(RunnerLifetimes):
         req.runner, req.error = runner, error
         req.done.set()
 
-    def _release(self, runner: Runner) -> None:
+    def _release(self, runner: Runner, tenant: str | None = None) -> None:
+        if tenant is not None:
+            self._tenants[tenant].leased -= 1
         runner.leases -= 1
         runner.last_used = trio.current_time()
         if self._hand_over(runner):
@@ -482,6 +525,8 @@ class Scheduler(RunnerLifetimes):
         same = self._waiting_by_path.get(runner.model.path)
         if not same or runner.id not in self._runners or not runner.free_slot:
             return False
+        if sum(1 for t in self._tenants.values() if t.queued) > 1:
+            return False  # several tenants wait: whose turn it is, is the planner's fair order
         oldest = next(iter(same.values()))
         if oldest.id >= runner.closed_from:
             return False  # a request of another model, older than it, is due to evict this one
@@ -568,6 +613,7 @@ class Scheduler(RunnerLifetimes):
         runner.keep_alive = req.keep_alive
         runner.timer.deadline = math.inf
         req.load_duration = runner.load_duration if runner.served == 0 else 0.0
+        self._fair.dispatched(req.share)
         runner.served += 1
         self._note("dispatch", req.model)
         self._finish(req, runner=runner)

@@ -49,6 +49,15 @@ class QueueStats:
 
 
 @dataclass(frozen=True)
+class TenantStats:
+    """One API key's requests now, by its name (never the key)."""
+
+    key: str
+    queued: int
+    leased: int
+
+
+@dataclass(frozen=True)
 class SchedulerStatistics:
     queued: int
     leased: int
@@ -65,6 +74,7 @@ class SchedulerStatistics:
     passes: int = 0  # planning passes run (a freed slot handed to a waiter needs none)
     remote: tuple[RemoteStats, ...] = ()  # TRIOSHED_RPC_SERVERS: state, size, user
     queue: tuple[QueueStats, ...] = ()  # waiting requests per model, in arrival order of the oldest
+    tenants: tuple[TenantStats, ...] = ()  # per API key, when keys are configured
 
 
 def runner_stats(r: Runner, *, waiting: int, now: float, wall: float) -> RunnerStats:
