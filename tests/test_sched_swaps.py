@@ -180,3 +180,39 @@ async def test_clients_that_come_straight_back_keep_their_model_within_the_bound
                 assert bound <= waited[0] <= bound + 1 + 2  # held to its bound, then a drains, b loads
             else:
                 assert waited[0] <= 0.5 + 2  # swapped at the first gap (t=1)
+
+
+async def test_priority_is_last_evicted_and_never_starves_below_the_bound(autojump_clock: trio.testing.MockClock) -> None:
+    hi, lo = spec("hi", priority=5), spec("lo", priority=0)
+    # last evicted: room for two, both idle, lo used last; c evicts lo all the same
+    async with running({"hi": 1, "lo": 1, "c": 1}, max_loaded=2, load_time=1, max_extra_wait=5) as h:
+        for model in (hi, lo):
+            async with h.sched.acquire(model, ONE):
+                pass
+        await h.once("c")
+        assert h.events("evict") == [("evict", "lo")]
+    # never starved: three clients keep hi's one slot busy and its queue full; lo arrives at
+    # t=0.5 and is planned after every hi request, until it has waited the bound
+    async with running({"hi": 1, "lo": 1}, max_loaded=1, load_time=1, max_extra_wait=5, max_queue=64) as h:
+        async with h.sched.acquire(hi, ONE):
+            pass
+        waited: list[float] = []
+
+        async def hi_client(stop: trio.Event) -> None:
+            while not stop.is_set():
+                async with h.sched.acquire(hi, ONE):
+                    await trio.sleep(1)
+
+        async def lo_user(stop: trio.Event, waited: list[float]) -> None:
+            t0 = trio.current_time()
+            async with h.sched.acquire(lo, ONE):
+                waited.append(trio.current_time() - t0)
+            stop.set()
+
+        stop = trio.Event()
+        async with trio.open_nursery() as nursery:
+            for _ in range(3):
+                nursery.start_soon(hi_client, stop)
+            await trio.sleep(0.5)
+            nursery.start_soon(lo_user, stop, waited)
+        assert 5 <= waited[0] <= 5 + 1 + 1 + 1  # the bound, hi's lease ends, lo loads (+ a pass's second)

@@ -96,6 +96,7 @@ class RequestView:
     held_since: float | None = None  # when a pass first held its swap for another model's queue
     tenant: str = ""  # the API key's name: slots are shared between tenants by weight
     share: float = 0.0  # its start tag in the weighted fair order (FairShare.arrive)
+    arrived: float = 0.0  # when it reached the scheduler (priority ages after max_extra_wait)
 
     @functools.cached_property
     def key(self) -> tuple[object, ...]:
@@ -449,7 +450,7 @@ def plan(
                            pinned=req.model.pinned))  # fmt: skip
         new_id -= 1
 
-    for req in fair_order(requests):
+    for req in fair_order(requests, now=now, bound=max_extra_wait):
         key = req.key
         if key in waiting or req.model.path in sim.reserved:
             if key in held:
@@ -466,12 +467,20 @@ def plan(
     return actions
 
 
-def fair_order(requests: Sequence[RequestView]) -> list[RequestView]:
+def fair_order(requests: Sequence[RequestView], *, now: float = 0.0, bound: float = 0.0) -> list[RequestView]:
     """Highest priority first; within a priority, by start tag (weighted fair order between
-    tenants), ties in arrival order. One tenant: arrival order within a priority, as before."""
+    tenants), ties in arrival order. One tenant: arrival order within a priority, as before.
+
+    With a bound (``max_extra_wait`` > 0), priority is honest, not starvation: a request that
+    has waited ``bound`` seconds is planned as if of the highest priority there is."""
+    top = max((r.priority for r in requests), default=0)
+
+    def priority(r: RequestView) -> int:
+        return top if bound > 0 and now >= r.arrived + bound else r.priority
+
     if len({r.tenant for r in requests}) <= 1:
-        return sorted(requests, key=lambda r: -r.priority)  # stable: arrival order within a priority
-    return sorted(requests, key=lambda r: (-r.priority, r.share, r.id))
+        return sorted(requests, key=lambda r: -priority(r))  # stable: arrival order within a priority
+    return sorted(requests, key=lambda r: (-priority(r), r.share, r.id))
 
 
 class FairShare:

@@ -100,12 +100,13 @@ class _Request:
     held_since: float | None = None  # when its swap was first held for another model's queue
     key: ApiKey = ANONYMOUS  # whose request: its tenant and weight
     share: float = 0.0  # its start tag in the fair order between tenants
+    queued_at: float = 0.0  # Trio's clock: when it reached the scheduler (priority ages from it)
 
     @functools.cached_property
     def view(self) -> sched.RequestView:
         return sched.RequestView(
             self.id, self.model, self.options, self.estimate, priority=self.model.priority,
-            held_since=self.held_since, tenant=self.key.name, share=self.share,
+            held_since=self.held_since, tenant=self.key.name, share=self.share, arrived=self.queued_at,
         )  # fmt: skip
 
     def held(self, now: float) -> None:
@@ -246,6 +247,7 @@ class Scheduler(RunnerLifetimes):
             estimate=estimate,
             key=key,
             share=self._fair.arrive(key.name, key.weight),
+            queued_at=arrived,
         )
         runner = self._free_slot_now(req) if self._nothing_ahead(req) else None
         if runner is not None:
