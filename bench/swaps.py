@@ -10,7 +10,9 @@ Scenarios (each run in both modes, modes alternating):
   3 tiny models and Gemma 3 270M, room for two runners with 2 slots;
 - ``flood``: tenants by model: A floods ``tiny-s`` with 12 clients back to back, B sends one
   ``tiny-m`` request every 0.5 s (12 in all), room for one runner with 2 slots. Reported: B's
-  p99 (the tenant being flooded out).
+  p99 (the tenant being flooded out);
+- ``tenants``: the same flood, both on ``tiny-s``, A and B with their own API keys (keys file;
+  "strict" runs without keys: one queue in arrival order, as Ollama). Fair shares, not swaps.
 
 Reported per scenario and mode: loads, total seconds, p50/p99 latency (seconds, end to end), and
 B's p99 for ``flood``. Run: ``python -m bench.swaps [--rounds 1] [--out FILE.md]``.
@@ -36,6 +38,9 @@ def pct(values: list[float], q: float) -> float:
     return percentile(values, q) or 0.0
 
 
+KEYS = '[[key]]\nname = "a"\nkey = "tenant-a-key"\n\n[[key]]\nname = "b"\nkey = "tenant-b-key"\n'
+
+
 async def run_scenario(name: str, folder: Path, bound: float) -> dict[str, Any]:
     import httpx
     import trio
@@ -45,8 +50,11 @@ async def run_scenario(name: str, folder: Path, bound: float) -> dict[str, Any]:
     max_loaded = 2 if name == "steady" else 1
     lat: list[float] = []
     tenant_b: list[float] = []
-    keyed = False  # API keys per tenant: not in this version
+    keyed = name == "tenants" and bound > 0
     extra: dict[str, Any] = {}
+    if keyed:
+        (folder.parent / "keys.toml").write_text(KEYS)
+        extra["keys_file"] = folder.parent / "keys.toml"
     async with (
         open_test_server(folder, max_loaded_models=max_loaded, num_parallel=2, context_length=512,
                          max_extra_wait=bound, max_queue=256, **extra) as server,  # fmt: skip
@@ -131,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m bench.swaps", description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--scenarios", default="burst,steady,flood")
+    p.add_argument("--scenarios", default="burst,steady,flood,tenants")
     p.add_argument("--out", type=Path, default=None, help="also write the table (markdown) here")
     args = p.parse_args(argv)
     results: dict[str, dict[str, list[dict[str, Any]]]] = {}
