@@ -27,7 +27,10 @@ from tests.serve_process import serve_process
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_leaked_runner")]
 
 CLIENTS, PER_CLIENT, MODELS = 200, 10, ("tiny", "two", "three")
-BOUND = 30.0  # seconds: no request may take longer
+# seconds: no request may take longer. A hang guard, not a speed target (those live in bench/):
+# the slowest request took 19-50 s while eight other suites shared this 2-core machine, and the
+# earlier 30 s bound failed under that load on main's code as well.
+BOUND = 90.0
 
 
 def metric(text: str, name: str) -> float:
@@ -44,7 +47,7 @@ async def test_2000_requests_from_200_clients_are_all_answered_200_or_503(model_
     latencies: list[float] = []
     problems: list[str] = []
     rng = random.Random(11)
-    with trio.fail_after(120):
+    with trio.fail_after(300):
         async with serve_process(
             model_store, TRIOSHED_MAX_QUEUE="64", TRIOSHED_MAX_LOADED_MODELS="2", TRIOSHED_KEEP_ALIVE="5m",
             TRIOSHED_NUM_PARALLEL="4",  # 1 works too (measured: 56 s, 929 loads); 4 keeps make test shorter
