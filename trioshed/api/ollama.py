@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from quart import Blueprint, Response
 
-from trioshed.api.preamble import has_chat_template, prepare, read_body, state
+from trioshed.api.preamble import has_chat_template, prepare, read_body, require_capabilities, state
 from trioshed.api.protocols import ollama
 from trioshed.api.protocols.llama import Upstream
 from trioshed.api.protocols.ollama_stream import OllamaStream
@@ -71,6 +71,7 @@ async def _serve(kind: ollama.Kind) -> Response:
     body = await read_body()
     req = prepare(body, body.get("model") or "")
     model, options, keep_alive = req.model, req.options, req.keep_alive
+    await require_capabilities(model, body.get("model") or "", ollama.needs(kind, body), action=kind)
 
     if ollama.is_load_only(kind, body):
         reason: Literal["load", "unload"] = "load"

@@ -14,11 +14,10 @@ import trio
 from quart import Blueprint, Response, request
 
 from trioshed import __version__
-from trioshed.api.preamble import read_body, state
+from trioshed.api.preamble import model_capabilities, read_body, state
 from trioshed.api.state import AppState
 from trioshed.core.estimate import effective_kv_type, estimate
 from trioshed.core.model import ModelSpec, RunnerOptions
-from trioshed.models.capabilities import capabilities
 from trioshed.models.gguf_meta import read_metadata
 from trioshed.models.ollama_store import OllamaManifest
 from trioshed.scheduler import RunnerStats
@@ -238,7 +237,7 @@ async def show() -> Any:
         "template": template,
         "details": facts,
         "model_info": info,
-        "capabilities": capabilities(meta.fields, template, projector=bool(spec.projector), family=facts["family"]),
+        "capabilities": await model_capabilities(spec) or [],
         "modified_at": rfc3339(spec.modified),
     }
     if spec.system:

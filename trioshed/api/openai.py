@@ -16,13 +16,20 @@ from typing import Any
 import trio
 from quart import Blueprint, Response
 
-from trioshed.api.preamble import has_chat_template, prepare, read_body_raw, state
+from trioshed.api.preamble import (
+    has_chat_template,
+    prepare,
+    read_body_raw,
+    require_capabilities,
+    state,
+)
 from trioshed.api.protocols.errors import openai_error_event
 from trioshed.api.protocols.openai_chat import (
     FINISHED,
     CompletionAsChat,
     ModelRenamer,
     as_chat,
+    chat_needs,
     openai_model_rewrite,
     transcript_completion_body,
 )
@@ -119,6 +126,7 @@ async def _proxy(path: str, req: OpenAIRequest | None = None, *, as_chat_shape: 
 @bp.post("/v1/chat/completions")
 async def chat_completions() -> Response:
     req = await openai_request()
+    await require_capabilities(req.model, req.name, chat_needs(req.body), action="chat")
     if not await has_chat_template(req.model):
         return await _chat_as_transcript(req)
     return await _proxy("/v1/chat/completions", req)
@@ -145,7 +153,9 @@ async def _relay_as_chat(lease: Lease, body: dict[str, Any], model: str) -> Asyn
 
 @bp.post("/v1/completions")
 async def completions() -> Response:
-    return await _proxy("/v1/completions")
+    req = await openai_request()
+    await require_capabilities(req.model, req.name, (), action="generate")
+    return await _proxy("/v1/completions", req)
 
 
 def _model_object(spec: ModelSpec) -> dict[str, Any]:

@@ -2,14 +2,15 @@
 
 :func:`read_body` parses the request's JSON; :func:`prepare` resolves the model and reads
 ``keep_alive`` and ``options`` into the runner options the scheduler leases by (settings, then the
-model's defaults, then the request). Routes then build their protocol's upstream request
+model's defaults, then the request); :func:`require_capabilities` refuses what the model cannot
+do (tools, thinking, images, generating with an embedding model) as Ollama does. Routes then build their protocol's upstream request
 (``trioshed.api.protocols``) and lease a runner from ``state().scheduler``.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -21,6 +22,8 @@ from trioshed.api.state import AppState
 from trioshed.config import parse_duration
 from trioshed.core.model import ModelSpec, RunnerOptions
 from trioshed.errors import BadRequest
+from trioshed.models.capabilities import capabilities
+from trioshed.models.ollama_store import OllamaManifest
 
 
 def state() -> AppState:
@@ -101,3 +104,38 @@ async def has_chat_template(spec: ModelSpec) -> bool:
     except Exception:
         return True  # let llama-server decide
     return bool(meta.chat_template)
+
+
+async def model_capabilities(spec: ModelSpec) -> list[str] | None:
+    """What the model can do, as ``/api/show`` reports it (the single source); ``None`` when its
+    GGUF header cannot be read (then llama-server decides)."""
+    try:
+        meta = await state().metadata(spec)
+    except Exception:
+        return None
+    origin = spec.origin if isinstance(spec.origin, OllamaManifest) else None
+    template = (origin.template if origin else "") or meta.chat_template or ""
+    family = (origin.family if origin else "") or meta.architecture or ""
+    return capabilities(meta.fields, template, projector=bool(spec.projector), family=family)
+
+
+async def require_capabilities(spec: ModelSpec, name: str, needs: Iterable[str], *, action: str = "chat") -> None:
+    """Refuse (400) a request that needs what the model cannot do, with Ollama's words.
+
+    ``needs``: Ollama capability names (``tools``, ``thinking``, ``vision``, ``insert``); a
+    generating model (``completion``) is always needed: an embedding-only model answers
+    ``"<name>" does not support <action>`` (``chat`` or ``generate``, as Ollama says). Thinking
+    is checked first, as Ollama does; ``name`` is the model as the client named it.
+    """
+    has = await model_capabilities(spec)
+    if has is None:
+        return
+    wanted = set(needs)
+    if "thinking" in wanted and "thinking" not in has:
+        raise BadRequest(f"{json.dumps(name)} does not support thinking")
+    if "completion" not in has:
+        raise BadRequest(f"{json.dumps(name)} does not support {action}")
+    missing = [c for c in ("tools", "vision", "insert") if c in wanted and c not in has]
+    if missing:
+        raise BadRequest(f"{json.dumps(name)} does not support {', '.join(missing)}")
+

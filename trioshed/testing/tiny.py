@@ -157,8 +157,8 @@ def write_tiny_model(
     are multiples of 32). ``tied_embeddings`` omits ``output.weight`` so llama.cpp reuses
     ``token_embd.weight`` as the output projection, as gemma3 does. The same arguments and seed
     always give the same bytes. ``pooling_type`` sets ``llama.pooling_type``, which marks an
-    embedding model (1 = mean). ``chat_template`` is the template llama-server applies
-    (:data:`TOOLS_TEMPLATE` for one with tools).
+    embedding model (1 = mean). ``chat_template`` is the template llama-server applies (ChatML by
+    default, :data:`TOOLS_TEMPLATE` for one with tools, ``""`` for none: a base model).
     """
     n_head_kv = n_head if n_head_kv is None else n_head_kv
     n_ff = 2 * n_embd if n_ff is None else n_ff
@@ -249,7 +249,8 @@ def write_tiny_model(
         writer.add_eos_token_id(EOS_ID)
         writer.add_add_bos_token(True)
         writer.add_add_eos_token(False)
-        writer.add_chat_template(chat_template)
+        if chat_template:
+            writer.add_chat_template(chat_template)
         if pooling_type is not None:
             writer.add_pooling_type(gguf.PoolingType(pooling_type))
         for tensor_name, data in tensors:

@@ -77,6 +77,14 @@ def think_params(think: object) -> dict[str, Any]:
     )
 
 
+def thinking_requested(think: object) -> bool:
+    """Whether Ollama's ``think`` (or OpenAI's ``reasoning_effort``) asks for thinking: ``true``
+    or a level (``"low"``, ...); ``false``, ``null`` and ``"none"`` do not."""
+    if isinstance(think, bool):
+        return think
+    return isinstance(think, str) and think not in ("", "none")
+
+
 def logprob_params(req: Mapping[str, Any], *, chat: bool) -> dict[str, Any]:
     logprobs = field_of(req, "logprobs", bool, "true or false")
     top = field_of(req, "top_logprobs", int, "an integer")

@@ -17,7 +17,13 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from trioshed.api.protocols.llama import Upstream, format_params, logprob_params, think_params
+from trioshed.api.protocols.llama import (
+    Upstream,
+    format_params,
+    logprob_params,
+    think_params,
+    thinking_requested,
+)
 from trioshed.api.protocols.options import field, json_type, require_object, split_options
 from trioshed.api.protocols.transcript import transcript_prompt, with_turn_stop
 from trioshed.errors import BadRequest
@@ -309,3 +315,24 @@ def transcript_upstream(body: dict[str, Any]) -> Upstream:
 #: outside raw mode, so its ``context`` is empty; clients that validate the answer (the Vercel AI
 #: SDK's ollama-ai-provider-v2 requires the field) accept it, and sending it back is harmless.
 NO_CONTEXT: list[int] = []
+
+
+def needs(kind: Kind, body: Mapping[str, Any]) -> set[str]:
+    """The capabilities (``/api/show``'s names) an Ollama request needs besides generating:
+    ``tools`` for chat with tools, ``thinking`` for ``think`` true or a level, ``vision`` for
+    images, ``insert`` for a generate ``suffix`` (Ollama's checks)."""
+    out = set()
+    if thinking_requested(body.get("think")):
+        out.add("thinking")
+    if kind == "generate":
+        if body.get("images"):
+            out.add("vision")
+        if body.get("suffix"):
+            out.add("insert")
+        return out
+    if isinstance(body.get("tools"), list) and body["tools"]:
+        out.add("tools")
+    messages = body.get("messages")
+    if isinstance(messages, list) and any(isinstance(m, Mapping) and m.get("images") for m in messages):
+        out.add("vision")
+    return out

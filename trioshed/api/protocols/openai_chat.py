@@ -12,7 +12,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from trioshed.api.protocols.llama import parse_sse_line
+from trioshed.api.protocols.llama import parse_sse_line, thinking_requested
 from trioshed.api.protocols.transcript import transcript_prompt, with_turn_stop
 from trioshed.errors import BadRequest
 
@@ -157,3 +157,20 @@ class CompletionAsChat:
 #: A non-null finish reason, as llama-server serializes it: after the chunk carrying it only the
 #: usage chunk, [DONE] and the close follow.
 FINISHED = b'"finish_reason":"'
+
+
+def chat_needs(body: Mapping[str, Any]) -> set[str]:
+    """The capabilities a chat completion needs besides generating: ``tools`` for tools,
+    ``thinking`` for a ``reasoning_effort`` other than ``none`` (as Ollama maps it to ``think``),
+    ``vision`` for ``image_url`` content parts."""
+    out = set()
+    if isinstance(body.get("tools"), list) and body["tools"]:
+        out.add("tools")
+    if thinking_requested(body.get("reasoning_effort")):
+        out.add("thinking")
+    messages = body.get("messages")
+    for message in messages if isinstance(messages, list) else []:
+        content = message.get("content") if isinstance(message, Mapping) else None
+        if isinstance(content, list) and any(isinstance(p, Mapping) and p.get("type") == "image_url" for p in content):
+            out.add("vision")
+    return out
