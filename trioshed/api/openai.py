@@ -32,6 +32,7 @@ from trioshed.api.protocols.openai_chat import (
     chat_needs,
     openai_model_rewrite,
     transcript_completion_body,
+    with_response_format,
 )
 from trioshed.api.upstream import (
     client_status,
@@ -142,7 +143,8 @@ async def _chat_as_transcript(req: OpenAIRequest) -> Response:
 
 async def _relay_as_chat(lease: Lease, body: dict[str, Any], model: str) -> AsyncIterator[bytes]:
     """llama-server's /v1/completions events as chat.completion.chunk events."""
-    translator = CompletionAsChat(model)
+    options = body.get("stream_options")
+    translator = CompletionAsChat(model, include_usage=isinstance(options, dict) and options.get("include_usage") is True)
     try:
         async with open_upstream(lease, "/v1/completions", body) as batches:
             async for lines in batches:
@@ -155,6 +157,8 @@ async def _relay_as_chat(lease: Lease, body: dict[str, Any], model: str) -> Asyn
 async def completions() -> Response:
     req = await openai_request()
     await require_capabilities(req.model, req.name, (), action="generate")
+    if "response_format" in req.body:  # llama-server's completions honour only json_schema
+        req = replace(req, body=with_response_format(req.body), raw=None)
     return await _proxy("/v1/completions", req)
 
 

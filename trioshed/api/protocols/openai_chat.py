@@ -105,10 +105,33 @@ def transcript_completion_body(body: Mapping[str, Any]) -> dict[str, Any]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
         raise BadRequest("messages must be a list of objects")
-    out = {k: v for k, v in body.items() if k not in _CHAT_ONLY}
+    out = with_response_format({k: v for k, v in body.items() if k not in _CHAT_ONLY})
     out |= {"prompt": transcript_prompt(messages), "stop": with_turn_stop(out.get("stop"))}
     if "max_completion_tokens" in out:
         out.setdefault("max_tokens", out.pop("max_completion_tokens"))
+    return out
+
+
+def with_response_format(body: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``/v1/completions`` body with OpenAI's ``response_format`` as llama-server's
+    ``json_schema`` (its completion endpoints ignore ``response_format``; its chat endpoint
+    converts it the same way): ``json_object`` any JSON object, ``json_schema`` its ``schema``,
+    ``text`` nothing."""
+    out = dict(body)
+    fmt = out.pop("response_format", None)
+    if fmt is None:
+        return out
+    kind = fmt.get("type") if isinstance(fmt, Mapping) else None
+    if kind == "json_object":
+        out["json_schema"] = fmt.get("schema") or {"type": "object"}  # type: ignore[union-attr]
+    elif kind == "json_schema":
+        spec = fmt.get("json_schema")  # type: ignore[union-attr]
+        schema = spec.get("schema") if isinstance(spec, Mapping) else None
+        if not isinstance(schema, Mapping):
+            raise BadRequest('response_format.json_schema.schema must be a JSON schema object')
+        out["json_schema"] = dict(schema)
+    elif kind != "text":
+        raise BadRequest('response_format.type must be "text", "json_object" or "json_schema"')
     return out
 
 
@@ -132,10 +155,17 @@ def as_chat(data: dict[str, Any]) -> dict[str, Any]:
 
 class CompletionAsChat:
     """llama-server's /v1/completions stream lines as chat.completion.chunk lines (one per
-    request): the first chunk's delta carries the role, every event names ``model``."""
+    request): the first chunk's delta carries the role, every event names ``model``.
 
-    def __init__(self, model: str) -> None:
+    As on the chat endpoint, ``usage`` comes in a chunk of its own after the one with the finish
+    reason (``choices: []``, what the ``openai`` SDK expects last), and only when the client asked
+    ``stream_options.include_usage`` (llama-server's completion stream puts it in the finish
+    chunk, always).
+    """
+
+    def __init__(self, model: str, *, include_usage: bool = False) -> None:
         self.model = model
+        self.include_usage = include_usage
         self._first = True
 
     def feed_lines(self, lines: list[bytes]) -> bytes:
@@ -143,13 +173,19 @@ class CompletionAsChat:
         for line in lines:
             if line.startswith(b"data: {"):
                 event = json.loads(line[6:])
+                usage = None
                 if isinstance(event.get("choices"), list):
                     role = {"role": "assistant"} if self._first else {}
                     event["choices"] = [chat_choice(c, delta=role) for c in event["choices"]]
                     event["object"] = "chat.completion.chunk"
                     self._first = False
+                    if event["choices"]:
+                        usage = event.pop("usage", None)
                 event["model"] = self.model
                 line = b"data: " + json.dumps(event).encode()
+                if usage is not None and self.include_usage:
+                    tail = {k: v for k, v in event.items() if k not in ("choices", "timings")}
+                    line += b"\n\ndata: " + json.dumps({**tail, "choices": [], "usage": usage}).encode()
             out.append(line)
         return b"\n".join(out) + b"\n"
 
