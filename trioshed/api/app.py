@@ -33,6 +33,7 @@ from trioshed.api import (
     openapi,
     pin,
     pull,
+    responses,
     ui,
 )
 from trioshed.api.protocols.errors import error_body
@@ -80,6 +81,7 @@ def create_app(state: AppState) -> QuartTrio:
     app.register_blueprint(ollama_models.bp)
     app.register_blueprint(openai.bp)
     app.register_blueprint(anthropic.bp)
+    app.register_blueprint(responses.bp)
     app.register_blueprint(metrics.bp)
     app.register_blueprint(embed.bp)
     app.register_blueprint(manage.bp)

@@ -229,6 +229,24 @@ def _schemas(ollama_names: bool) -> Schema:
             },
             ("model", "messages"),
         ),
+        "OpenAIResponsesRequest": _obj(
+            {
+                **openai_extras,
+                "input": {"anyOf": [_STR, {"type": "array", "minItems": 1, "items": {"type": "object"}}],
+                          "description": "text, or input items: message, function_call, function_call_output"},
+                "instructions": {"type": ["string", "null"]}, "max_output_tokens": {"type": ["integer", "null"], "minimum": 1},
+                "temperature": {"type": ["number", "null"]}, "top_p": {"type": ["number", "null"]},
+                "tools": {"type": "array", "items": {"type": "object"}, "description": "function tools"},
+                "text": {"type": "object", "description": "text.format: text, json_object or json_schema"},
+                "stream": {"type": "boolean"},
+                "previous_response_id": {"type": "null", "description": "responses are not stored: any value is a 400"},
+            },
+            ("model", "input"),
+        ),
+        "OpenAIResponseObject": _obj(
+            {"id": _STR, "object": {"const": "response"}, "status": _STR, "model": _STR, "output": {"type": "array", "items": {"type": "object"}}},
+            ("id", "object", "status", "model", "output"),
+        ),
         "OpenAICompletionRequest": _obj(
             {
                 **openai_extras, "prompt": {"anyOf": [_STR, _STRINGS]}, "max_tokens": {"type": ["integer", "null"]},
@@ -396,6 +414,7 @@ def _paths() -> Schema:
             "post": _not_implemented("Not supported (501)"),
         },
         "/v1/chat/completions": {"post": _json_op("Chat completions (OpenAI)", "OpenAIChatRequest", _ref("OpenAIResponse"), stream=SSE, openai=True)},
+        "/v1/responses": {"post": _json_op("Responses (OpenAI; stateless: nothing is stored)", "OpenAIResponsesRequest", _ref("OpenAIResponseObject"), stream=SSE, openai=True)},
         "/v1/completions": {"post": _json_op("Completions (OpenAI)", "OpenAICompletionRequest", _ref("OpenAIResponse"), stream=SSE, openai=True)},
         "/v1/messages": {"post": _json_op("Messages (Anthropic): Claude Code and the anthropic SDK; streamed as Anthropic's events when `stream` is true",
                                           "AnthropicMessagesRequest", _ref("AnthropicMessage"), stream=SSE, anthropic=True)},
