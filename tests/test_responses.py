@@ -66,6 +66,9 @@ def test_chat_request_from_text_and_items() -> None:
     assert chat["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
     assert chat["response_format"] == {"type": "json_schema", "json_schema": {"name": "w", "schema": {"type": "object"}}}
     assert chat["reasoning_effort"] == "low"
+    # built-in tools (Codex sends web_search, custom...) are left out: the function tools remain
+    assert chat_request({"input": "x", "tools": [{"type": "web_search"}, *TOOLS]})["tools"] == chat["tools"]
+    assert "tools" not in chat_request({"input": "x", "tools": [{"type": "web_search"}]})
 
 
 @pytest.mark.parametrize(
@@ -78,7 +81,7 @@ def test_chat_request_from_text_and_items() -> None:
         ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role must be"),
         ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input[0].content[0].type must be"),
         ({"input": [{"type": "function_call", "name": "f"}]}, "must have call_id, name and arguments"),
-        ({"input": "x", "tools": [{"type": "web_search"}]}, "only function tools are served"),
+        ({"input": "x", "tools": [{"type": "function"}]}, 'must be {"type": "function", "name"'),
         ({"input": "x", "tools": [{"type": "function", "name": "f", "parameters": 5}]}, "parameters must be a JSON schema object"),
         ({"input": "x", "max_output_tokens": 0}, "max_output_tokens must be at least 1"),
         ({"input": "x", "temperature": "hot"}, "temperature must be a number"),

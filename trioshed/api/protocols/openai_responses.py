@@ -18,12 +18,15 @@ Stateless: responses are not stored, so ``previous_response_id``, ``conversation
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 from collections.abc import Mapping
 from typing import Any
 
 from trioshed.api.protocols.options import json_type
 from trioshed.errors import BadRequest
+
+logger = logging.getLogger(__name__)
 
 NOT_STORED = (
     "previous_response_id is not supported: trioshed does not store responses (store is always false); "
@@ -126,8 +129,15 @@ def _tools(tools: object) -> list[dict[str, Any]]:
         raise BadRequest("tools must be a list")
     out = []
     for i, tool in enumerate(tools):
-        if not isinstance(tool, Mapping) or tool.get("type") != "function" or not isinstance(tool.get("name"), str):
-            raise BadRequest(f'tools[{i}] must be {{"type": "function", "name": ..., "parameters": {{...}}}} (only function tools are served)')
+        if not isinstance(tool, Mapping):
+            raise BadRequest(f"tools[{i}] must be an object")
+        if tool.get("type") != "function":
+            # built-in tools (web_search, custom, local_shell...) run on OpenAI's side: the model
+            # here cannot call them; they are left out, so that an agent's function tools still work
+            logger.warning("tools[%d]: a %r tool is not served (only function tools); left out", i, tool.get("type"))
+            continue
+        if not isinstance(tool.get("name"), str):
+            raise BadRequest(f'tools[{i}] must be {{"type": "function", "name": ..., "parameters": {{...}}}}')
         parameters = tool.get("parameters") or {"type": "object", "properties": {}}
         if not isinstance(parameters, Mapping):
             raise BadRequest(f"tools[{i}].parameters must be a JSON schema object")
@@ -179,8 +189,8 @@ def chat_request(body: Mapping[str, Any]) -> dict[str, Any]:
         if key == "max_output_tokens" and value < 1:
             raise BadRequest(f"max_output_tokens must be at least 1, got {value}")
         out[name] = value
-    if body.get("tools"):
-        out["tools"] = _tools(body["tools"])
+    if body.get("tools") and (tools := _tools(body["tools"])):
+        out["tools"] = tools
         if body.get("tool_choice") is not None:
             out["tool_choice"] = _tool_choice(body["tool_choice"])
         if isinstance(body.get("parallel_tool_calls"), bool):
