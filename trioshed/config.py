@@ -211,6 +211,7 @@ class Settings:
     #: llama-server's ``--cache-ram`` per runner (host-memory prompt cache), counted in its
     #: system-memory estimate; 0 turns that cache off.
     cache_ram: int = 1024**3
+    vulkan_software: bool = False  # use software Vulkan devices (lavapipe): tests, CI
 
     @classmethod
     def from_env(
@@ -323,6 +324,7 @@ _PARSERS: dict[str, Callable[[str], object]] = {
     "kv_cache_budget": parse_bytes,
     "kv_save_timeout": lambda v: _positive_timeout(parse_duration(v)),
     "cache_ram": parse_bytes,
+    "vulkan_software": _bool,
 }
 SETTING_NAMES = tuple(_PARSERS)
 

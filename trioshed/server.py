@@ -97,7 +97,7 @@ def build_scheduler(
 ) -> Scheduler:
     launch = LaunchConfig(
         binary=binary.path,
-        env=tuple(binary.env.items()),
+        env=tuple({**binary.env, **dict(devices.runner_env)}.items()),
         load_timeout=settings.load_timeout,
         verbose=settings.runner_verbose,
         accounting_only=devices.accounting_only,
@@ -148,7 +148,10 @@ async def serve(
     binary = binary or find_llama_server(settings.llama_server)
     await check_addresses(settings.rpc_servers, allow_public=settings.rpc_allow_public)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream request otherwise
-    devices = discover(settings.devices)
+    # --list-devices takes ~0.1-0.5 s (once per process: cached): off the event loop
+    devices = await trio.to_thread.run_sync(
+        partial(discover, settings.devices, binary=binary.path, env=binary.env, vulkan_software=settings.vulkan_software)
+    )
     warm = build_warm_returns(settings)
     try:
         await warm.open()

@@ -5,8 +5,8 @@ with the same attributes) and :class:`~trioshed.core.model.RunnerOptions`, retur
 :class:`~trioshed.core.model.MemoryEstimate`. Each term follows what llama.cpp does (read in its
 source, build 11434), and ``tests/test_estimate.py`` checks them against llama-server's verbose
 log on real CPU runs (``bench/results/estimate-vs-llamacpp.md``: within 1 % for weights and KV,
-within 4 % overall). GPU backends size their compute buffers their own way; the CPU figure is used
-for them too until it can be measured on a GPU.
+within 4 % overall). With layers on a GPU the compute buffers split between the GPU and system
+memory (:func:`gpu_compute_buffers`, measured on Vulkan devices: the same table's Vulkan rows).
 
 weights
     Repeating layers: every ``blk.N.*`` tensor, byte for byte as stored (``layers[i]`` adds layer
@@ -55,6 +55,7 @@ __all__ = [
     "compute_buffer",
     "effective_kv_type",
     "estimate",
+    "gpu_compute_buffers",
     "kv_cells",
     "kv_layer_bytes",
     "swa_layers",
@@ -276,6 +277,38 @@ def compute_buffer(meta: MetadataLike, opts: RunnerOptions, *, partial: bool = F
     return graph + n_seq * meta.vocab_size * 4
 
 
+def gpu_compute_buffers(meta: MetadataLike, opts: RunnerOptions) -> tuple[int, int, int, int]:
+    """(GPU full, GPU partial, host full, host partial) compute bytes with layers on a GPU.
+
+    Measured on Vulkan (lavapipe, b10068; ``bench/results/estimate-vs-llamacpp.md``): with any
+    layer offloaded llama.cpp splits the graph in two buffers.
+
+    - On the GPU: the graph of :func:`compute_buffer` without the logits (they are read back to
+      the host); with flash attention also without the copy of Q in the cache's type (the
+      Vulkan kernel reads Q as it is) and one ``n_embd x n_ubatch`` row block (the input rows
+      live on the host). With only some layers offloaded, llama.cpp still runs the big products of the
+      CPU layers on the GPU (op offload) and copies a CPU layer's KV cache there for it: add the
+      largest layer's KV cache and the hidden state crossing between the backends.
+    - In system memory (``Vulkan_Host compute``, the CPU backend's buffer): the attention masks
+      (f32, or f16 with flash attention), the input rows from ``token_embd`` and their
+      neighbours: 4 (2 with flash attention) ``n_embd x n_ubatch`` f32 tensors, one more at
+      partial offload; plus the logits output buffer (``Vulkan_Host output``).
+    """
+    n_ubatch = min(opts.num_batch, N_UBATCH)
+    n_seq = max(1, opts.num_parallel)
+    logits = n_seq * meta.vocab_size * 4
+    graph = compute_buffer(meta, opts) - logits
+    fa = opts.flash_attention
+    per_stream = sorted({c // n_seq for c in kv_cells(meta, opts)})
+    masks = sum(per_stream) * n_ubatch * (2 if fa else 4)
+    row = meta.embedding_length * n_ubatch * 4
+    if fa:
+        graph -= n_ubatch * 4 * _int(meta.head_count, 0) * meta.key_length + row
+    host_full = masks + (2 if fa else 4) * row + logits
+    largest_kv = max(kv_layer_bytes(meta, opts), default=0)
+    return graph, graph + row + largest_kv, host_full, host_full + row
+
+
 def estimate(
     meta: MetadataLike,
     opts: RunnerOptions,
@@ -290,6 +323,7 @@ def estimate(
     output = 0
     has_output_weight = False
     embd_weight = 0
+    output_weight = 0
     repack = 0
     for t in meta.tensors:
         if t.ggml_type in REPACKED_TYPES and len(t.shape) == 2 and t.shape[1] % 8 == 0:
@@ -310,11 +344,15 @@ def estimate(
             output += t.nbytes
             if t.name == "output.weight":
                 has_output_weight = True
+                output_weight = t.nbytes
     output_shared = 0
+    output_tensor = output_weight
     if not has_output_weight and embd_weight:
+        output_tensor = embd_weight
         output_shared = embd_weight
         output += embd_weight
     kv_layers = kv_layer_bytes(meta, opts)
+    gpu_full, gpu_partial, host_full, host_partial = gpu_compute_buffers(meta, opts)
     return MemoryEstimate(
         weights=sum(layer_weights),
         kv=sum(kv_layers),
@@ -328,4 +366,9 @@ def estimate(
         output_shared=output_shared,
         cpu_repack=repack,
         prompt_cache=max(0, opts.cache_ram_mib) * 1024 * 1024,
+        gpu_compute_full=gpu_full,
+        gpu_compute_partial=gpu_partial,
+        host_compute_full=host_full,
+        host_compute_partial=host_partial,
+        output_tensor=output_tensor,
     )

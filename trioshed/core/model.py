@@ -40,6 +40,10 @@ class Device:
     total: int
     free: int
     name: str = ""
+    #: The largest tensor the device takes (0: no limit known). llama.cpp's Vulkan backend keeps a
+    #: weight bigger than the device's ``maxStorageBufferRange`` in system memory (lavapipe:
+    #: 128 MiB, so gemma3's 170 MiB tied output stays on the CPU).
+    max_tensor: int = 0
 
     @property
     def is_cpu(self) -> bool:
@@ -117,6 +121,30 @@ class MemoryEstimate:
     #: llama-server's host-memory prompt cache at its ``--cache-ram`` limit: system memory
     #: wherever the layers go (counted in ``cpu_total`` and in every placement's ``ram``).
     prompt_cache: int = 0
+    #: With layers on a GPU (measured on Vulkan; see trioshed.core.estimate): the GPU's compute
+    #: buffer at full and at partial offload, and the system-memory side (the host compute
+    #: buffer: inputs and attention masks, plus the logits output buffer) at full and at partial
+    #: offload. None: the CPU figures (``compute_full``/``compute_partial`` on the GPU, nothing
+    #: on the host at full offload, ``compute_partial`` at partial offload).
+    gpu_compute_full: int | None = None
+    gpu_compute_partial: int | None = None
+    host_compute_full: int | None = None
+    host_compute_partial: int | None = None
+    #: The output layer's largest tensor (``output.weight``, or the tied ``token_embd.weight``):
+    #: it stays in system memory on a device whose ``max_tensor`` it exceeds.
+    output_tensor: int = 0
+
+    def gpu_compute(self, full: bool) -> int:
+        """The GPU's compute buffer with every layer (``full``) or some of them offloaded."""
+        if full:
+            return self.compute_full if self.gpu_compute_full is None else self.gpu_compute_full
+        return self.compute_partial if self.gpu_compute_partial is None else self.gpu_compute_partial
+
+    def host_compute(self, full: bool) -> int:
+        """System memory for compute while some layers (all when ``full``) are on a GPU."""
+        if full:
+            return 0 if self.host_compute_full is None else self.host_compute_full
+        return self.compute_partial if self.host_compute_partial is None else self.host_compute_partial
 
     @property
     def total(self) -> int:

@@ -72,23 +72,38 @@ def split_layers(n_layer: int, n_gpu_layers: int, fractions: Sequence[float]) ->
     return out
 
 
-def _layer_bytes(est: MemoryEstimate, il: int) -> int:
-    return est.output if il == len(est.layers) else est.layers[il]
+def _layer_bytes(est: MemoryEstimate, il: int, device: Device | None = None) -> int:
+    if il != len(est.layers):
+        return est.layers[il]
+    return est.output - _output_left_on_host(est, device)
 
 
-def _cpu_ram(est: MemoryEstimate, n_gpu_layers: int) -> int:
-    """System memory with ``n_gpu_layers`` offloaded: input layer, CPU layers, CPU compute,
-    and llama-server's prompt cache (host memory whatever ``-ngl`` says)."""
+def _output_left_on_host(est: MemoryEstimate, device: Device | None) -> int:
+    """Bytes of the output layer that stay in system memory on ``device`` (its largest tensor,
+    when the device takes no tensor that big: ``Device.max_tensor``)."""
+    if device is None or not device.max_tensor or est.output_tensor <= device.max_tensor:
+        return 0
+    return est.output_tensor
+
+
+def _cpu_ram(est: MemoryEstimate, n_gpu_layers: int, output_device: Device | None = None) -> int:
+    """System memory with ``n_gpu_layers`` offloaded: input layer, CPU layers, host compute,
+    and llama-server's prompt cache (host memory whatever ``-ngl`` says).
+
+    Measured on Vulkan (b10068): with any layer on a GPU the CPU backend computes in the GPU's
+    host buffer (``Vulkan_Host compute``: inputs and masks, the big products of CPU layers run
+    on the GPU) and keeps no repacked weights (no ``CPU_REPACK`` buffer). An estimate without
+    GPU figures (``host_compute_partial`` None) keeps the CPU ones.
+    """
     n_layer = len(est.layers)
     if n_gpu_layers <= 0:
         return est.cpu_total
     on_cpu = max(n_layer + 1 - n_gpu_layers, 0)  # repeating layers left on the CPU
-    ram = est.token_embd + est.prompt_cache + sum(est.layers[:on_cpu])
-    if n_layer:
+    ram = est.token_embd + est.prompt_cache + sum(est.layers[:on_cpu]) + est.host_compute(full=not on_cpu)
+    if est.host_compute_partial is None and n_layer:
         ram += est.cpu_repack * on_cpu // n_layer
-    if on_cpu:  # layers computed on the CPU too (the output layer is offloaded first)
-        ram += est.compute_partial
-    return ram
+    left = _output_left_on_host(est, output_device)
+    return ram + max(0, left - est.output_shared)  # a tied copy left on the host is the mapped one
 
 
 def _gpu_vram(
@@ -96,18 +111,29 @@ def _gpu_vram(
 ) -> list[int]:
     """Bytes on each GPU: its layers, its compute buffer, and projector/adapters on the first."""
     n_layer = len(est.layers)
-    compute = est.compute_full if n_gpu_layers > n_layer else est.compute_partial
+    compute = est.gpu_compute(full=n_gpu_layers > n_layer)
     assigned = split_layers(n_layer, n_gpu_layers, fractions)
     vram = []
     for i, layers in enumerate(assigned):
         if not layers and i != 0:
             vram.append(0)
             continue
-        b = sum(_layer_bytes(est, il) for il in layers) + compute
+        b = sum(_layer_bytes(est, il, gpus[i]) for il in layers) + compute
         if i == 0:
             b += est.projector + est.adapters
         vram.append(b)
     return vram
+
+
+def _output_device(
+    est: MemoryEstimate, gpus: Sequence[Device], n_gpu_layers: int, fractions: Sequence[float]
+) -> Device | None:
+    """The GPU that llama.cpp gives the output layer (None: it stays on the CPU)."""
+    n_layer = len(est.layers)
+    for device, layers in zip(gpus, split_layers(n_layer, n_gpu_layers, fractions), strict=True):
+        if n_layer in layers:
+            return device
+    return None
 
 
 def _usable(d: Device, overhead: int) -> int:
@@ -130,7 +156,7 @@ def _try(
     if len(gpus) > 1:
         # Proportional to what is left after each device's compute buffer: the bytes the layers
         # can really use.
-        compute = est.compute_full if n_gpu_layers > len(est.layers) else est.compute_partial
+        compute = est.gpu_compute(full=n_gpu_layers > len(est.layers))
         room = [max(u - compute, 0) for u in usable]
         if sum(room) <= 0:
             return None
@@ -142,7 +168,7 @@ def _try(
     vram = _gpu_vram(est, gpus, n_gpu_layers, fractions)
     if any(v > u for v, u in zip(vram, usable, strict=True)):
         return None
-    ram = _cpu_ram(est, n_gpu_layers)
+    ram = _cpu_ram(est, n_gpu_layers, _output_device(est, gpus, n_gpu_layers, fractions))
     if ram > system_free:
         return None
     used = [(d, v) for d, v in zip(gpus, vram, strict=True) if v > 0]
@@ -224,17 +250,18 @@ def _fill(
 ) -> list[int] | None:
     """Layers per device, filling each in order before the next; None when they do not fit."""
     n_layer = len(est.layers)
-    compute = est.compute_full if n_gpu_layers > n_layer else est.compute_partial
+    compute = est.gpu_compute(full=n_gpu_layers > n_layer)
     counts = [0] * len(devices)
     i = 0
     room = _usable(devices[0], overhead) - compute - est.projector - est.adapters
     for il in _offloaded(n_layer, n_gpu_layers):
-        need = _layer_bytes(est, il)
+        need = _layer_bytes(est, il, devices[i])
         while need > room:
             i += 1
             if i == len(devices):
                 return None
             room = _usable(devices[i], overhead) - compute
+            need = _layer_bytes(est, il, devices[i])
         counts[i] += 1
         room -= need
     return counts
@@ -260,10 +287,10 @@ def _span_with(
         devices = [d for d, c in zip(devices, counts, strict=True) if c]
     if counts is None or not devices or not any(d.is_remote for d in devices):
         return None
-    ram = _cpu_ram(est, n_gpu_layers)
+    fractions = [float(c) for c in counts]
+    ram = _cpu_ram(est, n_gpu_layers, _output_device(est, devices, n_gpu_layers, fractions))
     if ram > system_free:
         return None
-    fractions = [float(c) for c in counts]
     vram = _gpu_vram(est, devices, n_gpu_layers, fractions)
     if any(v > _usable(d, overhead) for d, v in zip(devices, vram, strict=True)):
         return None  # the fill and llama.cpp's split rule disagree: never place on a guess
