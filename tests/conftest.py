@@ -19,6 +19,7 @@ from tests.fixtures_models import (  # noqa: F401
     tiny_models,
     tiny_shapes,
 )
+from tests.fixtures_vulkan import vulkan_device, vulkan_shader_cache  # noqa: F401
 from trioshed.testing.tiny import write_tiny_model
 
 # Property tests are the same on every run of `make test`: derandomized (examples drawn from a

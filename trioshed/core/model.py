@@ -225,6 +225,18 @@ class MeasuredMemory:
     compute: dict[str, int] = field(default_factory=dict)  # backend ("CPU", "CUDA0") -> bytes
     #: Logits/embeddings output buffers (``output buffer size``), backend -> bytes.
     output: dict[str, int] = field(default_factory=dict)
+    #: KV (and recurrent-state) buffers by backend ("CPU", "Vulkan0"), when reported.
+    kv_buffers: dict[str, int] = field(default_factory=dict)
+
+    def by_backend(self) -> dict[str, int]:
+        """Every reported buffer summed per backend name (``CPU_Mapped``, ``Vulkan0``,
+        ``Vulkan_Host``...): what each device really holds."""
+        out: dict[str, int] = {}
+        kv = self.kv_buffers if sum(self.kv_buffers.values()) else {"CPU": self.kv}
+        for part in (self.model, kv, self.compute, self.output):
+            for name, n in part.items():
+                out[name] = out.get(name, 0) + n
+        return out
 
     @property
     def weights(self) -> int:

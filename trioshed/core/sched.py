@@ -42,6 +42,7 @@ from dataclasses import dataclass, replace
 from trioshed.core.model import (
     Device,
     DoesNotFit,
+    MeasuredMemory,
     MemoryEstimate,
     ModelSpec,
     Placement,
@@ -402,6 +403,33 @@ def usage_of(placement: Placement) -> tuple[tuple[str, int], ...]:
     usage = dict(placement.vram)
     if placement.ram:
         usage[CPU_ID] = usage.get(CPU_ID, 0) + placement.ram
+    return tuple(sorted(usage.items()))
+
+
+def measured_usage(
+    placement: Placement, measured: MeasuredMemory, backends: Sequence[str]
+) -> tuple[tuple[str, int], ...] | None:
+    """Bytes per device as llama.cpp reported allocating them (its ``-v`` buffer lines).
+
+    ``backends`` are llama.cpp's names of ``placement.devices`` (``Vulkan0``, ``RPC0``). Host
+    buffers (``CPU``, ``CPU_Mapped``, ``CPU_REPACK``, ``Vulkan_Host``, ``CUDA_Host``) are system
+    memory. None when the report does not match the plan: a planned device with no buffer (a
+    declared inventory, whose children run on the CPU) or a buffer on a device not planned.
+    """
+    names = dict(zip(backends, placement.devices, strict=True))
+    usage: dict[str, int] = {}
+    for name, n in measured.by_backend().items():
+        if name.startswith("CPU") or name.endswith("_Host"):
+            device = CPU_ID
+        elif name in names:
+            device = names[name]
+        elif (base := name.partition("[")[0]) in names:  # "RPC0[10.0.0.2:50052]"
+            device = names[base]
+        else:
+            return None
+        usage[device] = usage.get(device, 0) + n
+    if any(d not in usage for d in placement.devices):
+        return None
     return tuple(sorted(usage.items()))
 
 

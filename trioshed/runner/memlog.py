@@ -119,6 +119,7 @@ class MemoryLogParser:
             kv_v=self._kv_v,
             compute=dict(self._compute),
             output=dict(self._output),
+            kv_buffers=dict(self._kv_buffers),
         )
 
 

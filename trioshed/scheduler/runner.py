@@ -19,6 +19,7 @@ from trioshed.core import sched
 from trioshed.core.model import MeasuredMemory, MemoryEstimate, ModelSpec, Placement, RunnerOptions
 from trioshed.core.sched import RunnerState
 from trioshed.errors import RunnerCrashed
+from trioshed.runner.command import device_names
 
 
 class RunnerHandle(Protocol):
@@ -70,16 +71,25 @@ class Runner:
     closed_from: float = math.inf
 
     def usage(self) -> tuple[tuple[str, int], ...]:
-        """Bytes per device: the placement's prediction, scaled to llama.cpp's measured total
-        (final once measured, so kept: every planning pass asks for every runner's usage)."""
+        """Bytes per device: what llama.cpp reported on each, or (a declared inventory, whose
+        children run on the CPU) the placement's prediction scaled to its measured total; the
+        prediction until measured (final once measured, so kept: every planning pass asks for
+        every runner's usage)."""
         if self._usage is not None:
             return self._usage
         usage = sched.usage_of(self.placement)
         measured = self.handle.measured if self.handle is not None else None
         # llama-server's prompt cache (--cache-ram) is a limit it grows into, in system memory,
-        # absent from the buffers it reports: kept as predicted, outside the scaling.
+        # absent from the buffers it reports: kept as predicted, outside the measured sizes.
         prompt_cache = max(0, self.options.cache_ram_mib) * 1024 * 1024
         predicted = self.placement.total - prompt_cache
+        if measured is not None and measured.total > 0:
+            exact = sched.measured_usage(self.placement, measured, device_names(self.placement.devices))
+            if exact is not None:
+                per_device = dict(exact)
+                per_device[sched.CPU_ID] = per_device.get(sched.CPU_ID, 0) + prompt_cache
+                self._usage = tuple(sorted((d, b) for d, b in per_device.items() if b))
+                return self._usage
         if measured is not None and measured.total > 0 and predicted > 0:
             scale = measured.total / predicted
             usage = tuple(
