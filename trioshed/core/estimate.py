@@ -291,8 +291,9 @@ def gpu_compute_buffers(meta: MetadataLike, opts: RunnerOptions) -> tuple[int, i
       largest layer's KV cache and the hidden state crossing between the backends.
     - In system memory (``Vulkan_Host compute``, the CPU backend's buffer): the attention masks
       (f32, or f16 with flash attention), the input rows from ``token_embd`` and their
-      neighbours: 4 (2 with flash attention) ``n_embd x n_ubatch`` f32 tensors, one more at
-      partial offload; plus the logits output buffer (``Vulkan_Host output``).
+      neighbours: 4 (3 with flash attention) ``n_embd x n_ubatch`` f32 tensors, one more at
+      partial offload; plus the logits output buffer (``Vulkan_Host output``). Measured: 4 and
+      2-2.5 (gemma3 at 8192 cells); 3 keeps the estimate from falling under.
     """
     n_ubatch = min(opts.num_batch, N_UBATCH)
     n_seq = max(1, opts.num_parallel)
@@ -304,7 +305,7 @@ def gpu_compute_buffers(meta: MetadataLike, opts: RunnerOptions) -> tuple[int, i
     row = meta.embedding_length * n_ubatch * 4
     if fa:
         graph -= n_ubatch * 4 * _int(meta.head_count, 0) * meta.key_length + row
-    host_full = masks + (2 if fa else 4) * row + logits
+    host_full = masks + (3 if fa else 4) * row + logits
     largest_kv = max(kv_layer_bytes(meta, opts), default=0)
     return graph, graph + row + largest_kv, host_full, host_full + row
 
