@@ -18,7 +18,7 @@ async def test_every_token_the_stand_in_writes_reaches_the_client_in_each_protoc
         assert row["failed"] == 0, row
         short, long = row["blocks"]
         assert (short["relayed"], long["relayed"]) == (6 * 1, 6 * 8), row  # the stand-in writes exactly n tokens
-        assert long["cpu_s"] > 0
+        # (no assertion on cpu_s: /proc counts CPU in 10 ms ticks, and 48 tokens can take less)
 
 
 async def test_a_protocol_trioshed_does_not_serve_is_left_out_not_failed() -> None:
