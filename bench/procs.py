@@ -335,9 +335,10 @@ async def open_router(
 async def open_trioshed(
     models_dir: Path, flags: RunnerFlags, log_dir: Path, *,
     max_loaded: int, max_queue: int = 512, keep_alive: str = "-1",
-    extra_env: Mapping[str, str] | None = None, ready_timeout: float = 60.0,
+    extra_env: Mapping[str, str] | None = None, ready_timeout: float = 60.0, ready_path: str = "/api/version",
 ) -> AsyncIterator[Server]:
-    """``python -m trioshed serve`` over ``models_dir`` with the same binary and runner flags."""
+    """``python -m trioshed serve`` over ``models_dir`` with the same binary and runner flags
+    (``ready_path``: ``/ui`` for a server with API keys, which answers it without one)."""
     binary, env = llama_server_binary()
     port = free_port()
     env = dict(env)
@@ -356,7 +357,7 @@ async def open_trioshed(
     argv = [sys.executable, "-m", "trioshed", "serve"]
     async with open_server(
         f"trioshed(max {max_loaded})", argv, env=env, base_url=f"http://127.0.0.1:{port}",
-        ready_path="/api/version", log_path=log_dir / f"trioshed-max{max_loaded}-{port}.log",
+        ready_path=ready_path, log_path=log_dir / f"trioshed-max{max_loaded}-{port}.log",
         ready_timeout=ready_timeout,
     ) as server:  # fmt: skip
         yield server

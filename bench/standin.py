@@ -5,8 +5,10 @@ need from a runner, with llama-server's own framing (HTTP/1.1, one chunk per eve
 bodies recorded from b10068 on a tiny model): ``GET /health``, and ``POST /completion``,
 ``/v1/completions`` and ``/v1/chat/completions``, streamed or whole. A streamed answer of ``n``
 tokens (``n_predict`` / ``max_tokens``, default 16) is written event by event without waiting
-between them, so whatever relays it is the only limit: the kernel hands the relay as many events
-per read as it has fallen behind.
+between them; the kernel hands the relay as many events per read as it has fallen behind.
+Written in Python, though, the stand-in is about as slow per event as a Python relay, so with one
+event per write the relay rarely falls behind. ``TRIOSHED_STANDIN_BURST=N`` writes N events per
+write: the upstream then outruns the relay, which is the only limit (the relay's ceiling).
 
 trioshed runs it as its runner binary (``TRIOSHED_LLAMA_SERVER`` pointing at a small shell
 wrapper, see :func:`write_wrapper`); every other flag is accepted and ignored. ``--api-key`` is
@@ -28,6 +30,10 @@ import trio
 _CREATED = 1796306133
 _ID = "chatcmpl-standin0000000000000000000000"
 _FP = "b1-571d0d5"
+#: Events per write (default 1, as llama-server writes them). Larger: the bytes a relay finds
+#: queued when it has fallen that many events behind (TCP keeps no write boundaries), so the
+#: upstream outruns any relay and the relay's own cost is the only limit.
+BURST_ENV = "TRIOSHED_STANDIN_BURST"
 
 
 def _chunk(payload: bytes) -> bytes:
@@ -115,7 +121,9 @@ def _answer(status: int, body: bytes, content_type: str = "application/json; cha
             f"Server: llama.cpp\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body  # fmt: skip
 
 
-async def _serve_connection(model: str, api_key: str | None, stream: trio.SocketStream) -> None:
+async def _serve_connection(
+    model: str, api_key: str | None, burst: int, stream: trio.SocketStream
+) -> None:
     buf = bytearray()
     async with stream:
         while (request := await _read_request(stream, buf)) is not None:
@@ -136,9 +144,15 @@ async def _serve_connection(model: str, api_key: str | None, stream: trio.Socket
                 continue
             await stream.send_all(b"HTTP/1.1 200 OK\r\nKeep-Alive: timeout=5, max=100\r\nTransfer-Encoding: chunked\r\n"
                                   b"X-Accel-Buffering: no\r\nServer: llama.cpp\r\nContent-Type: text/event-stream\r\n\r\n")  # fmt: skip
-            for event in events(path, body, model):
-                await stream.send_all(_chunk(event))  # one write per event, as llama-server does
-            await stream.send_all(b"0\r\n\r\n")
+            framed = [_chunk(event) for event in events(path, body, model)]
+            if burst <= 1:
+                for chunk in framed:
+                    await stream.send_all(chunk)  # one write per event, as llama-server does
+                await stream.send_all(b"0\r\n\r\n")
+            else:  # what a reader that fell ``burst`` events behind finds queued in the socket
+                framed.append(b"0\r\n\r\n")
+                for i in range(0, len(framed), burst):
+                    await stream.send_all(b"".join(framed[i : i + burst]))
             return  # llama-server closes a connection after a streamed answer
 
 
@@ -160,7 +174,8 @@ async def main(argv: list[str]) -> None:
     model = _arg(argv, "--alias") or _arg(argv, "--model", "-m") or "standin"
     api_key = _arg(argv, "--api-key")
     print(f"standin: listening on 127.0.0.1:{port} for {model}", file=sys.stderr, flush=True)
-    await trio.serve_tcp(partial(_serve_connection, model, api_key), port, host="127.0.0.1")
+    burst = int(os.environ.get(BURST_ENV, "1"))
+    await trio.serve_tcp(partial(_serve_connection, model, api_key, burst), port, host="127.0.0.1")
 
 
 def write_wrapper(folder: Path) -> Path:
