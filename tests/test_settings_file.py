@@ -46,6 +46,7 @@ kv_cache_budget = "2GiB"
 kv_save_timeout = "3s"
 cache_ram = "256MiB"
 vulkan_software = true
+fast_routes = false
 """
 
 
@@ -74,6 +75,7 @@ def test_every_setting_can_be_given_in_the_file(tmp_path: Path) -> None:
     assert (s.kv_cache_dir, s.kv_cache_budget, s.kv_save_timeout, s.cache_ram) == (tmp_path / "kv", 2 * 2**30, 3, 256 * 2**20)
     assert s.max_extra_wait == 2
     assert s.vulkan_software is True
+    assert s.fast_routes is False
     # the file covers every TRIOSHED_* setting there is
     assert set(load_settings_file(path)) - {"port"} == set(SETTING_NAMES)
 

@@ -212,6 +212,9 @@ class Settings:
     #: system-memory estimate; 0 turns that cache off.
     cache_ram: int = 1024**3
     vulkan_software: bool = False  # use software Vulkan devices (lavapipe): tests, CI
+    #: Serve the generating routes as plain ASGI (trioshed.api.fast); off: through Quart, as
+    #: every other route (same answers, more CPU per request; for comparing the two).
+    fast_routes: bool = True
 
     @classmethod
     def from_env(
@@ -325,6 +328,7 @@ _PARSERS: dict[str, Callable[[str], object]] = {
     "kv_save_timeout": lambda v: _positive_timeout(parse_duration(v)),
     "cache_ram": parse_bytes,
     "vulkan_software": _bool,
+    "fast_routes": _bool,
 }
 SETTING_NAMES = tuple(_PARSERS)
 

@@ -88,8 +88,10 @@ async def bounded(step: Callable[[], Awaitable[T]], what: str) -> T:
 class Drain:
     """The ASGI wrapper counting requests in flight; see the module docstring for the sequence."""
 
-    def __init__(self, app: ASGIApp, *, idle_timeout: float, retry_after: int = 5) -> None:
+    def __init__(self, app: ASGIApp, *, idle_timeout: float, retry_after: int = 5, fast: ASGIApp | None = None) -> None:
         self.app = app
+        #: serves each request in place of ``run_with_pump(app)`` (trioshed.api.fast), if given
+        self.fast = fast
         self.idle_timeout = idle_timeout
         self.retry_after = retry_after
         self.draining = False
@@ -120,7 +122,10 @@ class Drain:
         self._inflight.add(guard)
         try:
             with guard.scope:
-                await run_with_pump(self.app, scope, receive, send)
+                if self.fast is not None:
+                    await self.fast(scope, receive, send)
+                else:
+                    await run_with_pump(self.app, scope, receive, send)
         finally:
             self._inflight.discard(guard)
             _current.reset(token)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from quart import Response, request
@@ -27,6 +29,23 @@ from trioshed.trace import RequestTrace
 log = logging.getLogger("trioshed.requests")
 
 
+@contextmanager
+def traced(scope: Any, metrics: Metrics, *, log_json: bool) -> Iterator[RequestTrace]:
+    """One HTTP request's trace, set for its task; metrics and the log line when it ends."""
+    trace = RequestTrace(scope["method"], scope["path"], _address(scope.get("client")), time.monotonic())
+    token = _trace.current.set(trace)
+    try:
+        yield trace
+    finally:
+        _trace.current.reset(token)
+        duration = time.monotonic() - trace.started
+        metrics.request_finished(trace, duration)
+        if log_json:
+            log.info("request", extra={"fields": log_fields(trace, duration)})
+        elif log.isEnabledFor(logging.DEBUG):
+            log.debug("%s %s %d %.1f ms", trace.method, trace.path, trace.status, duration * 1000)
+
+
 def install(app: QuartTrio, metrics: Metrics, *, log_json: bool) -> None:
     """Wrap ``app``'s ASGI callable and add the hooks; call before other ``before_request``s."""
     inner = app.asgi_app
@@ -35,18 +54,8 @@ def install(app: QuartTrio, metrics: Metrics, *, log_json: bool) -> None:
         if scope["type"] != "http":
             await inner(scope, receive, send)
             return
-        trace = RequestTrace(scope["method"], scope["path"], _address(scope.get("client")), time.monotonic())
-        token = _trace.current.set(trace)
-        try:
+        with traced(scope, metrics, log_json=log_json):
             await inner(scope, receive, send)
-        finally:
-            _trace.current.reset(token)
-            duration = time.monotonic() - trace.started
-            metrics.request_finished(trace, duration)
-            if log_json:
-                log.info("request", extra={"fields": log_fields(trace, duration)})
-            elif log.isEnabledFor(logging.DEBUG):
-                log.debug("%s %s %d %.1f ms", trace.method, trace.path, trace.status, duration * 1000)
 
     app.asgi_app = asgi_app  # type: ignore[method-assign]
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -25,9 +26,18 @@ from trioshed.errors import BadRequest
 from trioshed.models.capabilities import capabilities
 from trioshed.models.ollama_store import OllamaManifest
 
+#: A request served by the fast path (:mod:`trioshed.api.fast`, no Quart context): the app's
+#: state and the request's body.
+fast_request: ContextVar[tuple[AppState, bytes] | None] = ContextVar(
+    "trioshed_fast_request", default=None
+)
+
 
 def state() -> AppState:
     """The application's shared state (settings, store, scheduler)."""
+    fast = fast_request.get()
+    if fast is not None:
+        return fast[0]
     return current_app.config["TRIOSHED"]  # type: ignore[no-any-return]
 
 
@@ -38,7 +48,8 @@ async def read_body() -> dict[str, Any]:
 
 async def read_body_raw() -> tuple[bytes, dict[str, Any]]:
     """The request body as sent, and parsed (a JSON object, else BadRequest)."""
-    raw = await request.get_data(as_text=False)
+    fast = fast_request.get()
+    raw = fast[1] if fast is not None else await request.get_data(as_text=False)
     if not raw:
         raise BadRequest("missing request body")
     try:

@@ -16,6 +16,8 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from trioshed.errors import ModelNotFound, TrioshedError
+
 #: OpenAI's error ``type`` by status, as Ollama's OpenAI layer answers (anything else: api_error).
 _OPENAI_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                        404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error"}  # fmt: skip
@@ -66,3 +68,18 @@ def error_body(path: str, status: int, message: str, code: str | None = None) ->
 def openai_error_event(status: int, message: str) -> bytes:
     """The last SSE event of an OpenAI stream that failed after it started."""
     return b"data: " + json.dumps({"error": {"message": message, "type": "server_error", "code": status}}).encode() + b"\n\n"
+
+
+def error_parts(path: str, exc: BaseException) -> tuple[int, dict[str, str], bytes]:
+    """Status, headers and body of the answer to ``exc`` in the shape of ``path``'s protocol:
+    a TrioshedError's own status and headers, else a 500 that names only the error's type
+    (never the exception's text: it may hold paths or data; the log has it)."""
+    if isinstance(exc, TrioshedError):
+        code = "model_not_found" if isinstance(exc, ModelNotFound) else None
+        status, message, headers = exc.status, exc.message, dict(exc.headers or {})
+        if status == 413:
+            headers["Connection"] = "close"  # a keep-alive client would hang otherwise
+    else:
+        status, headers, code = 500, {}, None
+        message = f"internal error ({type(exc).__name__}) on {path[:100]}; the server log has the details"
+    return status, headers, json.dumps(error_body(path, status, message, code)).encode()

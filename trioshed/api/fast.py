@@ -1,0 +1,209 @@
+"""The generating routes served as plain ASGI, under the same hypercorn, with Quart for the rest.
+
+Per request, Quart builds a request object and a request context, runs a nursery with a task
+for the body and one for the answer, matches the URL and runs the hooks; per streamed chunk it
+adds a layer to the send path. On the generating routes (``POST`` ``/api/generate``,
+``/api/chat``, ``/v1/chat/completions``, ``/v1/completions``, ``/v1/messages``,
+``/v1/responses``) that is most of what trioshed spends besides the relay itself, so
+:class:`FastPath` serves them directly:
+
+1. the same :class:`~trioshed.api.app.Gate` (Origin, Host, key, announced size and type);
+2. the whole body is read (bounded by ``TRIOSHED_MAX_BODY`` and the body timeout) before any
+   answer starts, so no body is left unread (see :mod:`trioshed.api.bodypump`);
+3. the route's own function runs, unchanged: :func:`trioshed.api.preamble.state` and
+   :func:`~trioshed.api.preamble.read_body_raw` read :data:`~trioshed.api.preamble.fast_request`
+   instead of Quart's context;
+4. its response is sent as Quart would send it, plus the CORS headers and the trace.
+
+Whatever is not the plain case goes to the Quart app instead, which answers it as before and
+in the same words: a request the gate refuses (Quart runs the same gate and its early-answer
+handling), a chunked body over the limit or one that does not arrive in time (replayed to Quart
+from what was read). Errors after that point are answered here in the protocol's own shape
+(:func:`trioshed.api.protocols.errors.error_parts`). A client that leaves cancels the request, as in Quart.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import trio
+from quart import Response
+
+from trioshed.api import observe
+from trioshed.api.bodypump import run_with_pump
+from trioshed.api.metrics import Metrics
+from trioshed.api.preamble import fast_request
+from trioshed.api.protocols.errors import error_parts
+from trioshed.api.state import AppState
+from trioshed.errors import TrioshedError
+from trioshed.trace import RequestTrace
+
+log = logging.getLogger(__name__)
+
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+Handler = Callable[[], Awaitable[Any]]
+
+
+class FastPath:
+    """Serves ``handlers`` (path -> the Quart view function of ``POST path``) without Quart;
+    everything else, and what is not the plain case, goes to ``app``."""
+
+    def __init__(
+        self,
+        app: Callable[[Message, Receive, Send], Awaitable[None]],
+        state: AppState,
+        gate: Any,
+        metrics: Metrics,
+        handlers: Mapping[str, Handler],
+        *,
+        body_timeout: float,
+        log_json: bool,
+    ) -> None:
+        self.app = app
+        self.state = state
+        self.gate = gate
+        self.metrics = metrics
+        self.handlers = dict(handlers)
+        self.body_timeout = body_timeout
+        self.log_json = log_json
+        self.max_body = state.settings.max_body
+
+    def wants(self, scope: Message) -> bool:
+        return (
+            scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in self.handlers
+        )
+
+    async def delegate(self, scope: Message, receive: Receive, send: Send) -> None:
+        """The request as Quart serves it."""
+        await run_with_pump(self.app, scope, receive, send)
+
+    async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
+        if not self.wants(scope):
+            await self.delegate(scope, receive, send)
+            return
+        headers: dict[str, str] = {}
+        for name, value in scope["headers"]:
+            headers.setdefault(name.decode("latin-1").lower(), value.decode("latin-1"))
+        get = lambda name: headers.get(name.lower())  # noqa: E731
+        path, method = scope["path"], scope["method"]
+        try:
+            length = (
+                None if "transfer-encoding" in headers else int(headers.get("content-length", "0"))
+            )
+            self.gate.check_origin(get)
+            key = self.gate.check_request(method, path, get, length, count=False)
+        except (TrioshedError, ValueError):
+            await self.delegate(scope, receive, send)  # the same checks there, and their answer
+            return
+        read: list[Message] = []
+        body = bytearray()
+        with trio.move_on_after(self.body_timeout):
+            while True:
+                message = await receive()
+                read.append(message)
+                if message["type"] != "http.request":
+                    return  # the client left before its body was complete: nobody to answer
+                body += message.get("body", b"")
+                if len(body) > self.max_body:
+                    break
+                if not message.get("more_body", False):
+                    break
+        if len(body) > self.max_body or not read or read[-1].get("more_body", False):
+            await self.delegate(scope, _replay(read, receive), send)  # too large, or too slow
+            return
+        with observe.traced(scope, self.metrics, log_json=self.log_json) as trace:
+            trace.route = path
+            if key is not None:
+                trace.key = key.name
+            token = fast_request.set((self.state, bytes(body)))
+            try:
+                async with trio.open_nursery() as nursery:
+                    watch = _Disconnect(nursery.cancel_scope)
+                    nursery.start_soon(watch.run, receive)
+                    await self._answer(path, get, watch.guard(send), trace, key)
+                    nursery.cancel_scope.cancel()
+            finally:
+                fast_request.reset(token)
+
+    async def _answer(
+        self, path: str, get: Callable[[str], str | None], send: Send, trace: RequestTrace, key: Any
+    ) -> None:
+        cors = [(name.lower().encode(), value.encode()) for name, value in self.gate.cors(get)]
+        try:
+            if key is not None:
+                self.gate.admit(key)
+            response = await self.handlers[path]()
+        except Exception as exc:
+            if isinstance(exc, TrioshedError):
+                observe.note_error(exc)
+            else:
+                log.exception("unhandled error on POST %s", path)
+            status, extra, data = error_parts(path, exc)
+            headers = [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(data)).encode()),
+            ]
+            headers += [(k.lower().encode(), v.encode()) for k, v in extra.items()]
+            trace.status = status
+            await send({"type": "http.response.start", "status": status, "headers": headers + cors})
+            await send({"type": "http.response.body", "body": data, "more_body": False})
+            return
+        if not isinstance(response, Response):  # the generating routes answer with a Response
+            raise TypeError(f"{path} answered {type(response).__name__}, not a Response")
+        trace.status = response.status_code
+        headers = [(k.lower().encode(), v.encode()) for k, v in response.headers.items()]
+        await send(
+            {
+                "type": "http.response.start",
+                "status": response.status_code,
+                "headers": headers + cors,
+            }
+        )
+        async with response.response as chunks:
+            async for data in chunks:
+                if data:
+                    await send({"type": "http.response.body", "body": data, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class _Disconnect:
+    """Cancels the request's work when the client leaves.
+
+    Not once the last message of the answer is being sent: hypercorn closes a ``Connection:
+    close`` connection from inside that send and reports ``http.disconnect`` while doing so;
+    cancelling then would cancel the close, and the connection would stay open.
+    """
+
+    def __init__(self, scope: trio.CancelScope) -> None:
+        self.scope = scope
+        self.finishing = False
+
+    async def run(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        if not self.finishing:
+            self.scope.cancel(reason="client disconnected")
+
+    def guard(self, send: Send) -> Send:
+        async def guarded(message: Message) -> None:
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                self.finishing = True
+            await send(message)
+
+        return guarded
+
+
+def _replay(read: list[Message], receive: Receive) -> Receive:
+    """``receive`` that first gives back the messages already read."""
+    pending = list(read)
+
+    async def again() -> Message:
+        if pending:
+            return pending.pop(0)
+        return await receive()
+
+    return again
