@@ -431,3 +431,51 @@ def test_stream_kind_is_checked() -> None:
         OllamaStream("embed", "m")  # type: ignore[arg-type]
 
 
+
+
+# -- the byte path (feed_lines_bytes): exactly the general path's bytes --------------------------
+
+def _tricky_events() -> list[str]:
+    texts = [" plain", "", "quote \" and \\ backslash", "new\nline\ttab", "\u00e9t\u00e9 \u4e2d\u6587 \U0001f600",
+             "\u0001 control", "</script>", '"stop":false', "\u2028 separator", "\\u0041 not an escape"]  # fmt: skip
+    lines = []
+    for i, text in enumerate(texts):
+        content = json.dumps(text, ensure_ascii=False, separators=(",", ":"))
+        lines.append(f'data: {{"index":0,"content":{content},"tokens":[{i}],"stop":false,"id_slot":-1,"tokens_predicted":{i + 1},"tokens_evaluated":3}}')
+        lines.append(f'data: {{"choices":[{{"finish_reason":null,"index":0,"delta":{{"content":{content}}}}}],"created":1,"id":"x","model":"m\\"q","system_fingerprint":"b1-x","object":"chat.completion.chunk"}}')  # fmt: skip
+    # not plain: general way
+    lines.append('data: {"index":0,"content":" p","tokens":[1],"stop":false,"completion_probabilities":[{"id":1,"token":" p","bytes":[32,112],"logprob":-0.5,"top_logprobs":[]}]}')  # fmt: skip
+    lines.append('data: {"choices":[{"finish_reason":null,"index":0,"delta":{"reasoning_content":"hm"}}],"created":1,"id":"x","model":"m","object":"chat.completion.chunk"}')  # fmt: skip
+    lines.append('data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":" t"}}],"created":1,"id":"x","model":"m","object":"chat.completion.chunk","timings":{"predicted_n":3}}')  # fmt: skip
+    return lines
+
+
+@pytest.mark.parametrize("kind", ["generate", "chat"])
+@pytest.mark.parametrize("name", [*SAMPLES, "tricky"])
+def test_the_byte_path_writes_exactly_what_the_general_path_writes(kind: str, name: str) -> None:
+    lines = _tricky_events() if name == "tricky" else SAMPLES[name]
+    encoded = [line.encode() for line in lines]
+    general = OllamaStream(kind, "gemma3:\u00e9", created_at_fn=fixed_clock)  # type: ignore[arg-type]
+    fast = OllamaStream(kind, "gemma3:\u00e9", created_at_fn=fixed_clock)  # type: ignore[arg-type]
+    try:
+        expected = b"".join(json.dumps(c, ensure_ascii=False).encode() + b"\n" for c in general.feed_lines(encoded))
+    except UpstreamError:
+        with pytest.raises(UpstreamError):
+            fast.feed_lines_bytes(encoded)
+        return
+    got = fast.feed_lines_bytes(encoded)
+    assert got == expected
+    assert fast.text == general.text and fast.finished == general.finished
+    final = dict(load_duration_ns=1, total_duration_ns=2)
+    assert fast.finish(**final) == general.finish(**final)
+
+
+def test_the_byte_path_takes_the_plain_events_and_only_those() -> None:
+    """The fast shape matches the recorded plain events (else it would never pay) and none of
+    the others (else their logprobs, timings or reasoning would be lost: the test above)."""
+    from trioshed.api.protocols.ollama_stream import _CHAT_PIECE, _COMPLETION_PIECE
+
+    plain = [line for line in _tricky_events()[:-3]]
+    assert all(_COMPLETION_PIECE.match(line.encode()) or _CHAT_PIECE.match(line.encode()) for line in plain)
+    for name in ("completion_stream_len", "chat_stream_len"):  # as b10068 writes them
+        assert _COMPLETION_PIECE.match(SAMPLES[name][2].encode()) or _CHAT_PIECE.match(SAMPLES[name][2].encode())

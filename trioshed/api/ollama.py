@@ -11,15 +11,15 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
-from typing import Any, Literal
+from collections.abc import AsyncIterator
+from typing import Literal
 
 from quart import Blueprint, Response
 
 from trioshed.api.preamble import has_chat_template, prepare, read_body, require_capabilities, state
 from trioshed.api.protocols import ollama
 from trioshed.api.protocols.llama import Upstream
-from trioshed.api.protocols.ollama_stream import OllamaStream
+from trioshed.api.protocols.ollama_stream import OllamaStream, ndjson
 from trioshed.api.protocols.options import split_options
 from trioshed.api.upstream import leased_stream, open_upstream, post_upstream, truncated
 from trioshed.errors import TrioshedError
@@ -32,10 +32,6 @@ bp = Blueprint("ollama", __name__)
 NDJSON = "application/x-ndjson"
 
 
-def ndjson(obj: Mapping[str, Any]) -> bytes:
-    return json.dumps(obj, ensure_ascii=False).encode() + b"\n"
-
-
 async def _ollama_stream(lease: Lease, upstream: Upstream, stream: OllamaStream, started: float) -> AsyncIterator[bytes]:
     # Once upstream reported the end, only its usage/timings and the close follow (microseconds
     # later): what is left goes out in one write with the done chunk (one send fewer per answer).
@@ -43,7 +39,7 @@ async def _ollama_stream(lease: Lease, upstream: Upstream, stream: OllamaStream,
     try:
         async with open_upstream(lease, upstream.path, upstream.body) as batches:
             async for lines in batches:
-                out = b"".join(map(ndjson, stream.feed_lines(lines)))
+                out = stream.feed_lines_bytes(lines)
                 if stream.finished:
                     held += out
                 elif out:

@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from trioshed.api.protocols.errors import anthropic_error
-from trioshed.api.protocols.llama import parse_sse_line, upstream_error_message
+from trioshed.api.protocols.llama import parse_sse_line, strip_echo, upstream_error_message
 from trioshed.errors import UpstreamError
 
 __all__ = ["Event", "MessageStream", "encode_events", "error_event", "new_id"]
@@ -217,7 +217,7 @@ class MessageStream:
         out.append(("content_block_delta", {"type": "content_block_delta", "index": self._open, "delta": delta}))
 
     def _text(self, content: str, out: list[Event]) -> None:
-        content = self._strip_echo(content)
+        content, self._echo = strip_echo(self._echo, content)
         if not content:
             return
         text = self._held + content
@@ -241,18 +241,6 @@ class MessageStream:
         """The held-back text: what follows it shows that it began no stop sequence."""
         held, self._held = self._held, ""
         self._emit_text(held, out)
-
-    def _strip_echo(self, content: str) -> str:
-        """``content`` less llama-server's echo of a continued (prefilled) assistant message."""
-        if not self._echo:
-            return content
-        if content.startswith(self._echo):
-            content, self._echo = content[len(self._echo) :], ""
-        elif self._echo.startswith(content):
-            content, self._echo = "", self._echo[len(content) :]
-        else:
-            self._echo = ""
-        return content
 
     def _tool_call(self, call: Mapping[str, Any], out: list[Event]) -> None:
         index = call.get("index", len(self._calls))

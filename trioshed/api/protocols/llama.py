@@ -101,6 +101,23 @@ def logprob_params(req: Mapping[str, Any], *, chat: bool) -> dict[str, Any]:
 
 
 
+def strip_echo(echo: str, content: str) -> tuple[str, str]:
+    """``content`` less llama-server's echo of a continued (prefilled) assistant message, and
+    what is left of ``echo`` to strip from later pieces.
+
+    Continuing a final assistant message, llama-server's first content delta repeats that
+    message (``"1, 2, 3,"`` continued gives ``"1, 2, 3, "``, ``"4"``, ...); Ollama and Anthropic
+    send only the new text. Stripping stops at the first piece that does not match.
+    """
+    if not echo or not content:
+        return content, echo
+    if content.startswith(echo):
+        return content[len(echo) :], ""
+    if echo.startswith(content):
+        return "", echo[len(content) :]
+    return content, ""
+
+
 def parse_sse_line(line: bytes | str) -> dict[str, Any] | None:
     """One line of a llama-server stream as a JSON object, or ``None`` for nothing to translate.
 

@@ -3,14 +3,35 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from trioshed.api.protocols.llama import parse_sse_line, upstream_error_message
+from trioshed.api.protocols.llama import parse_sse_line, strip_echo, upstream_error_message
 from trioshed.api.protocols.ollama import Kind, now_rfc3339
 from trioshed.errors import UpstreamError
 
 _DONE_REASONS = {"eos": "stop", "word": "stop", "limit": "length", "length": "length"}
+
+#: Nearly every event of a stream carries one piece of text and nothing else. These match exactly
+#: that event, whole, as llama-server writes it (``/completion``; ``/v1/chat/completions``), the
+#: piece being group 1, a JSON string; any other event (logprobs, timings, reasoning, tool calls,
+#: a field a later llama-server adds) goes the general way (parse, build, dump).
+_STRING = rb'("[^"\\]*(?:\\.[^"\\]*)*")'
+_COMPLETION_PIECE = re.compile(
+    rb'data: \{"index":0,"content":' + _STRING + rb',"tokens":\[[0-9,]*\],"stop":false,"id_slot":-?[0-9]+,'
+    rb'"tokens_predicted":[0-9]+,"tokens_evaluated":[0-9]+\}\r?\Z'
+)
+_CHAT_PIECE = re.compile(
+    rb'data: \{"choices":\[\{"finish_reason":null,"index":0,"delta":\{"content":' + _STRING + rb"\}\}\],"
+    rb'"created":[0-9]+,"id":"[^"\\]*","model":"[^"\\]*(?:\\.[^"\\]*)*","system_fingerprint":"[^"\\]*",'
+    rb'"object":"chat\.completion\.chunk"\}\r?\Z'
+)
+
+
+def ndjson(obj: Mapping[str, Any]) -> bytes:
+    """One Ollama chunk as an NDJSON line."""
+    return json.dumps(obj, ensure_ascii=False).encode() + b"\n"
 
 
 class OllamaStream:
@@ -37,9 +58,10 @@ class OllamaStream:
             raise ValueError(f"kind must be 'generate' or 'chat', not {kind!r}")
         self.kind: Kind = kind
         self.model = model
+        self._model_json = json.dumps(model, ensure_ascii=False).encode()
         self._created_at = created_at_fn
         self._stamp: str | None = None  # one created_at for the chunks of a batch
-        self._text: list[str] = []
+        self._text: list[str | bytes] = []  # bytes: a JSON string as llama-server wrote it
         self._thinking: list[str] = []
         self._tool_calls: dict[int, dict[str, Any]] = {}
         self._tool_calls_sent = False
@@ -62,7 +84,7 @@ class OllamaStream:
     @property
     def text(self) -> str:
         """The content generated so far."""
-        return "".join(self._text)
+        return "".join(p if isinstance(p, str) else json.loads(p) for p in self._text)
 
     # -- feeding ------------------------------------------------------------------------------
 
@@ -74,6 +96,41 @@ class OllamaStream:
         self._stamp = self._created_at()
         try:
             return [chunk for line in lines if (event := parse_sse_line(line)) is not None for chunk in self.feed(event)]
+        finally:
+            self._stamp = None
+
+    def feed_lines_bytes(self, lines: Iterable[bytes]) -> bytes:
+        """:meth:`feed_lines`, the chunks as NDJSON bytes (exactly ``b"".join(map(ndjson, ...))``).
+
+        A plain text piece (see :data:`_COMPLETION_PIECE`) skips the JSON round trip: its text,
+        a JSON string as llama-server wrote it, goes into the chunk as it is. That is the relay's
+        cost per token on Ollama's routes (issue 20)."""
+        self._stamp = self._created_at()
+        try:
+            out: list[bytes] = []
+            head = None
+            completion, chat = _COMPLETION_PIECE.match, _CHAT_PIECE.match
+            for line in lines:
+                if not line or line == b"\r":
+                    continue  # the blank line after each event
+                match = None if self._echo else (completion(line) or chat(line))
+                if match is None:
+                    event = parse_sse_line(line)
+                    if event is not None:
+                        out.extend(map(ndjson, self.feed(event)))
+                    continue
+                piece = match.group(1)
+                if piece == b'""':
+                    continue
+                if head is None:
+                    head = b'{"model": %s, "created_at": "%s", ' % (self._model_json, self._stamp.encode())
+                self._pieces += 1
+                self._text.append(piece)  # decoded when the whole text is asked for
+                if self.kind == "generate":
+                    out.append(head + b'"response": ' + piece + b', "done": false}\n')
+                else:
+                    out.append(head + b'"message": {"role": "assistant", "content": ' + piece + b'}, "done": false}\n')
+            return b"".join(out)
         finally:
             self._stamp = None
 
@@ -116,7 +173,7 @@ class OllamaStream:
             if not isinstance(choice, Mapping):
                 continue
             delta = choice.get("delta") or choice.get("message") or {}
-            content = self._strip_echo(delta.get("content") or choice.get("text") or "")
+            content, self._echo = strip_echo(self._echo, delta.get("content") or choice.get("text") or "")
             thinking = delta.get("reasoning_content") or ""
             for call in delta.get("tool_calls") or []:
                 self._add_tool_call_delta(call)
@@ -134,23 +191,6 @@ class OllamaStream:
                 if self._tool_calls and not self._tool_calls_sent:
                     out.append(self._tool_call_chunk())
         return out
-
-    def _strip_echo(self, content: str) -> str:
-        """``content`` less llama-server's echo of a continued assistant message.
-
-        Continuing a final assistant message, llama-server's first content delta repeats that
-        message (``"1, 2, 3,"`` continued gives ``"1, 2, 3, "``, ``"4"``, ...); Ollama sends only
-        the new text. Stripping stops at the first piece that does not match.
-        """
-        if not self._echo or not content:
-            return content
-        if content.startswith(self._echo):
-            content, self._echo = content[len(self._echo) :], ""
-        elif self._echo.startswith(content):
-            content, self._echo = "", self._echo[len(content) :]
-        else:
-            self._echo = ""
-        return content
 
     def _add_tool_call_delta(self, call: Mapping[str, Any]) -> None:
         index = call.get("index", len(self._tool_calls))
