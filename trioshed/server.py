@@ -52,7 +52,7 @@ def estimate_model(spec: ModelSpec, options: RunnerOptions) -> MemoryEstimate:
     Called for every request: cached by the files' identity (path, mtime, size) and the options.
     """
     files = (spec.path, *spec.adapters, *((spec.projector,) if spec.projector else ()))
-    stats = tuple((f, os.stat(f).st_mtime_ns, os.stat(f).st_size) for f in files)
+    stats = tuple((f, st.st_mtime_ns, st.st_size) for f in files for st in (os.stat(f),))
     return _estimate_cached(stats, len(spec.adapters), options)
 
 
@@ -162,7 +162,9 @@ async def serve(
     store = Stores(settings.models, allow_symlinks=settings.allow_symlinks)
     log_tail = LogTail()  # the status page's log: the last lines, in memory
     state = AppState(settings=settings, store=store, scheduler=scheduler, warm=warm, log_tail=log_tail)
-    app = Drain(create_app(state), idle_timeout=settings.stream_idle_timeout)  # type: ignore[arg-type]
+    quart_app = create_app(state)
+    fast = quart_app.config["TRIOSHED_FAST"] if settings.fast_routes else None
+    app = Drain(quart_app, idle_timeout=settings.stream_idle_timeout, fast=fast)  # type: ignore[arg-type]
     config = hypercorn_config(settings)
     connections = ConnectionStats(settings.max_connections)
     if not is_loopback(settings.host):

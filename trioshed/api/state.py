@@ -33,6 +33,9 @@ class AppState:
     log_tail: LogTail | None = None  # the last log lines, for the status page (serve() installs one)
     event_streams: int = 0  # GET /api/events streams open now
     _puller: Puller | None = None
+    #: headers by the file's identity as the spec was resolved (path, size, mtime): the hot
+    #: routes ask two or three times per request, each a realpath and a stat otherwise
+    _meta: dict[tuple[str, int, float], GGUFMetadata] = field(default_factory=dict)
 
     def puller(self) -> Puller:
         """The server's one :class:`Puller` (concurrent pulls of a blob share its download),
@@ -74,10 +77,18 @@ class AppState:
 
     async def metadata(self, spec: ModelSpec) -> GGUFMetadata:
         """The GGUF header, read in a worker thread the first time (gemma3: ~40 ms), then cached."""
-        cached = cached_metadata(spec.path)
-        if cached is not None:
-            return cached
-        try:
-            return await trio.to_thread.run_sync(read_metadata, spec.path)
-        except (OSError, ValueError) as exc:  # the client learns the model and the problem only
-            raise unreadable(spec.name, spec.path, exc) from None
+        key = (spec.path, spec.size, spec.modified)
+        meta = self._meta.get(key)
+        if meta is not None:
+            return meta
+        meta = cached_metadata(spec.path)
+        if meta is None:
+            try:
+                meta = await trio.to_thread.run_sync(read_metadata, spec.path)
+            except (OSError, ValueError) as exc:  # the client learns the model and the problem only
+                raise unreadable(spec.name, spec.path, exc) from None
+        if spec.size and spec.modified:  # a spec that knows its file (resolved, not made up)
+            if len(self._meta) >= 1024:
+                self._meta.clear()
+            self._meta[key] = meta
+        return meta

@@ -72,6 +72,10 @@ class ModelStore:
         if self.allow_symlinks:
             return True
         try:
+            if file.parent == self.root and not file.is_symlink():
+                return (
+                    True  # a file right in the folder, not a link: where the folder is (one lstat)
+                )
             return file.resolve().is_relative_to(self.root.resolve())
         except OSError:
             return False
@@ -104,8 +108,10 @@ class ModelStore:
         self._catalogue = (key, catalogue)
         return catalogue
 
-    def _spec_from_file(self, full_name: str, path: Path, **extra: object) -> ModelSpec:
-        stat = path.stat()
+    def _spec_from_file(
+        self, full_name: str, path: Path, stat: os.stat_result | None = None, **extra: object
+    ) -> ModelSpec:
+        stat = stat or path.stat()
         return ModelSpec(
             name=full_name, path=str(path), size=stat.st_size, modified=stat.st_mtime, **extra  # type: ignore[arg-type]
         )
@@ -138,14 +144,18 @@ class ModelStore:
         if tag != "latest":
             raise ModelNotFound(name)
         file = self.root / f"{base}.gguf"
-        if not file.is_file():
+        try:
+            found = file.stat()
+        except (OSError, ValueError):
+            raise ModelNotFound(name) from None
+        if not stat_module.S_ISREG(found.st_mode):
             raise ModelNotFound(name)
         if not self._inside(file):
             raise Forbidden(
                 f"model '{name}' is a symlink to a file outside the model store; name that file in "
                 "models.toml, or set TRIOSHED_ALLOW_SYMLINKS=1 to follow such links"
             )
-        return self._spec_from_file(full, file)
+        return self._spec_from_file(full, file, found)
 
     def links_out(self) -> list[Path]:
         """``*.gguf`` symlinks pointing out of the store: not served unless TRIOSHED_ALLOW_SYMLINKS."""

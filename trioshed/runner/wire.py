@@ -129,9 +129,28 @@ class ResponseReader:
             self.keep_alive = False
 
     def _feed_chunked(self, data: bytes) -> bytes:
+        out: list[bytes] = []
+        if self._chunk_left == 0 and not self._buffer:
+            # The common case, whole chunks from a chunk boundary on (llama-server writes an event
+            # per chunk, and a read ends where a write did): sliced straight out of ``data``.
+            data = bytes(data)
+            pos, n = 0, len(data)
+            while pos < n:
+                end = data.find(b"\r\n", pos, pos + 18)
+                if end < 0:
+                    break
+                try:
+                    size = int(data[pos:end], 16)
+                except ValueError:
+                    break  # an extension, or garbage: the general way below says which
+                stop = end + 2 + size
+                if size == 0 or stop + 2 > n or data[stop : stop + 2] != b"\r\n":
+                    break  # the last chunk, an incomplete one or a bad one: the general way
+                out.append(data[end + 2 : stop])
+                pos = stop + 2
+            data = data[pos:] if pos else data
         buf = self._buffer
         buf += data
-        out: list[bytes] = []
         pos = 0
         while True:
             if self._chunk_left > 0:
