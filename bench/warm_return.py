@@ -80,11 +80,16 @@ async def next_message(http: Any, messages: list[dict[str, str]], question: str)
 
 
 async def run(models: Path, *, pairs: int, threads: int) -> dict[str, Any]:
+    """The whole measurement; the saved slots live in a temporary folder, removed after."""
+    with tempfile.TemporaryDirectory(prefix="trioshed-bench-kv-") as kv:
+        return await _run(models, Path(kv), pairs=pairs, threads=threads)
+
+
+async def _run(models: Path, kv: Path, *, pairs: int, threads: int) -> dict[str, Any]:
     import httpx
 
     from trioshed.testing.server import open_test_server
 
-    kv = Path(tempfile.mkdtemp(prefix="trioshed-bench-kv-"))
     messages = history()
     samples: list[dict[str, Any]] = []
     async with (
@@ -147,13 +152,13 @@ def main(argv: list[str] | None = None) -> int:
     import trio
 
     from bench.models import prepare_models
-
-    models = args.models or Path(tempfile.mkdtemp(prefix="trioshed-bench-models-"))
-    prepare_models(models, tiny=(), gemma=True)
     from trioshed.testing.tiny import write_tiny_model
 
-    write_tiny_model(models / "tiny.gguf", name="tiny")
-    result = trio.run(lambda: run(models, pairs=args.pairs, threads=args.threads))
+    with tempfile.TemporaryDirectory(prefix="trioshed-bench-models-") as temporary:
+        models = args.models or Path(temporary)
+        prepare_models(models, tiny=(), gemma=True)
+        write_tiny_model(models / "tiny.gguf", name="tiny")
+        result = trio.run(lambda: run(models, pairs=args.pairs, threads=args.threads))
     text = json.dumps(result, indent=2)
     if args.out:
         args.out.write_text(text + "\n")
