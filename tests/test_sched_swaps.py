@@ -182,6 +182,29 @@ async def test_clients_that_come_straight_back_keep_their_model_within_the_bound
                 assert waited[0] <= 0.5 + 2  # swapped at the first gap (t=1)
 
 
+async def test_a_client_going_through_models_in_turn_swaps_at_once(autojump_clock: trio.testing.MockClock) -> None:
+    # One client, one model after another (room for one): a runner used once, whose clients
+    # have not come straight back, holds no swap; its next model is a plain cold start (issue
+    # 20: a 1 s hold made every such swap 1 s + the load). A client that does come straight
+    # back is held for, as above.
+    async with running({"a": 1, "b": 1, "c": 1}, max_loaded=1, load_time=2, max_extra_wait=5, max_queue=64) as h:
+        waits = []
+        for name in ("a", "b", "c", "a", "b"):
+            t0 = trio.current_time()
+            async with h.sched.acquire(spec(name), TWO):
+                waits.append(trio.current_time() - t0)
+            await trio.sleep(0.01)  # the client reads the answer and sends the next request
+        assert waits == [2, 2, 2, 2, 2]  # each a load of 2 s, nothing more
+        t0 = trio.current_time()
+        for _ in range(2):  # now b's client comes straight back: b is held for it
+            async with h.sched.acquire(spec("b"), TWO):
+                pass
+            await trio.sleep(0.01)
+        async with h.sched.acquire(spec("c"), TWO):
+            waited = trio.current_time() - t0
+        assert waited >= 1 + 2  # held for RECENTLY_USED after b's last use, then c's load
+
+
 async def test_priority_is_last_evicted_and_never_starves_below_the_bound(autojump_clock: trio.testing.MockClock) -> None:
     hi, lo = spec("hi", priority=5), spec("lo", priority=0)
     # last evicted: room for two, both idle, lo used last; c evicts lo all the same

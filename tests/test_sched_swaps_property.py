@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 from trioshed.core.model import Device, ModelSpec, RunnerOptions
 from trioshed.core.sched import (
+    RECENTLY_USED,
     Dispatch,
     Evict,
     Fail,
@@ -75,6 +76,7 @@ def simulate(
                                ESTIMATE(ModelSpec(f"{n}:latest", f"/m/{n}.gguf"), options))
                 for i, (_, n) in enumerate(arrivals, start=1)}  # fmt: skip
     next_runner = 1000
+    served: set[int] = set()
     wake = math.inf
     for _ in range(20_000):
         if not events and wake == math.inf:
@@ -111,7 +113,9 @@ def simulate(
             elif isinstance(a, Dispatch):
                 rid = created.get(a.runner, a.runner)
                 r = runners[rid]
-                runners[rid] = replace(r, leases=r.leases + 1, last_used=now)
+                came_back = rid in served and (r.leases > 0 or now - r.last_used <= RECENTLY_USED)  # as the scheduler
+                served.add(rid)
+                runners[rid] = replace(r, leases=r.leases + 1, last_used=now, came_back=came_back)
                 out.dispatched[a.request] = now
                 del waiting[a.request]
                 at(now + serve, "done", rid)

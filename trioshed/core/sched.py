@@ -77,6 +77,9 @@ class RunnerView:
     last_used: float = 0.0
     usage: tuple[tuple[str, int], ...] = ()  # bytes per device id ("cpu" = system memory)
     pinned: bool = False  # models.toml pinned: never chosen as a victim
+    #: Its latest request came while it was busy or within :data:`RECENTLY_USED` seconds of
+    #: the one before: its clients come straight back, so a recent use holds a swap.
+    came_back: bool = False
 
     @property
     def slots(self) -> int:
@@ -561,8 +564,11 @@ class _Queue:
         """Until when ``victim`` holds ``req``'s swap (None: it does not): while it has queued
         requests to serve first (those before ``req`` always; later ones until ``req`` is due;
         ``inf``: until a change or ``req``'s due time), and, until ``req`` is due, while it is busy
-        or was busy within the last :data:`RECENTLY_USED` seconds (clients that send their
-        next request as soon as one is answered leave its queue empty between two)."""
+        or was busy within the last :data:`RECENTLY_USED` seconds and its clients have come
+        straight back before (``came_back``: clients that send their next request as soon as
+        one is answered leave its queue empty between two; a runner used once, as when one
+        client goes through several models in turn, holds nothing and the swap is a cold
+        start)."""
         due = self.due(req)
         if any(
             (w.id < req.id or not due) and can_serve(victim, w.model, w.options)
@@ -573,6 +579,8 @@ class _Queue:
             return None
         if victim.leases > 0:
             return math.inf  # busy: its clients' next requests would follow it into a reload
+        if not victim.came_back:
+            return None
         recent = victim.last_used + min(self.bound, RECENTLY_USED)
         return recent if self.now < recent else None
 

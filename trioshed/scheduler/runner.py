@@ -59,6 +59,7 @@ class Runner:
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     timer: trio.CancelScope = field(default_factory=lambda: trio.CancelScope(deadline=math.inf))
     served: int = 0
+    came_back: bool = False  # sched.RunnerView.came_back
     _usage: tuple[tuple[str, int], ...] | None = None
     handle: Any = None
     load_started: float = 0.0
@@ -132,4 +133,5 @@ class Runner:
             last_used=self.last_used,
             usage=self.usage(),
             pinned=self.pinned,
+            came_back=self.came_back,
         )

@@ -610,6 +610,7 @@ class Scheduler(RunnerLifetimes):
     def _dispatch(self, req: _Request, runner: Runner) -> None:
         now = trio.current_time()
         req.idle_for = now - runner.last_used if runner.leases == 0 and runner.served > 0 else 0.0
+        runner.came_back = runner.served > 0 and (runner.leases > 0 or now - runner.last_used <= sched.RECENTLY_USED)
         runner.leases += 1
         runner.last_used = now
         runner.keep_alive = req.keep_alive
