@@ -106,8 +106,8 @@ def summary_rows(results: Mapping[str, Any]) -> list[Row]:
             f"{t} {v:+.2f} ms" for t in ("router", "trioshed")
             if (v := _get(pt, t, "paired_ttft_delta_ms", "p50")) is not None
         )  # fmt: skip
-        rows.append(_row("time to first token p50 ms", ttft, "trioshed ≤ direct +2 ms",
-                         None if dt is None else dt <= 2.0, note=f"paired Δ p50: {note}"))  # fmt: skip
+        rows.append(_row("time to first token p50 ms", ttft, "trioshed ≤ direct +1 ms",
+                         None if dt is None else dt <= 1.0, note=f"paired Δ p50: {note}"))  # fmt: skip
 
     pt = per("concurrent-streams")
     if pt:
