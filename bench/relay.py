@@ -16,8 +16,11 @@ What is measured, per block:
 Per-request and per-token costs are separated with two stream lengths (1 and ``tokens``): CPU =
 requests x a + tokens x b, solved from the two blocks at each concurrency.
 
-The client is a raw Trio socket per request (``Connection: close``, no HTTP library) that reads
-to the end and checks that the final event arrived: its own cost is kept off trioshed's books.
+The client is a raw Trio socket (no HTTP library) that reads each answer to its end and checks
+that the final event arrived: its own cost is kept off trioshed's books. Each stream slot keeps
+its connection alive across requests, as the official clients' connection pools do (httpx under
+the ``openai``, ``ollama`` and ``anthropic`` SDKs); ``keepalive=False`` opens one per request
+(``Connection: close``), which adds the server's accept and close to every request.
 """
 
 from __future__ import annotations
@@ -105,7 +108,59 @@ async def one_request(port: int, path: str, body: bytes, end: bytes, mark: bytes
         return end in tail.replace(b" ", b""), tokens
 
 
-async def run_block(port: int, pid: int, protocol: str, model: str, concurrency: int, tokens: int, requests: int) -> Block:
+class KeptConnection:
+    """One client connection used for request after request (reopened when the server closes it)."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.stream: trio.SocketStream | None = None
+
+    async def aclose(self) -> None:
+        if self.stream is not None:
+            await self.stream.aclose()
+            self.stream = None
+
+    async def request(self, path: str, body: bytes, end: bytes, mark: bytes = b"\0") -> tuple[bool, int]:
+        """One streamed request; (complete, tokens counted by ``mark``)."""
+        if self.stream is None:
+            self.stream = await trio.open_tcp_stream("127.0.0.1", self.port)
+        stream = self.stream
+        try:
+            await stream.send_all(
+                b"POST %s HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                % (path.encode(), len(body), body)
+            )
+            head = b""
+            while b"\r\n\r\n" not in head:
+                data = await stream.receive_some(262144)
+                if not data:
+                    raise OSError("closed before the answer's head")
+                head += data
+            head, _, data = head.partition(b"\r\n\r\n")
+            lower = head.lower()
+            chunked = b"transfer-encoding: chunked" in lower
+            length = 0 if chunked else int(lower.split(b"content-length:", 1)[1].split(b"\r\n", 1)[0])
+            tail, tokens, got, keep = b"", 0, 0, len(mark) - 1
+            while True:
+                joined = tail[-keep:] + data if keep else data
+                tokens += joined.count(mark)
+                tail = (tail + data)[-4096:]
+                got += len(data)
+                if (chunked and tail.endswith(b"0\r\n\r\n")) or (not chunked and got >= length):
+                    break
+                data = await stream.receive_some(262144)
+                if not data:
+                    raise OSError("closed in the middle of the answer")
+        except BaseException:
+            await self.aclose()
+            raise
+        if b"connection: close" in lower:
+            await self.aclose()
+        return end in tail.replace(b" ", b""), tokens
+
+
+async def run_block(port: int, pid: int, protocol: str, model: str, concurrency: int, tokens: int, requests: int,
+                    *, keepalive: bool = True) -> Block:  # fmt: skip
     path, make, end = PROTOCOLS[protocol]
     body = json.dumps(make(model, tokens)).encode()
     proc = psutil.Process(pid)
@@ -114,15 +169,22 @@ async def run_block(port: int, pid: int, protocol: str, model: str, concurrency:
 
     async def worker() -> None:
         nonlocal failed, remaining, relayed
-        while remaining > 0:
-            remaining -= 1
-            try:
-                with trio.fail_after(120):
-                    ok, n = await one_request(port, path, body, end.replace(b" ", b""), TOKEN_MARKS[protocol])
-            except (OSError, trio.TooSlowError):
-                ok, n = False, 0
-            failed += not ok
-            relayed += n
+        connection = KeptConnection(port)
+        try:
+            while remaining > 0:
+                remaining -= 1
+                try:
+                    with trio.fail_after(120):
+                        if keepalive:
+                            ok, n = await connection.request(path, body, end.replace(b" ", b""), TOKEN_MARKS[protocol])
+                        else:
+                            ok, n = await one_request(port, path, body, end.replace(b" ", b""), TOKEN_MARKS[protocol])
+                except (OSError, trio.TooSlowError):
+                    ok, n = False, 0
+                failed += not ok
+                relayed += n
+        finally:
+            await connection.aclose()
 
     cpu0 = sum(proc.cpu_times()[:2])
     t0 = time.perf_counter()
@@ -261,20 +323,22 @@ def table(result: dict[str, Any]) -> str:
 
 
 async def _raw_relay_connection(upstream_port: int, client: trio.SocketStream) -> None:
-    """Forward one request to the upstream and its answer back, bytes as they come: what a
-    relay costs in Python and Trio with no HTTP library (the floor under every proxy here)."""
+    """Forward each request to the upstream and its answer back, bytes as they come: what a
+    relay costs in Python and Trio with no HTTP library (the floor under every proxy here).
+    The stand-in closes its connection after each streamed answer, which ends the answer here."""
     async with client:
-        request = b""
-        while b"\r\n\r\n" not in request or len(request) < request.index(b"\r\n\r\n") + 4 + _length(request):
-            data = await client.receive_some(65536)
-            if not data:
-                return
-            request += data
-        upstream = await trio.open_tcp_stream("127.0.0.1", upstream_port)
-        async with upstream:
-            await upstream.send_all(request)
-            while data := await upstream.receive_some(65536):
-                await client.send_all(data)
+        while True:
+            request = b""
+            while b"\r\n\r\n" not in request or len(request) < request.index(b"\r\n\r\n") + 4 + _length(request):
+                data = await client.receive_some(65536)
+                if not data:
+                    return
+                request += data
+            upstream = await trio.open_tcp_stream("127.0.0.1", upstream_port)
+            async with upstream:
+                await upstream.send_all(request)
+                while data := await upstream.receive_some(65536):
+                    await client.send_all(data)
 
 
 def _length(request: bytes) -> int:
