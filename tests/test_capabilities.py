@@ -13,6 +13,7 @@ import pytest
 import trio
 
 from tests.conftest import add_tiny
+from trioshed.api.protocols.anthropic import messages_needs
 from trioshed.api.protocols.ollama import needs
 from trioshed.api.protocols.openai_chat import chat_needs
 from trioshed.testing.server import open_test_server
@@ -32,6 +33,13 @@ def test_needs_of_ollama_requests() -> None:
     assert needs("chat", {"messages": [{"role": "user", "content": "x", "images": [IMAGE]}], "think": "high"}) == {"vision", "thinking"}
     assert needs("chat", {"messages": USER, "tools": [], "think": False}) == set()
     assert needs("generate", {"prompt": "x", "suffix": "y", "images": [IMAGE], "think": "none"}) == {"insert", "vision"}
+
+
+def test_needs_of_anthropic_messages() -> None:
+    image = {"role": "user", "content": [{"type": "text", "text": "x"}, {"type": "image", "source": {}}]}
+    assert messages_needs({"messages": USER}) == set()
+    assert messages_needs({"messages": [image], "tools": [{"name": "f"}], "thinking": {"type": "enabled"}}) == {"vision", "tools"}
+    assert messages_needs({"messages": USER, "tools": []}) == set()
 
 
 def test_needs_of_openai_chat() -> None:
@@ -58,6 +66,9 @@ REFUSALS: list[tuple[str, dict[str, Any], str]] = [
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{IMAGE}"}}]}]}, '"tiny" does not support vision'),
     ("/v1/chat/completions", {"model": "embedder", "messages": USER}, '"embedder" does not support chat'),
     ("/v1/completions", {"model": "embedder", "prompt": "x"}, '"embedder" does not support generate'),
+    ("/v1/messages", {"model": "tiny", "max_tokens": 4, "messages": USER, "tools": [{"name": "f", "input_schema": {"type": "object"}}]}, '"tiny" does not support tools'),
+    ("/v1/messages", {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": IMAGE}}]}]}, '"tiny" does not support vision'),
+    ("/v1/messages", {"model": "embedder", "max_tokens": 4, "messages": USER}, '"embedder" does not support chat'),
 ]  # fmt: skip
 
 
@@ -69,7 +80,9 @@ async def test_refusals_in_each_protocols_shape_and_no_runner_started(model_stor
                 r = await http.post(route, json=body)
                 assert r.status_code == 400, (route, body, r.text)
                 error = r.json()["error"]
-                if route.startswith("/v1/"):
+                if route == "/v1/messages":
+                    assert r.json() == {"type": "error", "error": {"type": "invalid_request_error", "message": message}}
+                elif route.startswith("/v1/"):
                     assert error == {"message": message, "type": "invalid_request_error", "param": None, "code": None}
                 else:
                     assert error == message, (route, body)

@@ -26,10 +26,18 @@ from typing import Any
 
 from quart import Blueprint, Response
 
-from trioshed.api.preamble import Prepared, has_chat_template, prepare, read_body, state
+from trioshed.api.preamble import (
+    Prepared,
+    has_chat_template,
+    prepare,
+    read_body,
+    require_capabilities,
+    state,
+)
 from trioshed.api.protocols.anthropic import (
     MessagesUpstream,
     count_tokens_upstream,
+    messages_needs,
     messages_upstream,
 )
 from trioshed.api.protocols.anthropic_stream import MessageStream, encode_events, error_event
@@ -86,6 +94,7 @@ async def messages() -> Response:
     if model.system and not body.get("system"):
         body["system"] = model.system  # the store's SYSTEM, as the Ollama routes give it
     up = _with_defaults(messages_upstream(body, chat_template=templated, thinking_capable=can_think), prepared.defaults)
+    await require_capabilities(model, name, messages_needs(body), action="chat")  # after the body's own checks
     if up.stream:
         return await leased_stream(st.scheduler, model, prepared.options, prepared.keep_alive,
                                    lambda lease: _relay(lease, up, name), "text/event-stream")  # fmt: skip

@@ -252,6 +252,21 @@ def _tools(req: Mapping[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def messages_needs(req: Mapping[str, Any]) -> set[str]:
+    """The capabilities (``/api/show``'s names) a Messages request needs besides chatting, as
+    Ollama checks them for its Anthropic API: ``tools`` for tools, ``vision`` for image blocks.
+    (Thinking is asked for only where the model can think; see :func:`messages_upstream`.)"""
+    out = set()
+    if isinstance(req.get("tools"), list) and req["tools"]:
+        out.add("tools")
+    messages = req.get("messages")
+    for message in messages if isinstance(messages, list) else []:
+        content = message.get("content") if isinstance(message, Mapping) else None
+        if isinstance(content, list) and any(isinstance(b, Mapping) and b.get("type") == "image" for b in content):
+            out.add("vision")
+    return out
+
+
 def _tool_choice(req: Mapping[str, Any], tools: list[dict[str, Any]]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """llama-server's ``tool_choice`` (and ``parallel_tool_calls``) and the tools to offer."""
     choice = _optional(req, "tool_choice", Mapping, "a valid dictionary")
