@@ -193,3 +193,51 @@ async def test_keys_over_http_401_429_and_the_env_key(tmp_path: Path) -> None:
                 assert "alice-secret-1" not in metrics and "bob-secret-22" not in metrics
                 assert 'trioshed_key_requests_total{key="alice",status="429"} 1.0' in metrics
                 assert 'trioshed_key_requests_total{key="alice",status="200"} 3.0' in metrics
+
+
+FAIR_KEYS = """
+[[key]]
+name = "heavy"
+key = "heavy-secret-1"
+weight = 3
+
+[[key]]
+name = "light"
+key = "light-secret-1"
+weight = 1
+"""
+
+
+async def test_weighted_fair_shares_with_a_real_runner(model_store: Path, tmp_path: Path) -> None:
+    """Two tenants keep one real runner's single slot busy, four requests each always waiting:
+    the answers they get follow their weights (3:1), whoever sent first (issue 17: the MockClock
+    tests above, here end to end with a llama-server child)."""
+    keys = tmp_path / "fair.toml"
+    keys.write_text(FAIR_KEYS)
+    body = {"model": "tiny", "prompt": "hi", "raw": True, "stream": False, "options": {"num_predict": 48, "temperature": 0}}
+    served: list[str] = []
+    with trio.fail_after(240):
+        async with open_test_server(model_store, keys_file=keys, num_parallel=1, max_queue=64) as server:
+            async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as http:
+                warm = await http.post("/api/generate", json=body, headers={"x-api-key": "light-secret-1"})
+                assert warm.status_code == 200, warm.text  # loaded: from now on only the slot is scarce
+                done = trio.Event()
+
+                async def client(name: str, key: str) -> None:
+                    while not done.is_set():
+                        r = await http.post("/api/generate", json=body, headers={"x-api-key": key})
+                        assert r.status_code == 200, r.text
+                        served.append(name)
+                        if served.count("heavy") >= 36:
+                            done.set()
+
+                async with trio.open_nursery() as nursery:
+                    for _ in range(4):  # the light tenant first: its head start is not a bigger share
+                        nursery.start_soon(client, "light", "light-secret-1")
+                    await trio.sleep(0.05)
+                    for _ in range(4):
+                        nursery.start_soon(client, "heavy", "heavy-secret-1")
+    first = served.index("heavy")  # from here on both tenants have requests waiting
+    window = served[first : first + 40]
+    share = window.count("heavy") / len(window)
+    assert len(window) == 40 and 0.62 <= share <= 0.88, (share, " ".join(n[0] for n in served))  # 3:1 is 0.75; 1:1 gives 0.5
