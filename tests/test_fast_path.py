@@ -18,6 +18,7 @@ import httpx
 import trio
 
 from bench import procs
+from bench.relay import one_request
 from bench.standin import write_wrapper
 from trioshed.testing.tiny import write_tiny_model
 
@@ -163,15 +164,6 @@ async def test_a_connection_close_request_gets_its_answer_and_the_close(tmp_path
             port = int(server.base_url.rsplit(":", 1)[1])
             for path in ROUTES:
                 body = json.dumps({**ROUTES[path], "stream": True}).encode()
-                stream = await trio.open_tcp_stream("127.0.0.1", port)
-                async with stream:
-                    await stream.send_all(
-                        b"POST %s HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
-                        b"Connection: close\r\n\r\n%s" % (path.encode(), len(body), body)
-                    )
-                    received = b""
-                    with trio.fail_after(10):  # the close, not just the answer
-                        while data := await stream.receive_some(65536):
-                            received += data
-                assert received.startswith(b"HTTP/1.1 200") and received.endswith(b"0\r\n\r\n"), (path, received[-200:])
-                assert received.count(b"tok") >= 3, path
+                with trio.fail_after(10):  # the close, not just the answer: the client reads to EOF
+                    complete, tokens = await one_request(port, path, body, b"0\r\n\r\n", b"tok")
+                assert complete and tokens >= 3, (path, complete, tokens)

@@ -43,7 +43,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from trioshed.api.protocols.llama import Upstream
+from trioshed.api.protocols.llama import Upstream, has_part
 from trioshed.api.protocols.options import json_type, require_object
 from trioshed.api.protocols.transcript import TURN_STOP, transcript_prompt
 from trioshed.errors import BadRequest
@@ -259,11 +259,8 @@ def messages_needs(req: Mapping[str, Any]) -> set[str]:
     out = set()
     if isinstance(req.get("tools"), list) and req["tools"]:
         out.add("tools")
-    messages = req.get("messages")
-    for message in messages if isinstance(messages, list) else []:
-        content = message.get("content") if isinstance(message, Mapping) else None
-        if isinstance(content, list) and any(isinstance(b, Mapping) and b.get("type") == "image" for b in content):
-            out.add("vision")
+    if has_part(req.get("messages"), "image"):
+        out.add("vision")
     return out
 
 

@@ -101,6 +101,16 @@ def logprob_params(req: Mapping[str, Any], *, chat: bool) -> dict[str, Any]:
 
 
 
+def has_part(messages: object, kind: str) -> bool:
+    """Whether any message's content, a list of parts (OpenAI's and Anthropic's shape), holds a
+    part of type ``kind`` (``image_url``, ``image``)."""
+    for message in messages if isinstance(messages, list) else []:
+        content = message.get("content") if isinstance(message, Mapping) else None
+        if isinstance(content, list) and any(isinstance(p, Mapping) and p.get("type") == kind for p in content):
+            return True
+    return False
+
+
 def strip_echo(echo: str, content: str) -> tuple[str, str]:
     """``content`` less llama-server's echo of a continued (prefilled) assistant message, and
     what is left of ``echo`` to strip from later pieces.

@@ -12,7 +12,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from trioshed.api.protocols.llama import parse_sse_line, thinking_requested
+from trioshed.api.protocols.llama import has_part, parse_sse_line, thinking_requested
 from trioshed.api.protocols.transcript import transcript_prompt, with_turn_stop
 from trioshed.errors import BadRequest
 
@@ -204,9 +204,6 @@ def chat_needs(body: Mapping[str, Any]) -> set[str]:
         out.add("tools")
     if thinking_requested(body.get("reasoning_effort")):
         out.add("thinking")
-    messages = body.get("messages")
-    for message in messages if isinstance(messages, list) else []:
-        content = message.get("content") if isinstance(message, Mapping) else None
-        if isinstance(content, list) and any(isinstance(p, Mapping) and p.get("type") == "image_url" for p in content):
-            out.add("vision")
+    if has_part(body.get("messages"), "image_url"):
+        out.add("vision")
     return out
