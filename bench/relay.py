@@ -90,24 +90,6 @@ class Block:
         return self.tokens_total / self.cpu_s if self.cpu_s else 0.0
 
 
-async def one_request(port: int, path: str, body: bytes, end: bytes, mark: bytes = b"\0") -> tuple[bool, int]:
-    """One streamed request; (complete, tokens counted by ``mark``)."""
-    stream = await trio.open_tcp_stream("127.0.0.1", port)
-    async with stream:
-        await stream.send_all(
-            b"POST %s HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
-            b"Connection: close\r\n\r\n%s" % (path.encode(), len(body), body)
-        )
-        tail = b""
-        tokens = 0
-        keep = len(mark) - 1
-        while data := await stream.receive_some(262144):
-            joined = tail[-keep:] + data if keep else data
-            tokens += joined.count(mark)
-            tail = (tail + data)[-4096:]
-        return end in tail.replace(b" ", b""), tokens
-
-
 class KeptConnection:
     """One client connection used for request after request (reopened when the server closes it)."""
 
@@ -120,15 +102,16 @@ class KeptConnection:
             await self.stream.aclose()
             self.stream = None
 
-    async def request(self, path: str, body: bytes, end: bytes, mark: bytes = b"\0") -> tuple[bool, int]:
-        """One streamed request; (complete, tokens counted by ``mark``)."""
+    async def request(self, path: str, body: bytes, end: bytes, mark: bytes = b"\0", *, close: bool = False) -> tuple[bool, int]:
+        """One streamed request; (complete, tokens counted by ``mark``). ``close``: ask for
+        ``Connection: close`` and read on to the server's close (it must come, with no byte more)."""
         if self.stream is None:
             self.stream = await trio.open_tcp_stream("127.0.0.1", self.port)
         stream = self.stream
         try:
             await stream.send_all(
-                b"POST %s HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
-                % (path.encode(), len(body), body)
+                b"POST %s HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n%s"
+                % (path.encode(), len(body), b"Connection: close\r\n" if close else b"", body)
             )
             head = b""
             while b"\r\n\r\n" not in head:
@@ -151,12 +134,23 @@ class KeptConnection:
                 data = await stream.receive_some(262144)
                 if not data:
                     raise OSError("closed in the middle of the answer")
+            if close and await stream.receive_some(262144):
+                raise OSError("bytes after the answer on a closing connection")
         except BaseException:
             await self.aclose()
             raise
-        if b"connection: close" in lower:
+        if close or b"connection: close" in lower:
             await self.aclose()
         return end in tail.replace(b" ", b""), tokens
+
+
+async def one_request(port: int, path: str, body: bytes, end: bytes, mark: bytes = b"\0") -> tuple[bool, int]:
+    """One streamed request on a connection of its own (``Connection: close``), read to the close."""
+    connection = KeptConnection(port)
+    try:
+        return await connection.request(path, body, end, mark, close=True)
+    finally:
+        await connection.aclose()
 
 
 async def run_block(port: int, pid: int, protocol: str, model: str, concurrency: int, tokens: int, requests: int,
@@ -175,10 +169,7 @@ async def run_block(port: int, pid: int, protocol: str, model: str, concurrency:
                 remaining -= 1
                 try:
                     with trio.fail_after(120):
-                        if keepalive:
-                            ok, n = await connection.request(path, body, end.replace(b" ", b""), TOKEN_MARKS[protocol])
-                        else:
-                            ok, n = await one_request(port, path, body, end.replace(b" ", b""), TOKEN_MARKS[protocol])
+                        ok, n = await connection.request(path, body, end.replace(b" ", b""), TOKEN_MARKS[protocol], close=not keepalive)
                 except (OSError, trio.TooSlowError):
                     ok, n = False, 0
                 failed += not ok

@@ -32,3 +32,27 @@ async def test_state_scale_lists_every_model_and_runner(tmp_path) -> None:  # ty
         row = await state_scale.measure_point(30, 5, queued=10, calls=2, work=tmp_path)
     # measure_point itself asserts that /api/tags lists all 30 and /api/ps all 5
     assert {"ps_ms", "metrics_ms", "tags_ms", "tags_cold_ms", "pass_ms"} <= row.keys()
+
+
+async def test_the_ceiling_relays_every_token_when_the_stand_in_writes_many_events_at_once() -> None:
+    with trio.fail_after(120):
+        result = await relay.run(tokens=40, concurrency=(2,), requests=4, burst=16,
+                                 protocols=("ollama-generate", "openai-chat", "anthropic"))  # fmt: skip
+    assert {row["protocol"] for row in result["rows"]} == {"ollama-generate", "openai-chat", "anthropic"}
+    for row in result["rows"]:
+        short, long = row["blocks"]
+        assert row["failed"] == 0 and row["burst"] == 16, row
+        assert (short["relayed"], long["relayed"]) == (4 * 1, 4 * 40), row  # 16 events per read, none lost or doubled
+
+
+def test_the_targets_are_judged_at_the_ceiling_when_it_was_measured() -> None:
+    def rows(value: int) -> dict[str, object]:
+        return {"rows": [{"protocol": "openai-chat", "tokens_per_cpu_s": value}, {"protocol": "ollama-generate", "tokens_per_cpu_s": value}]}
+
+    doc = {"standin": rows(30_000), "saturated": rows(120_000), "floor": {"rows": [{"tokens_per_cpu_s": 50_000}]},
+           "floor_saturated": {"rows": [{"tokens_per_cpu_s": 250_000}]}}  # fmt: skip
+    judged = {t["target"].split(":")[0]: (t["value"], t["met"], t["floor"]) for t in relay.targets(doc)}
+    assert judged == {"openai-chat": (120_000, True, 250_000), "ollama-generate": (120_000, True, 250_000)}
+    del doc["saturated"]  # an older document: the event-by-event table and its floor
+    judged = {t["target"].split(":")[0]: (t["value"], t["met"], t["floor"]) for t in relay.targets(doc)}
+    assert judged == {"openai-chat": (30_000, False, 50_000), "ollama-generate": (30_000, False, 50_000)}

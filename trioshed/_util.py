@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import tomllib
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
 
 import trio
 
@@ -32,3 +35,13 @@ def single_error(*types: type[BaseException]) -> Iterator[None]:
         if len(wanted) == 1 and all(e is wanted[0] or isinstance(e, trio.Cancelled) for e in leaves):
             raise wanted[0] from None
         raise
+
+
+def read_toml(path: Path | str, what: str) -> dict[str, Any]:
+    """The TOML file at ``path``; ValueError saying ``what`` it is, where, and what is wrong."""
+    try:
+        return tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{what} {path}: cannot read it: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"{what} {path}: not valid TOML: {exc}") from None

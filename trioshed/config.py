@@ -9,11 +9,11 @@ import ipaddress
 import math
 import os
 import re
-import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from trioshed._util import read_toml
 from trioshed.core.model import KV_CACHE_TYPES, Device
 from trioshed.keys import keyring
 
@@ -346,12 +346,7 @@ def load_settings_file(path: Path) -> dict[str, object]:
     TOML type that fits (numbers, booleans; a list of strings for ``origins``) or a string as
     the variable would hold it. A relative ``models`` or ``llama_server`` path is taken from the
     file's folder. Raises ValueError naming the file (and the key) on any problem."""
-    try:
-        data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"settings file {path}: cannot read it: {exc}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"settings file {path}: not valid TOML: {exc}") from None
+    data = read_toml(path, "settings file")
     kwargs: dict[str, object] = {}
     for key, value in data.items():
         if key not in _PARSERS:

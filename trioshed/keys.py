@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import hmac
 import math
-import tomllib
 from collections import deque
 from collections.abc import Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from trioshed._util import read_toml
 
 _LIMITS = ("max_concurrent", "max_queued", "requests_per_minute")
 
@@ -84,12 +85,7 @@ class KeyRing:
 
 def load_keys_file(path: Path) -> tuple[ApiKey, ...]:
     """``[[key]]`` tables (see the module's docstring); ValueError naming the file and entry."""
-    try:
-        data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"keys file {path}: cannot read it: {exc}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"keys file {path}: not valid TOML: {exc}") from None
+    data = read_toml(path, "keys file")
     unknown = set(data) - {"key"}
     if unknown:
         raise ValueError(f"keys file {path}: unknown table {', '.join(sorted(unknown))}; write [[key]] entries")

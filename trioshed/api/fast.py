@@ -7,7 +7,7 @@ adds a layer to the send path. On the generating routes (``POST`` ``/api/generat
 ``/v1/responses``) that is most of what trioshed spends besides the relay itself, so
 :class:`FastPath` serves them directly:
 
-1. the same :class:`~trioshed.api.app.Gate` (Origin, Host, key, announced size and type);
+1. the same :class:`~trioshed.api.gate.Gate` (Origin, Host, key, announced size and type);
 2. the whole body is read (bounded by ``TRIOSHED_MAX_BODY`` and the body timeout) before any
    answer starts, so no body is left unread (see :mod:`trioshed.api.bodypump`);
 3. the route's own function runs, unchanged: :func:`trioshed.api.preamble.state` and
@@ -33,11 +33,13 @@ from quart import Response
 
 from trioshed.api import observe
 from trioshed.api.bodypump import run_with_pump
+from trioshed.api.gate import Gate
 from trioshed.api.metrics import Metrics
 from trioshed.api.preamble import fast_request
 from trioshed.api.protocols.errors import error_parts
 from trioshed.api.state import AppState
 from trioshed.errors import TrioshedError
+from trioshed.keys import ApiKey
 from trioshed.trace import RequestTrace
 
 log = logging.getLogger(__name__)
@@ -56,7 +58,7 @@ class FastPath:
         self,
         app: Callable[[Message, Receive, Send], Awaitable[None]],
         state: AppState,
-        gate: Any,
+        gate: Gate,
         metrics: Metrics,
         handlers: Mapping[str, Handler],
         *,
@@ -129,9 +131,7 @@ class FastPath:
             finally:
                 fast_request.reset(token)
 
-    async def _answer(
-        self, path: str, get: Callable[[str], str | None], send: Send, trace: RequestTrace, key: Any
-    ) -> None:
+    async def _answer(self, path: str, get: Callable[[str], str | None], send: Send, trace: RequestTrace, key: ApiKey | None) -> None:
         cors = [(name.lower().encode(), value.encode()) for name, value in self.gate.cors(get)]
         try:
             if key is not None:
