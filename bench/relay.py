@@ -378,7 +378,7 @@ async def run_floor(*, tokens: int = 256, concurrency: Sequence[int] = CONCURREN
         return {"rows": rows, "upstream": _upstream_words(burst), "burst": burst}
 
 
-#: Issue 20's relay targets: tokens one trioshed process relays per CPU-second.
+#: The relay targets: tokens one trioshed process relays per CPU-second.
 TARGETS = {"openai-chat": 100_000, "ollama-generate": 50_000, "ollama-chat": 50_000}
 
 

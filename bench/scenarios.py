@@ -1,4 +1,4 @@
-"""The side-by-side scenarios (a)-(g) of issue 5, each over already-started targets.
+"""The side-by-side scenarios (a)-(g), each over already-started targets.
 
 Each function takes a :class:`Run` (the client, the clock origin, the plan, where results go)
 and the targets of its group, interleaves the targets (rotating the order every pair or round

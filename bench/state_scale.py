@@ -13,7 +13,7 @@ no sockets), loads ``runners`` models, then times:
   ``core.sched.plan``) with every slot leased and ``queued`` requests waiting.
 
 Points at (models, runners) = (100, 20), (300, 60), (1000, 200) show how each grows: the
-exponent is the slope of log(time) against log(models). Target (issue 20): each under 50 ms at
+exponent is the slope of log(time) against log(models). Target: each under 50 ms at
 1,000 models and 200 runners.
 """
 

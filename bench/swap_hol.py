@@ -1,4 +1,4 @@
-"""Head-of-line blocking through a swap (issue 9): how long a small model's first request takes
+"""Head-of-line blocking through a swap: how long a small model's first request takes
 while another request waits for a large model's stream to end so that it can be swapped in.
 
 Real ``llama-server`` children (one thread each), trioshed served in-process, a declared

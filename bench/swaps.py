@@ -1,4 +1,4 @@
-"""Swap-aware dispatch (issue 17): strict arrival order (``TRIOSHED_MAX_EXTRA_WAIT=0``, Ollama's
+"""Swap-aware dispatch: strict arrival order (``TRIOSHED_MAX_EXTRA_WAIT=0``, Ollama's
 policy) against the default, side by side in one session, real ``llama-server`` children (one
 thread each), trioshed served in-process.
 

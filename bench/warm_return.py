@@ -1,4 +1,4 @@
-"""Warm returns (issue 18): the next message of a long chat whose model was swapped out, with
+"""Warm returns: the next message of a long chat whose model was swapped out, with
 and without restoring its saved slot.
 
 trioshed served in-process with room for one runner (``TRIOSHED_MAX_LOADED_MODELS=1``) and warm

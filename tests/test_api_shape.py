@@ -1,4 +1,4 @@
-"""The shape of ``trioshed.api`` (issue 19): no import cycle, no module over ~500 lines, and the
+"""The shape of ``trioshed.api``: no import cycle, no module over ~500 lines, and the
 protocol modules free of I/O (no quart, no trio, no httpx)."""
 
 from __future__ import annotations

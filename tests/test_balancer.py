@@ -35,7 +35,7 @@ def test_shipped_config_is_valid() -> None:
 
 
 def test_config_routes_by_the_model_in_the_body_with_consistent_hashing() -> None:
-    """The parts the README promises, whatever HAProxy version checks the syntax."""
+    """The parts docs/service.md promises, whatever HAProxy version checks the syntax."""
     text = CONFIG.read_text()
     assert "option http-buffer-request" in text
     assert "json_query('$.model')" in text

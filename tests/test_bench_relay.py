@@ -1,4 +1,4 @@
-"""The relay-ceiling and state-scale benchmarks' own machinery (issue 20): what they count is
+"""The relay-ceiling and state-scale benchmarks' own machinery: what they count is
 what was relayed. No timing is asserted here; the figures live in ``make bench``."""
 
 from __future__ import annotations

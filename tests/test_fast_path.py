@@ -1,4 +1,4 @@
-"""The generating routes served as plain ASGI (``trioshed.api.fast``, issue 20) answer exactly as
+"""The generating routes served as plain ASGI (``trioshed.api.fast``) answer exactly as
 the Quart routes do: the same statuses, headers and bodies, errors in each protocol's shape, the
 same gate (origin, key, rate, size), and a connection closed when the client asked for it.
 

@@ -1,4 +1,4 @@
-"""What a careless client sends must not break trioshed for everyone (issue 16): types Ollama
+"""What a careless client sends must not break trioshed for everyone: types Ollama
 refuses, keep-alives beyond any clock."""
 
 from __future__ import annotations

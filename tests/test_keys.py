@@ -210,7 +210,7 @@ weight = 1
 
 async def test_weighted_fair_shares_with_a_real_runner(model_store: Path, tmp_path: Path) -> None:
     """Two tenants keep one real runner's single slot busy, four requests each always waiting:
-    the answers they get follow their weights (3:1), whoever sent first (issue 17: the MockClock
+    the answers they get follow their weights (3:1), whoever sent first (the MockClock
     tests above, here end to end with a llama-server child)."""
     keys = tmp_path / "fair.toml"
     keys.write_text(FAIR_KEYS)

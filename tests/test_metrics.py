@@ -88,7 +88,7 @@ async def test_scheduler_events_are_counted_by_reason(autojump_clock: trio.testi
 
 
 async def test_the_fast_renderer_writes_what_prometheus_client_writes(autojump_clock: trio.testing.MockClock) -> None:
-    """render_text replaces generate_latest for speed (issue 20): the same bytes, for every kind
+    """render_text replaces generate_latest for speed: the same bytes, for every kind
     of sample the app's registry holds (counters, histograms, gauges, labels needing escapes)."""
     from prometheus_client import Gauge, Info
     from prometheus_client.exposition import generate_latest

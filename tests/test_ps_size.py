@@ -1,4 +1,4 @@
-"""``/api/ps`` size against llama.cpp's own buffers, with real ``llama-server`` children (issue 9).
+"""``/api/ps`` size against llama.cpp's own buffers, with real ``llama-server`` children.
 
 The size trioshed shows for a runner is what that child reported allocating: the sum of every
 ``buffer size =`` line it printed while loading (model, KV, output and compute buffers), read here

@@ -202,7 +202,7 @@ def test_embedding_runner_serves_generation_but_not_the_reverse() -> None:
     assert not can_serve(gen, model("a"), RunnerOptions(embedding=True))
 
 
-# -- issue 9: a request that fits now loads at once, even while another waits for room --------
+# -- a request that fits now loads at once, even while another waits for room --------
 
 
 def test_fits_now_beside_one_reservation_loads_at_once() -> None:

@@ -88,6 +88,6 @@ def test_priority_goes_first_to_free_memory_too() -> None:
 
 def test_pinning_does_not_stop_a_reload_of_the_same_file_with_other_runner_options() -> None:
     # One runner per model file (as in the reference): a request for the same file with other
-    # runner options reloads it once its leases end, pinned or not (documented in the README).
+    # runner options reloads it once its leases end, pinned or not (documented in docs/models.md).
     actions = run([req(2, "a", num_ctx=8192)], [pinned(runner(1, "a", 4))], machine(24))
     assert actions == [Evict(1, "reload: options changed")]

@@ -274,7 +274,7 @@ async def test_no_head_of_line_blocking(autojump_clock: trio.testing.MockClock) 
 async def test_a_model_that_fits_now_loads_while_another_waits_for_a_swap(
     autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # Issue 9: tiny (forever) and big (streaming) loaded; big2 waits for big's stream to end.
+    # tiny (forever) and big (streaming) loaded; big2 waits for big's stream to end.
     # gamma fits now and beside big2 once big is gone: it loads at once, not after the swap.
     caplog.set_level("INFO", logger="trioshed.scheduler.scheduler")
     async with running({"tiny": 0.5, "big": 8, "big2": 8, "gamma": 1}, gpus=(0.5 + 8 + 4 + 0.6,), max_loaded=4) as h:

@@ -1,5 +1,5 @@
 """A web page the user visits must not drive their trioshed, nor its runners; a killed trioshed
-leaves no runner behind (issue 16: found against a real ``trioshed serve``)."""
+leaves no runner behind (found against a real ``trioshed serve``)."""
 
 from __future__ import annotations
 

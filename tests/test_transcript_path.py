@@ -1,6 +1,6 @@
 """The transcript path (chat with a model that has no chat template) as a full citizen: JSON
 schemas honoured on every route, ``stream_options.include_usage`` ending with the usage chunk the
-``openai`` SDK expects last, as on the template path (issue 19 part 5)."""
+``openai`` SDK expects last, as on the template path."""
 
 from __future__ import annotations
 

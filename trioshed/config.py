@@ -1,6 +1,6 @@
 """Settings from ``TRIOSHED_*`` environment variables and CLI flags, plus value parsers.
 
-The variable names are part of the product (see the README table); keep them stable.
+The variable names are part of the product (docs/settings.md lists them; a test keeps the two in step); keep them stable.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ clash):
   from the scheduler's event history (``Scheduler.events``, read at each scrape from where the
   last one stopped), and every finished request from the HTTP edge (:mod:`trioshed.api.observe`).
 
-The names below are part of the product (the README lists them); keep them stable.
+The names below are part of the product (docs/service.md lists them); keep them stable.
 """
 
 from __future__ import annotations
@@ -200,7 +200,7 @@ class Metrics:
         self.model_loads = Counter("trioshed_model_loads", "Runner loads started, by model.", ["model"], registry=r)
         # Per model: summaries (count and sum: 2 lines a model); the distributions: histograms
         # without the model label (a histogram per model was 15 lines a model, and most of a
-        # scrape's cost with hundreds of models: issue 20).
+        # scrape's cost with hundreds of models).
         self.load_duration = Summary(
             "trioshed_load_duration_seconds", "Time from starting llama-server to ready, by model.", ["model"], registry=r,
         )  # fmt: skip
@@ -315,7 +315,7 @@ def render_text(registry: CollectorRegistry) -> bytes:
     """What ``prometheus_client.generate_latest`` writes (text format 0.0.4), byte for byte, for a
     registry whose metric and label names are plain Prometheus names (trioshed's are), at under
     half its cost: its per-sample name validation and escaping were most of a scrape's time with
-    hundreds of models (issue 20: 3,753 lines for 200 runners took ~100 ms)."""
+    hundreds of models (3,753 lines for 200 runners took ~100 ms)."""
     out: list[str] = []
     for metric in registry.collect():
         name, kind = metric.name, metric.type

@@ -432,7 +432,7 @@ def _paths() -> Schema:
         "/api/pin": {"post": _json_op("Pin or unpin a model until trioshed restarts (as models.toml's pinned; the file is not changed)", "PinRequest", _ref("PinResponse"), errors=("400", "401", "404", "413"))},
         "/api/events": {
             "get": {
-                "summary": "The status page's live stream: server-sent events `hello`, `state`, `events`, `log` (see the README)",
+                "summary": "The status page's live stream: server-sent events `hello`, `state`, `events`, `log` (see docs/status-page.md)",
                 "responses": {
                     "200": {"description": "an endless stream; a keep-alive comment at least every 5 s", "content": {SSE: {"schema": _SSE_EVENT}}},
                     **_errors("401", "503"),

@@ -170,7 +170,7 @@ class ModelStore:
                 entries = sorted((e for e in found if e.name.endswith(".gguf")), key=lambda e: e.name)
         except OSError:  # no folder (yet), or not one
             entries = []
-        # One stat per file: a store of thousands lists in milliseconds (issue 20: the glob, the
+        # One stat per file: a store of thousands lists in milliseconds (the glob, the
         # is_file and two resolves per file were ~17 system calls each).
         for found_file in entries:
             stem = found_file.name[: -len(".gguf")]

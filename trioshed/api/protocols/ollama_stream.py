@@ -104,7 +104,7 @@ class OllamaStream:
 
         A plain text piece (see :data:`_COMPLETION_PIECE`) skips the JSON round trip: its text,
         a JSON string as llama-server wrote it, goes into the chunk as it is. That is the relay's
-        cost per token on Ollama's routes (issue 20)."""
+        cost per token on Ollama's routes."""
         self._stamp = self._created_at()
         try:
             out: list[bytes] = []
