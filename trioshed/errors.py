@@ -22,7 +22,10 @@
     │                                    (the message names the model; its path is only logged)
     ├── RunnerError (500)                a runner failed
     │   ├── LoadFailed                   llama-server exited or timed out before it was ready
-    │   ├── RunnerCrashed                llama-server exited while serving (the next request reloads)
+    │   ├── RunnerCrashed                llama-server exited while serving (the next request reloads);
+    │                                    a request it had not begun to answer runs again, once, on a
+    │                                    new runner, so a client sees this only mid-stream or when the
+    │                                    second runner dies too (RunnerCrashed.again names both)
     │   └── RunnerStalled (504)          llama-server sent nothing for TRIOSHED_STREAM_IDLE_TIMEOUT
     ├── NotSupported (501)               Ollama routes trioshed does not serve (push, create); a
     │                                    pulled model llama-server cannot serve (no GGUF, split)
@@ -217,6 +220,24 @@ class RunnerCrashed(RunnerError):
         super().__init__(message + "; the next request reloads it")
         self.returncode = returncode
         self.stderr_tail = stderr_tail
+
+    @classmethod
+    def again(cls, model: str, first: RunnerCrashed, second: RunnerCrashed) -> RunnerCrashed:
+        """A request's second runner died under it too (the first death queued it again)."""
+        error = cls(model, second.returncode, second.stderr_tail)
+        error.message = (
+            f"llama-server for model '{model}' died twice on this request: it ran again on a new runner "
+            f"after the first exited {_cause(first)}, and that one exited too {_cause(second)}; check the "
+            "model and the request (the runners' output is in trioshed's log)"
+        )
+        error.args = (error.message,)
+        return error
+
+
+def _cause(crash: RunnerCrashed) -> str:
+    """What a crash's message says after "exited unexpectedly": the code, the cause, the output."""
+    head, _, rest = crash.message.partition("exited unexpectedly ")
+    return rest.removesuffix("; the next request reloads it") or head
 
 
 class RunnerStalled(RunnerError):

@@ -7,10 +7,17 @@ never started the body because the client left between the headers and the first
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from contextlib import AsyncExitStack, aclosing, asynccontextmanager
+from contextlib import (
+    AbstractContextManager,
+    AsyncExitStack,
+    aclosing,
+    asynccontextmanager,
+    nullcontext,
+)
 from typing import Any
 
 import trio
@@ -71,13 +78,27 @@ async def step(lease: Lease, fn: Callable[[], Any]) -> Any:
         raise
 
 
-async def _bounded_pieces(lease: Lease, pieces: AsyncIterator[bytes]) -> AsyncGenerator[bytes, None]:
+async def _bounded_pieces(lease: Lease, pieces: AsyncIterator[bytes], first: bytes | None) -> AsyncGenerator[bytes, None]:
+    if first is None:
+        return
+    yield first
     while True:
         try:
             piece = await step(lease, pieces.__anext__)
         except StopAsyncIteration:
             return
         yield piece
+
+
+async def run_again_or_raise(lease: Lease, error: TrioshedError) -> None:
+    """The request failed before any of its answer was handed on: when its runner died or was
+    killed as hung, wait for a new runner to run it again (:meth:`Lease.rerun`: once per request);
+    any other error is raised."""
+    rerun = getattr(lease, "rerun", None)
+    if not isinstance(error, RunnerCrashed) or rerun is None:
+        raise error
+    log.warning("%s; the request runs again on a new runner", error.message)
+    await rerun(error)
 
 
 @asynccontextmanager
@@ -87,20 +108,47 @@ async def open_upstream_bytes(lease: Lease, path: str, body: dict[str, Any] | by
 
     Raises UpstreamError (with llama-server's own message) for a non-200 answer, and the
     runner's crash error when the connection breaks because the child died (also mid-iteration).
+    A runner that dies before the first piece of the body is handed on (the context is entered
+    with it in hand) is replaced: the request runs again on a new runner (see :mod:`trioshed.scheduler.lease`).
     """
-    pool: UpstreamPool = lease.handle.upstream
-    await restore_warm(lease, path, body)
     payload = body if isinstance(body, bytes) else _encode(body)
+    while True:
+        await restore_warm(lease, path, body)
+        pool: UpstreamPool = lease.handle.upstream
+        handed_on = False
+        try:
+            async with AsyncExitStack() as stack:
+                with _waiting_for_answer(lease):
+                    response = await step(lease, functools.partial(stack.enter_async_context, pool.request("POST", path, payload)))
+                    if response.status != 200:
+                        raw = await step(lease, response.read)
+                        raise UpstreamError(upstream_message(raw, response.status), status=client_status(response.status, raw))
+                    pieces = await stack.enter_async_context(aclosing(response.batches()))
+                    first = await _first_piece(lease, pieces)
+                handed_on = True
+                async with aclosing(_bounded_pieces(lease, pieces, first)) as bounded_pieces:
+                    yield bounded_pieces
+                return
+        except ConnectionFailed as exc:
+            error = await crash_or(lease, exc)
+            if handed_on:
+                raise error from None
+        await run_again_or_raise(lease, error)
+
+
+def _waiting_for_answer(lease: Lease) -> AbstractContextManager[None]:
+    """:meth:`Lease.waiting_for_answer` (a lease of the scheduler's; others have no runner to watch)."""
+    waiting: Callable[[], AbstractContextManager[None]] | None = getattr(lease, "waiting_for_answer", None)
+    return waiting() if waiting is not None else nullcontext()
+
+
+async def _first_piece(lease: Lease, pieces: AsyncIterator[bytes]) -> bytes | None:
+    """The answer's first piece of body (None: the body is empty), bounded like every wait."""
     try:
-        async with AsyncExitStack() as stack:
-            response = await step(lease, lambda: stack.enter_async_context(pool.request("POST", path, payload)))
-            if response.status != 200:
-                raw = await step(lease, response.read)
-                raise UpstreamError(upstream_message(raw, response.status), status=client_status(response.status, raw))
-            async with aclosing(response.batches()) as pieces, aclosing(_bounded_pieces(lease, pieces)) as bounded_pieces:
-                yield bounded_pieces
-    except ConnectionFailed as exc:
-        raise await crash_or(lease, exc) from None
+        piece: bytes = await step(lease, pieces.__anext__)
+    except StopAsyncIteration:
+        return None
+    return piece
 
 
 @asynccontextmanager
@@ -130,14 +178,21 @@ def _encode(body: dict[str, Any]) -> bytes:
 
 
 async def post_upstream_raw(lease: Lease, path: str, body: dict[str, Any] | bytes) -> tuple[int, bytes]:
-    """POST ``body`` to the runner and return its status and whole answer, whatever the status."""
-    pool: UpstreamPool = lease.handle.upstream
-    await restore_warm(lease, path, body)
-    try:
-        result: tuple[int, bytes] = await step(lease, lambda: pool.post(path, body if isinstance(body, bytes) else _encode(body)))
-        return result
-    except ConnectionFailed as exc:
-        raise await crash_or(lease, exc) from None
+    """POST ``body`` to the runner and return its status and whole answer, whatever the status.
+
+    Nothing is handed on before the whole answer is read: a runner that dies (or is killed as
+    hung) on the way is replaced, and the request runs again on a new one (once)."""
+    payload = body if isinstance(body, bytes) else _encode(body)
+    while True:
+        await restore_warm(lease, path, body)
+        pool: UpstreamPool = lease.handle.upstream
+        try:
+            with _waiting_for_answer(lease):
+                result: tuple[int, bytes] = await step(lease, functools.partial(pool.post, path, payload))
+            return result
+        except ConnectionFailed as exc:
+            error = await crash_or(lease, exc)
+        await run_again_or_raise(lease, error)
 
 
 async def post_upstream(lease: Lease, path: str, body: dict[str, Any]) -> dict[str, Any]:

@@ -1,26 +1,46 @@
-"""A request's hold on a runner slot: what the HTTP edge gets from the scheduler."""
+"""A request's hold on a runner slot: what the HTTP edge gets from the scheduler.
+
+No request is lost to a runner's death. When the runner of a lease dies, hangs, or is killed for
+hanging before it produced any of the request's answer, the request is queued again and served
+by a new runner (:meth:`Lease.rerun`, driven by :mod:`trioshed.api.upstream` for every route):
+once; a runner of the same model that dies again on the same request ends it with an error that
+names both deaths. "Produced any of its answer" means precisely: a byte of the answer's body was
+handed on towards the client (a piece of a stream given to the route, or a whole answer
+returned). The request itself may have reached the dead runner: running it again is safe
+because nothing of the first run was seen.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Protocol
 
 from trioshed.core.model import ModelSpec, RunnerOptions
 from trioshed.errors import RunnerCrashed
 from trioshed.scheduler.runner import Runner
 
-if TYPE_CHECKING:
-    from trioshed.scheduler.scheduler import Scheduler
+
+class LeaseOwner(Protocol):
+    """What a lease needs of the scheduler that granted it."""
+
+    def _release(self, runner: Runner, tenant: str | None = None) -> None: ...
+    def evict_after_leases(self, runner: Runner, reason: str) -> None: ...
+    async def _wait_again(self, request: Any) -> tuple[Any, Runner]: ...
 
 
 class Lease:
     """A request's hold on a runner slot, from dispatch until released (synchronous, idempotent)."""
 
-    def __init__(self, scheduler: Scheduler, runner: Runner, load_duration: float, tenant: str = "") -> None:
-        self._scheduler = scheduler
+    def __init__(self, owner: LeaseOwner, runner: Runner, load_duration: float, tenant: str = "", request: Any = None) -> None:
+        self._scheduler = owner
         self._runner = runner
         self._tenant = tenant  # the API key's name: its slot is counted until released
+        self._request = request  # the scheduler's record of the request (queued again by rerun)
         self.load_duration = load_duration
         self.released = False
+        #: The death that made this request run again on a new runner (None: it has not).
+        self.rerun_after: RunnerCrashed | None = None
 
     @property
     def model(self) -> ModelSpec:
@@ -51,6 +71,43 @@ class Lease:
     def evict(self, reason: str) -> None:
         """The runner misbehaved under this lease (hung): replace it once its leases end."""
         self._scheduler.evict_after_leases(self._runner, reason)
+
+    @contextmanager
+    def waiting_for_answer(self) -> Iterator[None]:
+        """Around a request sent to the runner until the first byte of its answer: meanwhile the
+        runner is asked every few seconds (PING_TIMEOUT) whether it still answers, and killed as
+        hung when it does not, so that the request runs again on a new one. (A ping before
+        reuse cannot close that gap: a child can stop just after answering it; measured, a
+        llama-server whose threads were busy still answered /health just after SIGSTOP.)"""
+        runner = self._runner
+        runner.waiting_for_answer()
+        try:
+            yield
+        finally:
+            runner.answered()
+
+    async def rerun(self, crash: RunnerCrashed) -> None:
+        """The runner died (or was killed as hung) before it produced any of this request's
+        answer: give its slot back and wait, at the head of its model's queue, for a slot on a
+        new runner; the lease then stands for that one. Once per request: a second death
+        raises an error naming both (the caller's request ends with it).
+
+        Raises ``crash`` itself when the request cannot run again (released, or not the
+        scheduler's), and whatever waiting for a runner raises (a failed load, shutdown).
+        Cancellation: while waiting, the request leaves the queue; the lease is then released.
+        """
+        if self.released or self._request is None:
+            raise crash
+        if self.rerun_after is not None:
+            raise RunnerCrashed.again(self.model.name, self.rerun_after, crash)
+        self.rerun_after = crash
+        self._scheduler._release(self._runner, self._tenant)
+        try:
+            self._request, self._runner = await self._scheduler._wait_again(self._request)
+        except BaseException:
+            self.released = True  # its slot went back above; nothing is held now
+            raise
+        self.load_duration += self._request.load_duration
 
     def release(self) -> None:
         if not self.released:

@@ -102,21 +102,37 @@ class RunnerLifetimes:
 
     async def _monitor_health(self, runner: Runner, handle: Any) -> None:
         """Ping ``/health`` every HEALTH_INTERVAL; two failures in a row: the runner is hung.
+        While a request waits for the first byte of its answer, ping every PING_TIMEOUT instead:
+        one failure (no answer within PING_TIMEOUT) and it is hung.
 
         The exit watcher sees a dead child at once; this catches a live but hung one between
-        requests (a request pings a runner idle for PING_IDLE before using it). The streams on a
-        hung runner end with an error then (before, they waited for the stream idle timeout).
+        requests (a request pings a runner idle for PING_IDLE before using it), and one that
+        stopped after that ping, with a request on it: killed, it is replaced and the request
+        runs again (:meth:`Lease.rerun`). The streams on a hung runner end with an error.
         """
         failures = 0
+        runner.answer_check = PING_TIMEOUT
+        due = trio.current_time() + HEALTH_INTERVAL
         while True:
-            await trio.sleep(HEALTH_INTERVAL)
+            soon = trio.current_time() + PING_TIMEOUT
+            runner.watch = trio.CancelScope(deadline=min(due, soon) if runner.awaiting else due)
+            with runner.watch:
+                await trio.sleep_forever()
+            waited = runner.awaiting > 0
             healthy = False
-            with trio.move_on_after(HEALTH_TIMEOUT):
+            with trio.move_on_after(PING_TIMEOUT if waited else HEALTH_TIMEOUT):
                 healthy = await handle.health()
-            failures = 0 if healthy else failures + 1
-            if failures >= 2:
-                self._declare_hung(runner, f"did not answer two health checks {HEALTH_INTERVAL:g}s apart")
+            due = trio.current_time() + HEALTH_INTERVAL
+            if healthy:
+                failures = 0
+            elif waited and runner.awaiting:  # nobody had an answer meanwhile
+                self._declare_hung(runner, f"did not answer a health check within {PING_TIMEOUT:g}s while a request waited for its answer")
                 return
+            else:
+                failures += 1
+                if failures >= 2:
+                    self._declare_hung(runner, f"did not answer two health checks {HEALTH_INTERVAL:g}s apart")
+                    return
 
     def _declare_hung(self, runner: Runner, why: str) -> None:
         """A live runner that does not answer: kill it now (SIGKILL; a hung child may not act

@@ -70,6 +70,21 @@ class Runner:
     # Requests with this id or later may not take a slot: a request that arrived before them is
     # due to evict this runner (core.sched's Plan.closed, kept until the next planning pass).
     closed_from: float = math.inf
+    # Requests sent to it that have not had the first byte of their answer yet, and the health
+    # monitor's sleep (its deadline: the next check): a request waiting for its answer brings the
+    # next check to at most ``answer_check`` seconds away (see ``Lease.waiting_for_answer``).
+    awaiting: int = 0
+    watch: trio.CancelScope | None = None
+    answer_check: float = math.inf
+
+    def waiting_for_answer(self) -> None:
+        """A request was sent and waits for its answer's first byte (undone by ``answered``)."""
+        self.awaiting += 1
+        if self.watch is not None:
+            self.watch.deadline = min(self.watch.deadline, trio.current_time() + self.answer_check)
+
+    def answered(self) -> None:
+        self.awaiting -= 1
 
     def usage(self) -> tuple[tuple[str, int], ...]:
         """Bytes per device: what llama.cpp reported on each, or (a declared inventory, whose

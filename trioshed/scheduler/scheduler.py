@@ -101,12 +101,26 @@ class _Request:
     key: ApiKey = ANONYMOUS  # whose request: its tenant and weight
     share: float = 0.0  # its start tag in the fair order between tenants
     queued_at: float = 0.0  # Trio's clock: when it reached the scheduler (priority ages from it)
+    retries: int = 0  # how many times it was queued again (its runner died or failed its ping)
 
     @functools.cached_property
     def view(self) -> sched.RequestView:
         return sched.RequestView(
             self.id, self.model, self.options, self.estimate, priority=self.model.priority,
             held_since=self.held_since, tenant=self.key.name, share=self.share, arrived=self.queued_at,
+        )  # fmt: skip
+
+    @property
+    def again_of(self) -> bool:
+        """Whether this is a request queued again (its runner died, or failed its ping)."""
+        return self.retries > 0
+
+    def again(self) -> _Request:
+        """This request, to be queued again: the same id, arrival and share; nothing decided."""
+        return _Request(
+            self.id, self.model, self.options, self.keep_alive, self.estimate, arrived=self.arrived,
+            held_since=self.held_since, key=self.key, share=self.share, queued_at=self.queued_at,
+            retries=self.retries + 1,
         )  # fmt: skip
 
     def held(self, now: float) -> None:
@@ -209,29 +223,43 @@ class Scheduler(RunnerLifetimes):
     async def wait_for_lease(self, model: ModelSpec, options: RunnerOptions, keep_alive: float | None) -> Lease:
         """A lease on a runner that answers: one idle for PING_IDLE or more is pinged first (the
         reference pings on every reuse); one that does not answer within PING_TIMEOUT is killed
-        as hung and the request waits for its replacement (at most PING_RETRIES times)."""
+        as hung and the request waits for its replacement (at most PING_RETRIES times).
+
+        The lease can run the request again on a new runner if this one dies before it answers
+        (:meth:`Lease.rerun`)."""
+        req = self._admit(model, options, keep_alive)
+        req, runner = await self._pinged(req)
+        return Lease(self, runner, req.load_duration, req.key.name, req)
+
+    async def _wait_again(self, req: _Request) -> tuple[_Request, Runner]:
+        """``req``'s runner died before it answered: wait for another, at the head of the queue.
+
+        It was admitted once, so neither its key's limits nor the queue bound refuse it now."""
+        return await self._pinged(req.again())
+
+    async def _pinged(self, req: _Request) -> tuple[_Request, Runner]:
+        """Wait for a runner for ``req``, pinging one that was idle (see :meth:`wait_for_lease`)."""
         for _ in range(PING_RETRIES):
-            req, lease = await self._wait_for_lease(model, options, keep_alive)
+            runner = await self._wait_for_runner(req)
             if req.idle_for < PING_IDLE:
-                return lease
+                return req, runner
             try:
                 with trio.move_on_after(PING_TIMEOUT):
-                    if await lease.handle.health():
-                        return lease
+                    if await runner.handle.health():
+                        return req, runner
             except BaseException:
-                lease.release()
+                self._release(runner, req.key.name)
                 raise
-            assert req.runner is not None
-            self._declare_hung(req.runner, f"did not answer a health check within {PING_TIMEOUT:g}s before reuse")
-            lease.release()
-        return (await self._wait_for_lease(model, options, keep_alive))[1]  # as it comes, unpinged
+            self._declare_hung(runner, f"did not answer a health check within {PING_TIMEOUT:g}s before reuse")
+            self._release(runner, req.key.name)
+            req = req.again()
+        return req, await self._wait_for_runner(req)  # as it comes, unpinged
 
-    async def _wait_for_lease(
-        self, model: ModelSpec, options: RunnerOptions, keep_alive: float | None
-    ) -> tuple[_Request, Lease]:
+    def _admit(self, model: ModelSpec, options: RunnerOptions, keep_alive: float | None) -> _Request:
+        """A new request, if its key's concurrency limit and its model's file allow it."""
         if self._closing or self._nursery is None:
             raise ShuttingDown()
-        trace, arrived, key = current_trace.get(), trio.current_time(), current_key.get()
+        key = current_key.get()
         tenant = self._tenants.setdefault(key.name, _Tenant())
         if key.max_concurrent and tenant.queued + tenant.leased >= key.max_concurrent:
             self._refuse(model, TooManyRequests(key.name, "concurrent requests", key.max_concurrent))
@@ -239,7 +267,7 @@ class Scheduler(RunnerLifetimes):
             estimate = self._estimator(model, options)  # cached GGUF header read: microseconds once warm
         except (OSError, ValueError) as exc:
             raise unreadable(model.name, model.path, exc) from None
-        req = _Request(
+        return _Request(
             id=next(self._ids),
             model=model,
             options=options,
@@ -247,8 +275,19 @@ class Scheduler(RunnerLifetimes):
             estimate=estimate,
             key=key,
             share=self._fair.arrive(key.name, key.weight),
-            queued_at=arrived,
+            queued_at=trio.current_time(),
         )
+
+    async def _wait_for_runner(self, req: _Request) -> Runner:
+        """Dispatch ``req`` at once when a runner has a free slot and nothing waits ahead of it,
+        else queue it and wait for the planner's decision (raised when it is an error).
+
+        A request queued again (``req.again``) was admitted before: no limit or bound refuses it,
+        and it goes back to its place in arrival order (ahead of those that came after it)."""
+        if self._closing or self._nursery is None:
+            raise ShuttingDown()
+        trace, key = current_trace.get(), req.key
+        tenant = self._tenants.setdefault(key.name, _Tenant())
         runner = self._free_slot_now(req) if self._nothing_ahead(req) else None
         if runner is not None:
             # Fast path, FIFO-safe because nothing for this model waits ahead of it: a ready
@@ -257,14 +296,17 @@ class Scheduler(RunnerLifetimes):
             self._dispatch(req, runner)
             await trio.lowlevel.cancel_shielded_checkpoint()
             if trace is not None:
-                trace.leased(model.name, 0.0, req.load_duration)
+                trace.leased(req.model.name, 0.0, req.load_duration)
             tenant.leased += 1
-            return req, Lease(self, runner, req.load_duration, key.name)
-        if key.max_queued and tenant.queued >= key.max_queued:
-            self._refuse(model, TooManyRequests(key.name, "queued requests", key.max_queued))
+            return runner
+        if not req.again_of and key.max_queued and tenant.queued >= key.max_queued:
+            self._refuse(req.model, TooManyRequests(key.name, "queued requests", key.max_queued))
         tenant.queued += 1
         try:
-            self.submit_nowait(req)
+            if req.again_of:
+                self._enqueue_in_order(req)
+            else:
+                self.submit_nowait(req)
             try:
                 await req.done.wait()
             except BaseException:
@@ -276,9 +318,9 @@ class Scheduler(RunnerLifetimes):
             raise req.error
         assert req.runner is not None
         if trace is not None:
-            trace.leased(model.name, trio.current_time() - arrived, req.load_duration)
+            trace.leased(req.model.name, trio.current_time() - req.queued_at, req.load_duration)
         tenant.leased += 1
-        return req, Lease(self, req.runner, req.load_duration, key.name)
+        return req.runner
 
     def _refuse(self, model: ModelSpec, error: TrioshedError) -> NoReturn:
         self.events.refused(model.name, error)
@@ -471,6 +513,16 @@ class Scheduler(RunnerLifetimes):
         if not req.done.is_set():
             self._waiting[req.id] = req
             self._waiting_by_path.setdefault(req.model.path, {})[req.id] = req
+
+    def _enqueue_in_order(self, req: _Request) -> None:
+        """Queue ``req`` (queued again: its id is older than most) in arrival order, now."""
+        self._enqueue(req)
+        for waiting in (self._waiting, self._waiting_by_path[req.model.path]):
+            if max(waiting) != req.id:  # others arrived after it (ids are given in arrival order)
+                ordered = sorted(waiting.items())
+                waiting.clear()
+                waiting.update(ordered)
+        self._wake()
 
     def _unqueue(self, req: _Request) -> bool:
         """Take ``req`` out of the waiting list; whether it was there."""

@@ -2,12 +2,15 @@
 
 A fake "loads" by sleeping ``load_time`` of (simulated) time, can be told to fail loading, and
 can be crashed (``crash()``) to exercise the exit watcher. Every start and stop is recorded.
+Its ``upstream`` answers requests in-process as a runner's connection pool would (see
+:class:`FakeUpstream`), so the edge's upstream code runs against it under ``MockClock`` too.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import AsyncIterator
+import math
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -23,6 +26,7 @@ from trioshed.core.model import (
     RunnerOptions,
 )
 from trioshed.errors import LoadFailed
+from trioshed.runner.client import ConnectionFailed
 
 _pids = itertools.count(10_000)
 
@@ -39,6 +43,16 @@ class FakeRunner:
     healthy: bool = True
     frozen: bool = False  # a stopped process: its health check never answers
     _exited: trio.Event = field(default_factory=trio.Event)
+    #: What it answers each request: these pieces of body, ``piece_time`` apart (simulated).
+    answer: tuple[bytes, ...] = (b'{"content":"ok"}',)
+    piece_time: float = 0.5
+    head_time: float = 0.5  # from the request to its answer's head
+    requests: list[str] = field(default_factory=list)  # the paths it was sent, in order
+    sent: trio.Event = field(default_factory=trio.Event)  # set by its first request
+    upstream: FakeUpstream = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.upstream = FakeUpstream(self)
 
     async def health(self) -> bool:
         await trio.lowlevel.checkpoint()
@@ -61,6 +75,63 @@ class FakeRunner:
     def crash(self, returncode: int = -9) -> None:
         self.returncode = returncode
         self._exited.set()
+
+    async def _wait(self, seconds: float, *, received: int) -> None:
+        """``seconds`` of answering (forever while frozen); the connection breaks if it dies."""
+        with trio.move_on_after(math.inf if self.frozen else seconds):
+            await self._exited.wait()
+        if self.frozen and not self.exited:
+            await self._exited.wait()  # frozen meanwhile
+        if self.exited:
+            raise ConnectionFailed("reading llama-server's answer failed: ECONNRESET (fake)", received=received)
+
+
+class FakeUpstream:
+    """A fake runner's connection pool: ``request()`` and ``post()`` as :class:`UpstreamPool`'s.
+
+    A dead runner refuses the connection; a frozen one takes the request and answers nothing
+    until it dies (then the connection breaks); a runner that dies mid-answer breaks it there.
+    """
+
+    def __init__(self, runner: FakeRunner) -> None:
+        self.runner = runner
+
+    @asynccontextmanager
+    async def request(self, method: str, path: str, body: bytes = b"", *, content_type: str = "application/json") -> AsyncIterator[FakeResponse]:
+        runner = self.runner
+        await trio.lowlevel.checkpoint()
+        if runner.exited:
+            raise ConnectionFailed("cannot connect to llama-server: ECONNREFUSED (fake)")
+        runner.requests.append(path)
+        runner.sent.set()
+        await runner._wait(runner.head_time, received=0)
+        yield FakeResponse(runner)
+
+    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        async with self.request("POST", path, body) as response:
+            return response.status, await response.read()
+
+    async def get(self, path: str) -> tuple[int, bytes]:
+        async with self.request("GET", path) as response:
+            return response.status, await response.read()
+
+
+class FakeResponse:
+    status = 200
+
+    def __init__(self, runner: FakeRunner) -> None:
+        self._runner = runner
+
+    async def batches(self) -> AsyncGenerator[bytes, None]:
+        received = 0
+        for i, piece in enumerate(self._runner.answer):
+            if i:
+                await self._runner._wait(self._runner.piece_time, received=received)
+            received += len(piece)
+            yield piece
+
+    async def read(self) -> bytes:
+        return b"".join([piece async for piece in self.batches()])
 
 
 class FakeFactory:
