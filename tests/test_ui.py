@@ -122,8 +122,9 @@ async def test_a_client_that_reads_nothing_holds_nothing_and_is_told_what_it_mis
     history = st.scheduler.events
     stream = events.stream(st, None)
     kinds = []
-    while "state" not in kinds:
+    while "models" not in kinds:  # the first round: hello, state, ..., the store's models last
         kinds.append((await anext(stream)).split(b"\n", 1)[0].decode().removeprefix("event: "))
+    assert kinds[:2] == ["hello", "state"]
     history.add("load", "tiny")
     st.log_tail.emit(logging.LogRecord("trioshed", logging.INFO, __file__, 1, "first", None, None))
     sent = [await anext(stream) for _ in range(2)]

@@ -42,6 +42,7 @@ from trioshed.runner.process import open_llama_server
 from trioshed.runner.slots import WarmReturns
 from trioshed.runner.slotstore import SlotStore
 from trioshed.scheduler import Scheduler
+from trioshed.scheduler.timeline import run_timeline
 
 log = logging.getLogger(__name__)
 
@@ -190,6 +191,7 @@ async def serve(
     async with trio.open_nursery() as nursery:
         await nursery.start(log_tail.run_installed)
         await nursery.start(scheduler.run)
+        nursery.start_soon(run_timeline, scheduler, state.timeline)  # the status page's last hour
         if links := state.store.links_out():
             log.warning(
                 "not serving %d model file(s) that are symlinks out of the store: %s; name them in "

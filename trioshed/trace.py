@@ -31,6 +31,9 @@ class RequestTrace:
     eval_tokens: int | None = None
     error: str = ""  # for a 503, its cause: queue_full, cooldown, shutting_down
     key: str = ""  # the API key's name ("" = no keys configured); never the key itself
+    prompt_seconds: float | None = None  # llama-server's prompt processing time, where reported
+    eval_seconds: float | None = None  # its generation time, where reported
+    restore_seconds: float | None = None  # a saved conversation restored before the request (warm returns)
 
     def leased(self, model: str, queue_wait: float, load_wait: float) -> None:
         self.model = model
@@ -50,6 +53,18 @@ class RequestTrace:
             self.prompt_tokens = prompt
         if isinstance(completion, int):
             self.eval_tokens = completion
+        timings = answer.get("timings")  # llama-server's own, on its OpenAI-shaped answers
+        if isinstance(timings, dict):
+            prompt_ms, eval_ms = timings.get("prompt_ms"), timings.get("predicted_ms")
+            if isinstance(prompt_ms, int | float):
+                self.prompt_seconds = prompt_ms / 1000
+            if isinstance(eval_ms, int | float):
+                self.eval_seconds = eval_ms / 1000
+        prompt_ns, eval_ns = answer.get("prompt_eval_duration"), answer.get("eval_duration")  # Ollama's
+        if isinstance(prompt_ns, int) and prompt_ns > 0:
+            self.prompt_seconds = prompt_ns / 1e9
+        if isinstance(eval_ns, int) and eval_ns > 0:
+            self.eval_seconds = eval_ns / 1e9
 
 
 current: ContextVar[RequestTrace | None] = ContextVar("trioshed_request_trace", default=None)

@@ -73,7 +73,9 @@ def create_app(state: AppState) -> QuartTrio:
     app.register_blueprint(events.bp)
     app.register_blueprint(pin.bp)
     app.config["TRIOSHED_METRICS"] = metrics.Metrics(state.scheduler, warm=state.warm)
-    observe.install(app, app.config["TRIOSHED_METRICS"], log_json=state.settings.log_format == "json")
+    observe.install(
+        app, app.config["TRIOSHED_METRICS"], log_json=state.settings.log_format == "json", finished=state.request_finished
+    )
     gate = Gate(state)
     app.config["TRIOSHED_FAST"] = fast.FastPath(
         app,  # type: ignore[arg-type]  # Quart's ASGI types are narrower than the plain dicts

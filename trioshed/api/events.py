@@ -9,6 +9,13 @@ Messages (each ``event: NAME`` and one ``data:`` line of JSON):
 - ``events``: ``{"events": [...], "gap"}`` the scheduler's events after the last sent (load,
   ready, evict, unloaded, crashed, load failed, refused), ``gap`` when some were missed;
 - ``log``: ``{"lines": [...], "gap"}`` new lines of the log tail (:mod:`trioshed.logtail`);
+- ``history``: ``{"samples": [...]}`` seconds of the last hour not sent yet, or sent before and
+  changed since (:class:`trioshed.scheduler.events.Timeline`: tokens generated, requests
+  waiting, memory per device and runner); the whole hour on connect;
+- ``activity``: ``{"requests": [...]}`` the recent requests not sent yet
+  (:class:`trioshed.activity.RecentRequests`): waits, tokens, speed and why one was slow;
+- ``models``: ``{"models": [...]}`` every model in the store, described
+  (:func:`trioshed.api.store_view.store_models`), on connect and then every 30 s;
 - a comment line (``: keep-alive``) when nothing else was sent for :data:`REFRESH` seconds.
 
 Bounded per client: a stream holds only the sequence numbers it sent last and the last state it
@@ -36,6 +43,8 @@ from trioshed.api.drain import drain_started
 from trioshed.api.preamble import state
 from trioshed.api.state import AppState
 from trioshed.api.status import status
+from trioshed.api.store_view import REFRESH as MODELS_REFRESH
+from trioshed.api.store_view import store_models
 from trioshed.errors import EventStreamsBusy
 
 bp = Blueprint("events", __name__)
@@ -96,6 +105,10 @@ async def stream(st: AppState, stopping: trio.Event | None) -> AsyncIterator[byt
         last_state: dict[str, Any] | None = None
         event_seq = 0
         log_seq = 0
+        sample_seq = 0
+        request_seq = 0
+        models_at = -MODELS_REFRESH
+        last_models: list[dict[str, Any]] | None = None
         while stopping is None or not stopping.is_set():
             sent = False
             current = state_message(st)
@@ -115,9 +128,29 @@ async def stream(st: AppState, stopping: trio.Event | None) -> AsyncIterator[byt
                     log_seq = lines[-1].seq
                     sent = True
                     yield sse("log", {"lines": [line.__dict__ for line in lines], "gap": gap and log_seq > len(lines)})
+            samples = st.timeline.after(sample_seq)
+            if samples:
+                sample_seq = max(sample.seq for sample in samples)
+                sent = True
+                yield sse("history", {"samples": [sample.as_json() for sample in samples]})
+            finished = st.recent.after(request_seq)
+            if finished:
+                request_seq = finished[-1].seq
+                sent = True
+                yield sse("activity", {"requests": [r.as_json() for r in finished]})
+            if trio.current_time() - models_at >= MODELS_REFRESH:
+                models_at = trio.current_time()
+                current_models = await store_models(st)
+                if current_models != last_models:
+                    last_models = current_models
+                    sent = True
+                    yield sse("models", {"models": current_models})
             if not sent:
                 yield b": keep-alive\n\n"
-            waits: list[Callable[[], Awaitable[object]]] = [st.scheduler.wait_changed, partial(history.wait_after, event_seq)]
+            waits: list[Callable[[], Awaitable[object]]] = [
+                st.scheduler.wait_changed, partial(history.wait_after, event_seq),
+                partial(st.timeline.wait_after, sample_seq), partial(st.recent.wait_after, request_seq),
+            ]  # fmt: skip
             if tail is not None:
                 waits.append(tail.wait_changed)
             if stopping is not None:

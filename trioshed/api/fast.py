@@ -117,7 +117,7 @@ class FastPath:
         if len(body) > self.max_body or not read or read[-1].get("more_body", False):
             await self.delegate(scope, _replay(read, receive), send)  # too large, or too slow
             return
-        with observe.traced(scope, self.metrics, log_json=self.log_json) as trace:
+        with observe.traced(scope, self.metrics, log_json=self.log_json, finished=self.state.request_finished) as trace:
             trace.route = path
             if key is not None:
                 trace.key = key.name

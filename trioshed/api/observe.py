@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -30,8 +30,11 @@ log = logging.getLogger("trioshed.requests")
 
 
 @contextmanager
-def traced(scope: Any, metrics: Metrics, *, log_json: bool) -> Iterator[RequestTrace]:
-    """One HTTP request's trace, set for its task; metrics and the log line when it ends."""
+def traced(
+    scope: Any, metrics: Metrics, *, log_json: bool, finished: Callable[[RequestTrace, float], None] | None = None
+) -> Iterator[RequestTrace]:
+    """One HTTP request's trace, set for its task; metrics, the log line and ``finished`` (the
+    status page's activity) when it ends."""
     trace = RequestTrace(scope["method"], scope["path"], _address(scope.get("client")), time.monotonic())
     token = _trace.current.set(trace)
     try:
@@ -40,13 +43,17 @@ def traced(scope: Any, metrics: Metrics, *, log_json: bool) -> Iterator[RequestT
         _trace.current.reset(token)
         duration = time.monotonic() - trace.started
         metrics.request_finished(trace, duration)
+        if finished is not None:
+            finished(trace, duration)
         if log_json:
             log.info("request", extra={"fields": log_fields(trace, duration)})
         elif log.isEnabledFor(logging.DEBUG):
             log.debug("%s %s %d %.1f ms", trace.method, trace.path, trace.status, duration * 1000)
 
 
-def install(app: QuartTrio, metrics: Metrics, *, log_json: bool) -> None:
+def install(
+    app: QuartTrio, metrics: Metrics, *, log_json: bool, finished: Callable[[RequestTrace, float], None] | None = None
+) -> None:
     """Wrap ``app``'s ASGI callable and add the hooks; call before other ``before_request``s."""
     inner = app.asgi_app
 
@@ -54,7 +61,7 @@ def install(app: QuartTrio, metrics: Metrics, *, log_json: bool) -> None:
         if scope["type"] != "http":
             await inner(scope, receive, send)
             return
-        with traced(scope, metrics, log_json=log_json):
+        with traced(scope, metrics, log_json=log_json, finished=finished):
             await inner(scope, receive, send)
 
     app.asgi_app = asgi_app  # type: ignore[method-assign]

@@ -24,6 +24,7 @@ from trioshed.config import parse_duration
 from trioshed.core.model import ModelSpec, RunnerOptions
 from trioshed.errors import BadRequest
 from trioshed.models.capabilities import capabilities
+from trioshed.models.gguf_meta import GGUFMetadata
 from trioshed.models.ollama_store import OllamaManifest
 
 #: A request served by the fast path (:mod:`trioshed.api.fast`, no Quart context): the app's
@@ -124,6 +125,11 @@ async def model_capabilities(spec: ModelSpec) -> list[str] | None:
         meta = await state().metadata(spec)
     except Exception:
         return None
+    return capabilities_of(spec, meta)
+
+
+def capabilities_of(spec: ModelSpec, meta: GGUFMetadata) -> list[str]:
+    """What the model can do, from its header (and its Ollama manifest's template, if any)."""
     origin = spec.origin if isinstance(spec.origin, OllamaManifest) else None
     template = (origin.template if origin else "") or meta.chat_template or ""
     family = (origin.family if origin else "") or meta.architecture or ""

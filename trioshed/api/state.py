@@ -9,6 +9,7 @@ from typing import Any
 
 import trio
 
+from trioshed.activity import RecentRequests
 from trioshed.api.limits import check_runner_options
 from trioshed.config import Settings
 from trioshed.core.model import MiB, ModelSpec, RunnerOptions
@@ -19,6 +20,8 @@ from trioshed.models.pull import Puller
 from trioshed.models.stores import Stores
 from trioshed.runner.slots import WarmReturns
 from trioshed.scheduler import Scheduler
+from trioshed.scheduler.events import Timeline
+from trioshed.trace import RequestTrace
 
 _RUNNER_FIELDS = {"num_ctx", "num_batch", "num_gpu", "main_gpu", "use_mmap", "num_thread"}
 
@@ -32,6 +35,8 @@ class AppState:
     started: float = field(default_factory=time.time)
     log_tail: LogTail | None = None  # the last log lines, for the status page (serve() installs one)
     event_streams: int = 0  # GET /api/events streams open now
+    recent: RecentRequests = field(default_factory=RecentRequests)  # the status page's activity
+    timeline: Timeline = field(default_factory=Timeline)  # the status page's last hour (serve() samples it)
     _puller: Puller | None = None
     #: headers by the file's identity as the spec was resolved (path, size, mtime): the hot
     #: routes ask two or three times per request, each a realpath and a stat otherwise
@@ -43,6 +48,13 @@ class AppState:
         if self._puller is None:
             self._puller = Puller(self.store.pull_root)
         return self._puller
+
+    def request_finished(self, trace: RequestTrace, duration: float) -> None:
+        """A request's answer ended: the status page's activity list and tokens per second."""
+        if self.recent.add(trace, duration) is not None and trace.model and trace.eval_tokens:
+            end = time.time()
+            generating = trace.eval_seconds or max(0.0, duration - (trace.queue_wait or 0.0))
+            self.timeline.add_tokens(trace.model, trace.eval_tokens, end - generating, end)
 
     def runner_options(self, model: ModelSpec, overrides: dict[str, Any]) -> RunnerOptions:
         """The runner options for a request: settings, then the model's defaults, then the request."""

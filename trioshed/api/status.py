@@ -10,7 +10,8 @@ import math
 from collections import defaultdict
 from typing import Any
 
-from trioshed.core.model import Device
+from trioshed.core.model import Device, MiB
+from trioshed.core.sched import CPU_ID
 from trioshed.scheduler.stats import SchedulerStatistics
 
 
@@ -28,8 +29,14 @@ def status(
     GPU (TRIOSHED_GPU_OVERHEAD). ``now``: wall-clock seconds."""
     held: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in stats.runners:
+        cache = _prompt_cache(r)
         for device_id, nbytes in r.usage:
-            if nbytes > 0:
+            if device_id == CPU_ID and cache:  # the prompt-cache reservation, named apart
+                own = max(0, nbytes - cache)
+                if own:
+                    held[device_id].append({"model": r.model, "bytes": own})
+                held[device_id].append({"model": r.model, "bytes": min(cache, nbytes), "prompt_cache": True})
+            elif nbytes > 0:
                 held[device_id].append({"model": r.model, "bytes": nbytes})
     devices = []
     for gpu in gpus:
@@ -73,6 +80,11 @@ def _device(device: Device, kind: str, free: int | None, reserved: int, runners:
     }
 
 
+def _prompt_cache(r: Any) -> int:
+    """The bytes of llama-server's host prompt cache (``--cache-ram``) the runner reserves."""
+    return max(0, r.options.cache_ram_mib) * MiB
+
+
 def _runner(r: Any) -> dict[str, Any]:
     measured = r.measured.total if r.measured is not None and r.measured.total > 0 else None
     return {
@@ -88,6 +100,7 @@ def _runner(r: Any) -> dict[str, Any]:
         "size": r.size,
         "estimated": r.estimate.total,
         "measured": measured,
+        "prompt_cache": _prompt_cache(r),
         "pinned": r.pinned,
         "devices": list(r.placement.devices),
     }

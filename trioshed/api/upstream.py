@@ -29,6 +29,7 @@ from trioshed.core.model import ModelSpec, RunnerOptions
 from trioshed.errors import RunnerCrashed, RunnerStalled, TrioshedError, UpstreamError
 from trioshed.runner.client import ConnectionFailed, UpstreamPool
 from trioshed.scheduler import Lease, Scheduler
+from trioshed.trace import current as current_trace
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,10 @@ async def restore_warm(lease: Lease, path: str, body: dict[str, Any] | bytes) ->
     been used). Bounded like every wait on the runner; a failed restore is logged, not raised."""
     slots = getattr(lease.handle, "slots", None)
     if slots is not None:
-        await step(lease, lambda: slots.restore_for(path, body))
+        started = trio.current_time()
+        restored = await step(lease, lambda: slots.restore_for(path, body))
+        if restored is not None and (trace := current_trace.get()) is not None:
+            trace.restore_seconds = trio.current_time() - started
 
 
 async def truncated(lease: Lease) -> TrioshedError:

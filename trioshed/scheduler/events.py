@@ -92,3 +92,118 @@ class EventHistory:
         while self._seq <= seq:
             await self._changed.wait()
         return self.after(seq)
+
+
+TIMELINE = 3600  # samples held: one a second, the last hour
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One second of the server, for the status page's pictures.
+
+    ``tokens``: tokens generated in that second, per model (a finished request's tokens are
+    spread evenly over the seconds it generated them: the sample of a second already sent is
+    then sent again, with a new ``seq``, as a folded refusal is); ``waiting``: requests waiting
+    per model; ``memory``: per device, the bytes each runner holds there, a runner's prompt-cache
+    reservation apart (``"<model> · prompt cache"``).
+    """
+
+    seq: int
+    time: int  # wall-clock second
+    tokens: tuple[tuple[str, int], ...] = ()
+    waiting: tuple[tuple[str, int], ...] = ()
+    memory: tuple[tuple[str, str, int], ...] = ()  # (device id, runner label, bytes)
+
+    @property
+    def idle(self) -> bool:
+        return not (self.tokens or self.waiting or self.memory)
+
+    def as_json(self) -> dict[str, object]:
+        memory: dict[str, dict[str, int]] = {}
+        for device, label, nbytes in self.memory:
+            memory.setdefault(device, {})[label] = nbytes
+        return {"seq": self.seq, "time": self.time, "tokens": dict(self.tokens), "waiting": dict(self.waiting), "memory": memory}
+
+
+class Timeline:
+    """The last :data:`TIMELINE` seconds as :class:`Sample`\\ s, and a way to wait for the next.
+
+    Plain data: the sampler (:func:`trioshed.scheduler.timeline.run_timeline`) records what the
+    scheduler holds once a second while anything is loaded or waiting, and one idle sample when
+    it all goes away (a gap after an idle sample means nothing happened); the HTTP edge adds each
+    finished request's generated tokens. Bounded: at most :data:`TIMELINE` samples, and tokens
+    for seconds not yet sampled only while they are within a minute of now.
+    """
+
+    def __init__(self, size: int = TIMELINE) -> None:
+        self._samples: deque[Sample] = deque(maxlen=size)
+        self._ahead: dict[int, dict[str, int]] = {}  # tokens of seconds not sampled yet
+        self._seq = 0
+        self._changed = trio.Event()
+
+    @property
+    def last_seq(self) -> int:
+        return self._seq
+
+    def _bump(self) -> int:
+        self._seq += 1
+        self._changed.set()
+        self._changed = trio.Event()
+        return self._seq
+
+    def record(
+        self,
+        second: int,
+        waiting: dict[str, int],
+        memory: list[tuple[str, str, int]],
+    ) -> None:
+        """The sample of ``second`` (a later call for the same second replaces it)."""
+        tokens = self._ahead.pop(second, {})
+        for old in [s for s in self._ahead if s < second - 60]:
+            del self._ahead[old]
+        if self._samples and self._samples[-1].time >= second:
+            if self._samples[-1].time > second:
+                return  # the wall clock went back: keep the timeline monotonic
+            last = self._samples.pop()
+            tokens = {**dict(last.tokens), **tokens}
+        sample = Sample(
+            0, second, tuple(sorted(tokens.items())), tuple(sorted((m, n) for m, n in waiting.items() if n)),
+            tuple(sorted(memory)),
+        )
+        if sample.idle and self._samples and self._samples[-1].idle:
+            return  # idle stays idle: one sample says so
+        self._samples.append(replace(sample, seq=self._bump()))
+
+    def add_tokens(self, model: str, count: int, start: float, end: float) -> None:
+        """``count`` tokens of ``model`` generated from ``start`` to ``end`` (wall clock)."""
+        if count <= 0 or not model:
+            return
+        first, last = int(start), max(int(start), int(end))
+        seconds = last - first + 1
+        if seconds > TIMELINE:
+            first, seconds = last - TIMELINE + 1, TIMELINE
+        share, rest = divmod(count, seconds)
+        held = {s.time: i for i, s in enumerate(self._samples)}
+        for n, second in enumerate(range(first, last + 1)):
+            add = share + (1 if n < rest else 0)
+            if not add:
+                continue
+            at = held.get(second)
+            if at is not None:
+                old = self._samples[at]
+                tokens = dict(old.tokens)
+                tokens[model] = tokens.get(model, 0) + add
+                self._samples[at] = replace(old, seq=self._bump(), tokens=tuple(sorted(tokens.items())))
+            elif not self._samples or second > self._samples[-1].time:
+                ahead = self._ahead.setdefault(second, {})
+                ahead[model] = ahead.get(model, 0) + add
+
+    def after(self, seq: int = 0) -> tuple[Sample, ...]:
+        """The samples held newer than ``seq`` (in time order)."""
+        if seq >= self._seq:
+            return ()
+        return tuple(s for s in self._samples if s.seq > seq)
+
+    async def wait_after(self, seq: int) -> None:
+        while self._seq <= seq:
+            await self._changed.wait()

@@ -1,0 +1,110 @@
+"""The recent requests, for the status page: a bounded list of what each request waited for.
+
+The HTTP edge adds each finished request that named a model (:meth:`RecentRequests.add`, from
+its :class:`~trioshed.trace.RequestTrace`); the page's stream follows the list by sequence
+number, as it follows the scheduler's events. Plain data and one ``trio.Event``: a few
+attribute reads per request, nothing per token.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+
+import trio
+
+from trioshed.trace import RequestTrace
+
+RECENT = 200  # requests held
+SLOW_QUEUE = 0.5  # seconds in the queue (beyond a load) worth a word on the page
+#: The routes whose requests the page lists: those that name a model.
+MODEL_ROUTES = frozenset({
+    "/api/generate", "/api/chat", "/api/embed", "/api/embeddings",
+    "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses",
+    "/v1/messages", "/v1/messages/count_tokens",
+})  # fmt: skip
+
+
+def protocol_of(route: str) -> str:
+    if route.startswith("/v1/messages"):
+        return "anthropic"
+    if route.startswith("/v1/"):
+        return "openai"
+    if route.startswith("/api/"):
+        return "ollama"
+    return "other"
+
+
+@dataclass(frozen=True)
+class FinishedRequest:
+    seq: int
+    time: float  # wall clock, when the answer ended
+    key: str  # the API key's name ("" without keys)
+    model: str  # "" when the request never reached one (refused before)
+    protocol: str
+    route: str
+    status: int  # 0: the client left before an answer
+    queue_wait: float | None  # seconds, loads included
+    load_wait: float | None
+    ttft: float | None  # seconds from arrival to the first token (queue + prompt), where known
+    prompt_tokens: int | None
+    eval_tokens: int | None
+    tokens_per_second: float | None  # generation speed, where llama-server timed it
+    duration: float
+    slow: str  # why it waited, in words ("" when it did not)
+
+    def as_json(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def why_slow(trace: RequestTrace) -> str:
+    words = []
+    if trace.load_wait and trace.load_wait >= 0.05:
+        words.append(f"waited {trace.load_wait:.1f} s for a load")
+    queued = (trace.queue_wait or 0.0) - (trace.load_wait or 0.0)
+    if queued >= SLOW_QUEUE:
+        words.append(f"waited {queued:.1f} s in the queue")
+    if trace.restore_seconds:
+        words.append(f"restored a saved conversation in {trace.restore_seconds * 1000:.0f} ms")
+    if trace.error:
+        words.append(f"refused: {trace.error}")
+    return "; ".join(words)
+
+
+class RecentRequests:
+    """The last :data:`RECENT` finished requests that named a model."""
+
+    def __init__(self, size: int = RECENT) -> None:
+        self._items: deque[FinishedRequest] = deque(maxlen=size)
+        self._seq = 0
+        self._changed = trio.Event()
+
+    def add(self, trace: RequestTrace, duration: float) -> FinishedRequest | None:
+        if not trace.model and trace.route not in MODEL_ROUTES:
+            return None
+        self._seq += 1
+        ttft = None
+        if trace.prompt_seconds is not None:
+            ttft = (trace.queue_wait or 0.0) + (trace.restore_seconds or 0.0) + trace.prompt_seconds
+        speed = None
+        if trace.eval_seconds and trace.eval_tokens:
+            speed = trace.eval_tokens / trace.eval_seconds
+        item = FinishedRequest(
+            self._seq, time.time(), trace.key, trace.model, protocol_of(trace.route), trace.route,
+            trace.status, trace.queue_wait, trace.load_wait, ttft, trace.prompt_tokens,
+            trace.eval_tokens, speed, duration, why_slow(trace),
+        )  # fmt: skip
+        self._items.append(item)
+        self._changed.set()
+        self._changed = trio.Event()
+        return item
+
+    def after(self, seq: int = 0) -> tuple[FinishedRequest, ...]:
+        if seq >= self._seq:
+            return ()
+        return tuple(r for r in self._items if r.seq > seq)
+
+    async def wait_after(self, seq: int) -> None:
+        while self._seq <= seq:
+            await self._changed.wait()
