@@ -60,6 +60,64 @@ async def load_through_the_page(browser: Browser, model: str) -> None:
     await confirm(browser, f"Load {model}?")
 
 
+async def the_newer_parts(browser: Browser, http: httpx.AsyncClient) -> None:
+    """The last hour, recent requests, models in reach and the playground, after the session
+    above (tiny loaded then evicted by other, broken failed, other pinned and loaded)."""
+    # the last hour: the load and the eviction it caused are marks on the pictures, and the
+    # memory picture of system memory holds other's runner and its prompt cache, named apart
+    await browser.wait_for("""document.querySelector('#chart-tokens line[data-kind="load"][data-model="tiny:latest"]')
+                              && document.querySelector('#chart-tokens line[data-kind="evict"][data-model="tiny:latest"]')
+                              && document.querySelector('#chart-waiting line[data-kind="crash"][data-model="broken:latest"]')""")
+    labels = await browser.wait_for("""(() => { const l = [...document.querySelectorAll('#chart-memory figure[data-device="cpu"] polygon')].map(p => p.dataset.label);
+                                       return l.includes('other:latest') && l; })()""")
+    assert "other:latest · prompt cache" in labels
+    # the runner's memory on the page is /api/ps's, its prompt cache apart and named
+    ps = (await http.get("/api/ps")).json()["models"][0]
+    cell = await browser.evaluate("(() => { const c = document.querySelector('#runners tr[data-model=\"other:latest\"] td.size'); return [c.dataset.size, c.dataset.promptCache, c.textContent]; })()")
+    assert [int(cell[0]), int(cell[1])] == [ps["size"], ps["runner"]["cache_ram"]] and "prompt cache" in cell[2]
+    # recent requests: the generates, with their waits; the filter by model keeps only its rows
+    await browser.wait_for("document.querySelectorAll('#activity tbody tr[data-model=\"other:latest\"]').length >= 2")
+    rows = await browser.evaluate("[...document.querySelectorAll('#activity tbody tr')].map(r => [r.dataset.model, r.dataset.status])")
+    assert "500" in [status for _, status in rows]  # the failed load, listed though it never got a runner
+    assert ["other:latest", "200"] in rows
+    await browser.evaluate("document.getElementById('activity-model').value = 'other:latest'; document.getElementById('activity-model').dispatchEvent(new Event('change'))")
+    models = await browser.evaluate("[...new Set([...document.querySelectorAll('#activity tbody tr')].map(r => r.dataset.model))]")
+    assert models == ["other:latest"]
+    slow = await browser.evaluate("[...document.querySelectorAll('#activity tbody tr td.slow')].map(td => td.textContent)")
+    assert any("for a load" in words for words in slow)
+    # every model in reach, with whether it fits; the loaded one says so
+    store = await browser.wait_for("""(() => { const r = [...document.querySelectorAll('#models tbody tr')].map(r => [r.dataset.model, r.dataset.loaded, r.querySelector('td.fit').textContent]);
+                                      return r.length === 3 && r; })()""")
+    assert [m for m, _, _ in store] == ["broken:latest", "other:latest", "tiny:latest"]
+    assert dict((m, loaded) for m, loaded, _ in store)["other:latest"] == "yes"
+    assert dict((m, fit) for m, _, fit in store)["tiny:latest"].startswith("fits")
+    # delete asks twice; the second "cancel" keeps the model
+    await click(browser, "#models tr[data-model='broken:latest'] button.delete")
+    await confirm(browser, "Delete broken:latest")
+    await browser.wait_for("document.getElementById('confirm').open && document.getElementById('confirm-text').textContent.startsWith('Really')")
+    await click(browser, "#confirm-cancel")
+    assert "broken:latest" in [m["name"] for m in (await http.get("/api/tags")).json()["models"]]
+    await click(browser, "#models tr[data-model='broken:latest'] button.delete")
+    await confirm(browser, "Delete broken:latest")
+    await confirm(browser, "Really delete broken:latest")
+    await browser.wait_for("document.body.dataset.action === 'done' && !document.querySelector('#models tr[data-model=\"broken:latest\"]')")
+    assert "broken:latest" not in [m["name"] for m in (await http.get("/api/tags")).json()["models"]]
+    # the playground: a streamed answer with its timings, kept for the session; then a stop
+    await browser.evaluate("document.getElementById('play-model').value = 'other:latest'; document.getElementById('play-model').dispatchEvent(new Event('change'))")
+    await browser.evaluate("document.getElementById('play-input').value = 'Hello there'; document.getElementById('play-form').requestSubmit()")
+    await browser.wait_for("document.body.dataset.play === 'done'")
+    turns = await browser.evaluate("[...document.querySelectorAll('#play-chat .turn')].map(t => [t.dataset.role, t.textContent])")
+    assert turns[0] == ["user", "Hello there"] and turns[1][0] == "assistant" and turns[1][1]
+    assert "first token" in await browser.evaluate("document.getElementById('play-timings').textContent")
+    kept = await browser.evaluate("JSON.parse(sessionStorage.getItem('trioshed.playground'))['other:latest'].length")
+    assert kept == 2
+    await browser.evaluate("document.getElementById('play-input').value = 'And again'; document.getElementById('play-form').requestSubmit(); document.getElementById('play-stop').click()")
+    await browser.wait_for("document.body.dataset.play === 'stopped'")
+    await browser.wait_for("!document.getElementById('play-send').disabled")
+    # the stopped request left nothing behind: no slot held, nothing queued
+    await browser.wait_for("trioshedUI.state.runners.every(r => r.leases === 0) && trioshedUI.state.queue.length === 0")
+
+
 def problems(browser: Browser) -> list[str]:
     """Page errors, less the network ones the test causes on purpose (401 before the key, the 404
     of the unknown model, refused connections while trioshed restarts)."""
@@ -146,6 +204,8 @@ async def test_status_page_in_chromium_shows_loads_and_evictions_live_and_surviv
                 assert int(await browser.evaluate("document.body.dataset.messages")) >= 6
                 later = browser.requests()[opened:]
                 assert [u.removeprefix(served.url) for u in later] == ["/api/generate", "/api/pin", "/api/generate"], later
+
+                await the_newer_parts(browser, http)
 
                 (tmp_path / "ui.png").write_bytes(await browser.screenshot())
                 await browser.resize(390, 844, mobile=True)

@@ -122,7 +122,7 @@ function runnerRow(r) {
     el("td", { class: "state state-" + r.state }, state),
     el("td", { class: "num" }, `${r.leases} / ${r.slots}` + (r.waiting ? ` (+${r.waiting} waiting)` : "")),
     keep,
-    el("td", { class: "num size" }, size),
+    el("td", { class: "num size", dataset: { size: String(r.size), promptCache: String(r.prompt_cache || 0) } }, size),
     el("td", {}, r.devices.length ? r.devices.join(", ") : "cpu"),
     el("td", { class: "pinned" }, r.pinned ? "pinned" : "no"),
     el("td", {},
@@ -220,12 +220,20 @@ function series(samples, pick) {
   return [...labels].sort().map((label) => ({ label, points: samples.map((smp) => [smp.time, pick(smp)[label] || 0]) }));
 }
 
+function span() {
+  // the window drawn: the last hour, or less while trioshed has not run that long (5 min at least)
+  let oldest = Infinity;
+  for (const t of ui.samples.keys()) oldest = Math.min(oldest, t);
+  return Math.min(HOUR, Math.max(300, Math.ceil((serverNow() - oldest) / 60) * 60 || 300));
+}
+
 function drawChart(box, lines, { now, max, stacked, unit, device }) {
-  const x = (t) => ((t - (now - HOUR)) / HOUR) * W;
+  const window = span();
+  const x = (t) => ((t - (now - window)) / window) * W;
   const y = (v) => (H - AXIS) - (max > 0 ? (Math.min(v, max) / max) * (H - AXIS - 4) : 0);
   const text = (attrs, words) => { const t = svg("text", { class: "axis", ...attrs }); t.textContent = words; return t; };
   const parts = [svg("line", { x1: 0, y1: H - AXIS, x2: W, y2: H - AXIS, stroke: "currentColor", "stroke-opacity": 0.3 }),
-    text({ x: 2, y: H - 2 }, "-60 min"), text({ x: W / 2, y: H - 2 }, "-30 min"), text({ x: W - 24, y: H - 2 }, "now"),
+    text({ x: 2, y: H - 2 }, `-${window / 60} min`), text({ x: W / 2, y: H - 2 }, `-${window / 120} min`), text({ x: W - 24, y: H - 2 }, "now"),
     text({ x: 2, y: 10 }, unit === "bytes" ? bytes(max) : `${Math.round(max * 10) / 10} ${unit}`)];
   const drawn = [];
   const below = new Map(); // stacked: the top of the layers drawn so far, per second
@@ -233,7 +241,7 @@ function drawChart(box, lines, { now, max, stacked, unit, device }) {
     const pts = [];
     let prev = null;
     for (const [t, v0] of line.points) {
-      if (t < now - HOUR) continue;
+      if (t < now - window) continue;
       const v = (stacked ? (below.get(t) || 0) : 0) + v0;
       if (stacked) below.set(t, v);
       if (prev !== null && t - prev > 1.5) pts.push([x(prev + 1), y(stacked ? 0 : 0)], [x(t - 1), y(0)]); // nothing between
@@ -253,7 +261,7 @@ function drawChart(box, lines, { now, max, stacked, unit, device }) {
   parts.push(...(stacked ? drawn.reverse() : drawn)); // stacked: the tallest first, the rest over it
   for (const e of ui.events) {
     const kind = MARKS[e.kind];
-    if (!kind || e.time < now - HOUR) continue;
+    if (!kind || e.time < now - window) continue;
     parts.push(svg("line", { x1: x(e.time), x2: x(e.time), y1: 0, y2: H - AXIS, class: "mark-" + kind, "data-kind": kind, "data-model": e.model || "",
       stroke: { load: "#1f7a3a", evict: "#a15c00", crash: "#b3261e", refused: "#7a4fc2" }[kind], "stroke-width": 1 }));
   }
@@ -350,11 +358,13 @@ function renderStore() {
   $("models").tBodies[0].replaceChildren(...ui.models.map(storeRow));
   $("no-models").hidden = ui.models.length > 0;
   $("models").hidden = ui.models.length === 0;
-  const select = $("play-model"), keep = select.value || sessionStorage.getItem(PLAY_MODEL) || "";
-  const usable = ui.models.filter((m) => !m.error);
-  select.replaceChildren(...usable.map((m) => el("option", { value: m.name }, m.name)));
-  if (usable.some((m) => m.name === keep)) select.value = keep;
-  playModelChanged();
+  const select = $("play-model"), before = select.value, keep = before || sessionStorage.getItem(PLAY_MODEL) || "";
+  const usable = ui.models.filter((m) => !m.error).map((m) => m.name);
+  if (usable.join("\n") !== [...select.options].map((o) => o.value).join("\n")) {
+    select.replaceChildren(...usable.map((name) => el("option", { value: name }, name)));
+    if (usable.includes(keep)) select.value = keep;
+  }
+  if (select.value !== before || !document.body.dataset.playKind) playModelChanged(); // never under a stream
 }
 
 // ---------- the stream ----------
