@@ -31,6 +31,7 @@ from trioshed.api import (
     pin,
     pull,
     responses,
+    tools,
     ui,
 )
 from trioshed.api.gate import Gate
@@ -72,6 +73,7 @@ def create_app(state: AppState) -> QuartTrio:
     app.register_blueprint(ui.bp)
     app.register_blueprint(events.bp)
     app.register_blueprint(pin.bp)
+    app.register_blueprint(tools.bp)
     app.config["TRIOSHED_METRICS"] = metrics.Metrics(state.scheduler, warm=state.warm)
     observe.install(
         app, app.config["TRIOSHED_METRICS"], log_json=state.settings.log_format == "json", finished=state.request_finished

@@ -8,6 +8,9 @@ The vocabulary is a SentencePiece (``llama``) one that llama.cpp accepts: ``<unk
 ``</s>``, the byte tokens ``<0x00>``..``<0x7F>`` (bytes >= 0x80 would make random output invalid
 UTF-8, which llama-server rejects) and a ``▁`` piece (without it tokenizing fails with
 ``_Map_base::at``). A chatml-style ``tokenizer.chat_template`` makes the chat endpoints work.
+With ``fim`` three control tokens follow (``<fim_prefix>``, ``<fim_suffix>``, ``<fim_middle>``,
+:data:`FIM_IDS`) and the ``tokenizer.ggml.fim_*_token_id`` keys name them: what llama-server's
+``/infill`` needs (and what makes ``/api/show`` list ``insert``).
 
 Random models emit ``</s>`` about once in 150 tokens. With ``low_eos`` the model is built so that
 ``</s>`` never wins: hidden dimension 0 is a constant 1.0 written by the token embedding and never
@@ -29,6 +32,9 @@ import numpy as np
 
 #: Token ids of the special tokens, fixed by the vocabulary layout below.
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
+#: Token ids of the fill-in-the-middle tokens of a ``fim`` model (prefix, suffix, middle).
+FIM_IDS = (132, 133, 134)
+FIM_TOKENS = (b"<fim_prefix>", b"<fim_suffix>", b"<fim_middle>")
 #: ``</s>``'s logit is about minus this with ``low_eos``.
 EOS_PENALTY = 100.0
 
@@ -119,8 +125,9 @@ def tiny_model_shapes() -> tuple[TinyShape, ...]:
     )
 
 
-def vocabulary() -> tuple[list[bytes], list[float], list[int]]:
-    """The tokens, scores and token types of the tiny SentencePiece vocabulary (132 entries)."""
+def vocabulary(*, fim: bool = False) -> tuple[list[bytes], list[float], list[int]]:
+    """The tokens, scores and token types of the tiny SentencePiece vocabulary (132 entries, 135
+    with the ``fim`` tokens)."""
     tokens: list[bytes] = [b"<unk>", b"<s>", b"</s>"]
     types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
     for byte in range(0x80):
@@ -130,6 +137,10 @@ def vocabulary() -> tuple[list[bytes], list[float], list[int]]:
     types.append(gguf.TokenType.NORMAL)
     scores = [0.0] * len(tokens)
     scores[-1] = -1.0
+    if fim:
+        tokens.extend(FIM_TOKENS)
+        types.extend([gguf.TokenType.CONTROL] * len(FIM_TOKENS))
+        scores.extend([0.0] * len(FIM_TOKENS))
     return tokens, scores, [int(t) for t in types]
 
 
@@ -149,6 +160,7 @@ def write_tiny_model(
     tied_embeddings: bool = False,
     pooling_type: int | None = None,
     chat_template: str = CHATML_TEMPLATE,
+    fim: bool = False,
 ) -> Path:
     """Write a random-weight llama GGUF to ``path`` (atomically: temporary file, then rename).
 
@@ -158,7 +170,8 @@ def write_tiny_model(
     ``token_embd.weight`` as the output projection, as gemma3 does. The same arguments and seed
     always give the same bytes. ``pooling_type`` sets ``llama.pooling_type``, which marks an
     embedding model (1 = mean). ``chat_template`` is the template llama-server applies (ChatML by
-    default, :data:`TOOLS_TEMPLATE` for one with tools, ``""`` for none: a base model).
+    default, :data:`TOOLS_TEMPLATE` for one with tools, ``""`` for none: a base model). ``fim``
+    adds the fill-in-the-middle tokens (:data:`FIM_IDS`).
     """
     n_head_kv = n_head if n_head_kv is None else n_head_kv
     n_ff = 2 * n_embd if n_ff is None else n_ff
@@ -169,7 +182,7 @@ def write_tiny_model(
     if weight_type not in _WEIGHT_TYPES:
         raise ValueError(f"weight_type must be one of {sorted(_WEIGHT_TYPES)}, not {weight_type!r}")
     head_dim = n_embd // n_head
-    tokens, scores, types = vocabulary()
+    tokens, scores, types = vocabulary(fim=fim)
     n_vocab = len(tokens)
     rng = np.random.default_rng(seed)
 
@@ -251,6 +264,9 @@ def write_tiny_model(
         writer.add_add_eos_token(False)
         if chat_template:
             writer.add_chat_template(chat_template)
+        if fim:
+            for key, token_id in zip((gguf.Keys.Tokenizer.FIM_PRE_ID, gguf.Keys.Tokenizer.FIM_SUF_ID, gguf.Keys.Tokenizer.FIM_MID_ID), FIM_IDS, strict=True):
+                writer.add_uint32(key, token_id)
         if pooling_type is not None:
             writer.add_pooling_type(gguf.PoolingType(pooling_type))
         for tensor_name, data in tensors:

@@ -5,6 +5,8 @@
   client reads its message from; a stream that fails after it started ends with one such
   ``data:`` event (:func:`openai_error_event`).
 * Anthropic (``/v1/messages...``): ``{"type": "error", "error": {"type", "message"}}``.
+* llama.cpp (its own routes: ``/infill``, ``/tokenize``, ``/detokenize``, ``/apply-template``,
+  ``/upstream/...``): ``{"error": {"code", "message", "type"}}``, as llama-server answers.
 
 A new protocol adds its shape function and its path prefix to :data:`_SHAPES` (longest prefix
 first wins). The app's error handlers and the drain's 503 both answer through :func:`error_body`.
@@ -27,6 +29,10 @@ _ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_err
                           404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
                           503: "overloaded_error", 529: "overloaded_error"}  # fmt: skip
 
+#: llama-server's error ``type`` by status (its ``format_error_response``; anything else: server_error).
+_LLAMA_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                      404: "not_found_error", 501: "not_supported_error", 503: "unavailable_error"}  # fmt: skip
+
 ErrorShape = Callable[[int, str, "str | None"], dict[str, Any]]
 
 
@@ -45,10 +51,20 @@ def anthropic_error(status: int, message: str, code: str | None = None) -> dict[
     return {"type": "error", "error": {"type": _ANTHROPIC_ERROR_TYPES.get(status, "api_error"), "message": message}}
 
 
+def llama_error(status: int, message: str, code: str | None = None) -> dict[str, Any]:
+    """llama-server's own error body (its ``code`` is the HTTP status)."""
+    return {"error": {"code": status, "message": message, "type": _LLAMA_ERROR_TYPES.get(status, "server_error")}}
+
+
 #: (path prefix, shape), longest prefix first; paths matching none answer Ollama's shape.
 _SHAPES: tuple[tuple[str, ErrorShape], ...] = (
     ("/v1/messages", anthropic_error),
     ("/v1/", openai_error),
+    ("/infill", llama_error),
+    ("/tokenize", llama_error),
+    ("/detokenize", llama_error),
+    ("/apply-template", llama_error),
+    ("/upstream/", llama_error),
 )
 
 

@@ -1,0 +1,196 @@
+"""llama-server's routes beside chat, on trioshed's port: ``/infill`` (what editors call to
+complete code), ``/tokenize``, ``/detokenize``, ``/apply-template``, each routed by its
+``model`` field, and ``/upstream/<model>/<path>`` (llama-swap's convention) for the rest.
+
+Every request is a lease like generate's: queued, counted, the keep-alive reset, the model
+loaded first if needed. Bad input (no model, wrong types, a model without FIM tokens asked to
+infill, a path that is not forwarded) is refused before anything loads. Answers are
+llama-server's own, the model named as the client named it; errors have llama.cpp's shape
+(:mod:`trioshed.api.protocols.errors`). The checks are :mod:`trioshed.api.protocols.llama_tools`'.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+from quart import Blueprint, Response, request
+
+from trioshed.api.preamble import (
+    Prepared,
+    model_capabilities,
+    prepare,
+    read_body_raw,
+    require_capabilities,
+    state,
+)
+from trioshed.api.protocols import llama_tools as protocol
+from trioshed.api.protocols.errors import llama_error
+from trioshed.api.protocols.openai_chat import ModelRenamer
+from trioshed.api.protocols.options import split_options
+from trioshed.api.upstream import (
+    client_status,
+    crash_or,
+    leased_stream,
+    open_upstream_bytes,
+    post_upstream_raw,
+    step,
+)
+from trioshed.core.model import ModelSpec
+from trioshed.errors import BadRequest, ModelNotFound, TrioshedError
+from trioshed.runner.client import ConnectionFailed, UpstreamPool
+from trioshed.scheduler import Lease
+
+bp = Blueprint("tools", __name__)
+
+
+def _model_name(body: Mapping[str, Any]) -> str:
+    name = body.get("model")
+    if not isinstance(name, str) or not name:
+        raise BadRequest('"model" is required: the name of the model to use')
+    return name
+
+
+async def _prepare(body: Mapping[str, Any], name: str) -> Prepared:
+    """The model and runner options; an embedding model's runner is started as embed starts it
+    (its tokenizer is the same), so tokenizing does not reload it."""
+    req = prepare(body, name)
+    has = await model_capabilities(req.model)
+    if has is not None and "embedding" in has:
+        req = prepare(body, name, embedding=True)
+    return req
+
+
+def _answer(status: int, raw: bytes, upstream_name: str, name: str) -> Response:
+    """llama-server's answer as it came, but for the model named as the client did."""
+    renamer = ModelRenamer(upstream_name, name)
+    body = renamer.feed(raw) + renamer.finish()
+    return Response(body, status=client_status(status, raw), content_type="application/json")
+
+
+async def _relay(lease: Lease, path: str, body: dict[str, Any], name: str) -> AsyncIterator[bytes]:
+    renamer = ModelRenamer(lease.model.name, name)
+    try:
+        async with open_upstream_bytes(lease, path, body) as pieces:
+            async for piece in pieces:
+                if out := renamer.feed(piece):
+                    yield out
+        if out := renamer.finish():
+            yield out
+    except TrioshedError as exc:  # after the first event: an error event, as llama-server sends
+        yield b"data: " + json.dumps(llama_error(exc.status, exc.message)).encode() + b"\n\n"
+
+
+async def _tool(path: str) -> Response:
+    _, body = await read_body_raw()
+    name = _model_name(body)
+    req = await _prepare(body, name)
+    upstream = protocol.tool_body(path, body)
+    if path == "/detokenize":
+        await _check_vocabulary(req.model, upstream.get("tokens") or [])
+    if path == "/infill":
+        await require_capabilities(req.model, name, {"insert"}, action="generate")
+        if req.defaults:  # the model's sampling defaults, under the request's own
+            upstream = {**split_options(req.defaults)[0], **upstream}
+        if protocol.infill_streams(upstream):
+            scheduler = state().scheduler
+            relay = lambda lease: _relay(lease, path, upstream, name)  # noqa: E731
+            return await leased_stream(scheduler, req.model, req.options, req.keep_alive, relay, "text/event-stream")
+    async with state().scheduler.acquire(req.model, req.options, req.keep_alive) as lease:
+        status, raw = await post_upstream_raw(lease, path, upstream)
+    return _answer(status, raw, req.model.name, name)
+
+
+async def _check_vocabulary(spec: ModelSpec, tokens: list[int]) -> None:
+    """Token ids outside the model's vocabulary are refused before anything loads (llama-server
+    answers 500 for them)."""
+    try:
+        size = (await state().metadata(spec)).vocab_size
+    except Exception:
+        return  # unreadable here: let llama-server decide
+    if size and tokens and max(tokens) >= size:
+        raise BadRequest(f'"tokens" holds id {max(tokens)}, outside the model\'s vocabulary of {size} tokens (0 to {size - 1})')
+
+
+@bp.post("/infill")
+async def infill() -> Response:
+    return await _tool("/infill")
+
+
+@bp.post("/tokenize")
+async def tokenize() -> Response:
+    return await _tool("/tokenize")
+
+
+@bp.post("/detokenize")
+async def detokenize() -> Response:
+    return await _tool("/detokenize")
+
+
+@bp.post("/apply-template")
+async def apply_template() -> Response:
+    return await _tool("/apply-template")
+
+
+# -- /upstream/<model>/<path> --------------------------------------------------------------------
+
+
+def _resolve(rest: str) -> tuple[ModelSpec, str, str]:
+    """The model, its name as given and the llama-server path of ``/upstream/<rest>`` (the first
+    reading whose model exists; see :func:`protocol.split_upstream`)."""
+    readings = protocol.split_upstream(rest, request.scope.get("raw_path") or b"")
+    store = state().store
+    for name, path in readings:
+        try:
+            return store.resolve(name), name, path
+        except ModelNotFound:
+            continue
+    raise ModelNotFound(readings[0][0])
+
+
+@bp.route("/upstream/<path:rest>", methods=["GET", "POST"])
+async def upstream(rest: str) -> Response:
+    _, name, path = _resolve(rest)
+    method = request.method
+    protocol.upstream_allowed(method, path)
+    payload = b""
+    streaming = False
+    parsed: dict[str, Any] = {}
+    if method == "POST":
+        payload, parsed = await read_body_raw()
+        streaming = parsed.get("stream") is True
+    # the runner is leased with the model's own settings; a body's trioshed fields are ignored
+    req = prepare({}, name, embedding=path in protocol.UPSTREAM_EMBEDDING)
+    target = protocol.upstream_target(path, request.query_string)
+    if streaming:
+        relay = lambda lease: _raw_relay(lease, target, payload)  # noqa: E731
+        return await leased_stream(state().scheduler, req.model, req.options, req.keep_alive, relay, "text/event-stream")
+    async with state().scheduler.acquire(req.model, req.options, req.keep_alive) as lease:
+        status, headers, raw = await _request(lease, method, target, payload)
+    if path == "/props" and status == 200:
+        raw = protocol.scrub_props(raw, name)
+    return Response(raw, status=status, content_type=headers.get("content-type", "application/json"))
+
+
+async def _request(lease: Lease, method: str, target: str, payload: bytes) -> tuple[int, dict[str, str], bytes]:
+    pool: UpstreamPool = lease.handle.upstream
+
+    async def call() -> tuple[int, dict[str, str], bytes]:
+        async with pool.request(method, target, payload) as response:
+            return response.status, dict(response.headers), await response.read()
+
+    try:
+        result: tuple[int, dict[str, str], bytes] = await step(lease, call)
+        return result
+    except ConnectionFailed as exc:
+        raise await crash_or(lease, exc) from None
+
+
+async def _raw_relay(lease: Lease, target: str, payload: bytes) -> AsyncIterator[bytes]:
+    try:
+        async with open_upstream_bytes(lease, target, payload) as pieces:
+            async for piece in pieces:
+                yield piece
+    except TrioshedError as exc:
+        yield b"data: " + json.dumps(llama_error(exc.status, exc.message)).encode() + b"\n\n"
