@@ -1,0 +1,169 @@
+"""End to end: llama-server's /infill, /tokenize, /detokenize, /apply-template and the
+/upstream/<model>/<path> pass-through, through trioshed and against the same llama-server run
+alone with the runner's own command line (the same binary, model and options)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from tests.conftest import session_llama_servers
+from trioshed.testing.llama import running_llama_server
+from trioshed.testing.server import open_test_server
+from trioshed.testing.tiny import FIM_IDS, write_tiny_model
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_leaked_runner")]
+
+INFILL = {"input_prefix": "def f(", "input_suffix": "return x\n", "n_predict": 6, "temperature": 0, "seed": 1}
+#: What may differ between two runs of the same request: times, the slot, the cache's state and
+#: the name the model goes by.
+VOLATILE = ("timings", "model", "id_slot", "tokens_cached")
+
+
+@pytest.fixture
+def fim_store(tmp_path: Path) -> Path:
+    store = tmp_path / "models"
+    write_tiny_model(store / "fim.gguf", fim=True)
+    write_tiny_model(store / "plain.gguf")
+    return store
+
+
+def _runner_argv() -> list[str]:
+    """The command line of the one runner this test's trioshed started, less where it listens
+    and its secret: what to run alone."""
+    (proc,) = [p for p in session_llama_servers() if p.is_running()]
+    argv, out, skip = proc.cmdline(), [], False
+    for arg in argv[1:]:
+        if skip:
+            skip = False
+        elif arg in ("--port", "--host", "--api-key", "--model", "-m"):
+            skip = True
+        else:
+            out.append(arg)
+    return out
+
+
+def _stable(answer: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in answer.items() if k not in VOLATILE}
+
+
+def _events(text: str) -> list[dict[str, Any]]:
+    return [_stable(json.loads(line[6:])) for line in text.splitlines() if line.startswith("data: {")]
+
+
+async def test_each_route_answers_what_llama_server_alone_answers(fim_store: Path) -> None:
+    bodies: list[tuple[str, dict[str, Any]]] = [
+        ("/infill", INFILL),
+        ("/infill", {**INFILL, "input_extra": [{"filename": "a.py", "text": "x = 1\n"}], "prompt": "a", "n_probs": 2}),
+        ("/tokenize", {"content": "hi <fim_prefix>", "with_pieces": True}),
+        ("/tokenize", {"content": "hi <fim_prefix>", "add_special": True, "parse_special": True}),
+        ("/detokenize", {"tokens": [105, 106, *FIM_IDS]}),
+        ("/apply-template", {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]}),
+    ]
+    with trio.fail_after(120):
+        async with open_test_server(fim_store) as server, httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
+            ours = []
+            for path, body in bodies:
+                r = await client.post(path, json={"model": "fim", **body})
+                assert r.status_code == 200, r.text
+                ours.append(r.json())
+            streamed = await client.post("/infill", json={"model": "fim", **INFILL, "stream": True})
+            assert streamed.status_code == 200 and streamed.headers["content-type"].startswith("text/event-stream")
+            via_upstream = await client.post("/upstream/fim/infill", json=INFILL)
+            props = await client.get("/upstream/fim/props")
+            argv = _runner_argv()
+    assert ours[0]["model"] == "fim" and ours[0]["content"] and ours[0]["stop"] is True
+    assert ours[2]["tokens"][-1] == {"id": FIM_IDS[0], "piece": "<fim_prefix>"}
+    assert props.status_code == 200 and props.json()["model_path"] == "fim"  # never the file's path
+    assert str(fim_store) not in props.text
+
+    def alone() -> tuple[list[dict[str, Any]], str, dict[str, Any]]:
+        with running_llama_server(fim_store / "fim.gguf", argv) as server:
+            answers = [httpx.post(server.url + path, json=body, timeout=60).json() for path, body in bodies]
+            stream = httpx.post(server.url + "/infill", json={**INFILL, "stream": True}, timeout=60).text
+            return answers, stream, httpx.get(server.url + "/props").json()
+
+    theirs, stream, their_props = await trio.to_thread.run_sync(alone)
+    for (path, _), mine, reference in zip(bodies, ours, theirs, strict=True):
+        assert _stable(mine) == _stable(reference), path
+    assert _events(streamed.text) == _events(stream)
+    assert _stable(via_upstream.json()) == _stable(theirs[0])
+    per_process = ("model_path", "media_marker")  # the file's path is hidden; the marker is random per process
+    assert {k: v for k, v in props.json().items() if k not in per_process} == {k: v for k, v in their_props.items() if k not in per_process}
+
+
+async def _nothing_loaded(client: httpx.AsyncClient) -> None:
+    assert (await client.get("/api/ps")).json()["models"] == []
+
+
+async def test_bad_input_gets_a_4xx_in_llama_cpp_shape_with_nothing_loaded(fim_store: Path) -> None:
+    cases: list[tuple[str, Any, int, str]] = [
+        ("/infill", {"model": "plain", **INFILL}, 400, "does not support insert"),
+        ("/infill", {"model": "nope", **INFILL}, 404, "not found"),
+        ("/infill", {**INFILL}, 400, '"model" is required'),
+        ("/infill", {"model": "fim", "input_prefix": 3}, 400, '"input_prefix" must be a string'),
+        ("/infill", {"model": "fim", "input_extra": [{"text": 1}]}, 400, "input_extra[0]"),
+        ("/infill", {"model": "fim", "n_predict": "8"}, 400, '"n_predict" must be an integer'),
+        ("/infill", [1, 2], 400, "JSON object"),
+        ("/tokenize", {"model": "fim", "content": 5}, 400, '"content" must be a string'),
+        ("/tokenize", {"model": 7, "content": "x"}, 400, '"model" is required'),
+        ("/detokenize", {"model": "fim", "tokens": "x"}, 400, '"tokens" must be a list'),
+        ("/detokenize", {"model": "fim", "tokens": [1, -1]}, 400, "token ids"),
+        ("/detokenize", {"model": "fim", "tokens": [135]}, 400, "outside the model's vocabulary of 135"),
+        ("/apply-template", {"model": "fim", "messages": []}, 400, '"messages" is required'),
+        ("/apply-template", {"model": "fim", "messages": ["hi"]}, 400, "messages[0]"),
+        ("/apply-template", {"model": "fim", "options": {"num_ctx": 0}}, 400, "num_ctx"),
+    ]
+    with trio.fail_after(60):
+        async with open_test_server(fim_store) as server, httpx.AsyncClient(base_url=server.base_url, timeout=30) as client:
+            for path, body, status, words in cases:
+                r = await client.post(path, json=body)
+                assert r.status_code == status, (path, body, r.text)
+                error = r.json()["error"]
+                assert error["code"] == status and words in error["message"] and error["type"], (path, body, error)
+            r = await client.post("/tokenize", content=b"{not json", headers={"Content-Type": "application/json"})
+            assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+            await _nothing_loaded(client)
+
+
+async def test_upstream_refuses_what_it_must_not_forward_with_nothing_loaded(fim_store: Path) -> None:
+    posts = [
+        ("/upstream/fim/slots/0?action=save", {"filename": "x.bin"}, 403),
+        ("/upstream/fim/slots/0?action=restore", {"filename": "../../etc/passwd"}, 403),
+        ("/upstream/fim/props", {"default_generation_settings": {}}, 403),
+        ("/upstream/fim/lora-adapters", [{"id": 0, "scale": 1}], 403),
+        ("/upstream/fim/models/load", {"model": "x"}, 403),
+        ("/upstream/nope/completion", {"prompt": "x"}, 404),
+        ("/upstream/fim/completion", [1], 400),
+    ]
+    raw_paths = ["/upstream/fim/../props", "/upstream/fim/%2e%2e/props", "/upstream/fim%2Fprops", "/upstream/fim/%5Cprops", "/upstream/fim//props"]
+    with trio.fail_after(60):
+        async with open_test_server(fim_store, api_key="sesame") as server:
+            headers = {"Authorization": "Bearer sesame"}
+            async with httpx.AsyncClient(base_url=server.base_url, timeout=30, headers=headers) as client:
+                for path, body, status in posts:
+                    r = await client.post(path, json=body)
+                    assert r.status_code == status, (path, r.text)
+                    assert r.json()["error"]["code"] == status
+                for method in ("PUT", "DELETE", "PATCH"):
+                    assert (await client.request(method, "/upstream/fim/completion")).status_code == 405
+                assert (await client.get("/upstream/fim/slots")).status_code == 403
+                assert (await client.get("/upstream/fim/metrics")).status_code == 403
+                for raw in raw_paths:  # sent as written: no client-side normalisation
+                    r = await client.get(httpx.URL(server.base_url + "/").copy_with(raw_path=raw.encode()))
+                    assert r.status_code in (400, 404), (raw, r.status_code, r.text)
+                await _nothing_loaded(client)
+            async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as anonymous:
+                assert (await anonymous.get("/upstream/fim/health")).status_code == 401
+                assert (await anonymous.post("/infill", json={"model": "fim", **INFILL})).status_code == 401
+                r = await anonymous.get("/upstream/fim/health", headers={**headers, "Origin": "https://evil.example"})
+                assert r.status_code == 403
+                r = await anonymous.post("/tokenize", json={"model": "fim", "content": "x"}, headers={**headers, "Host": "evil.example"})
+                assert r.status_code == 403
+                async with httpx.AsyncClient(base_url=server.base_url, timeout=30, headers=headers) as client:
+                    await _nothing_loaded(client)
