@@ -223,9 +223,9 @@ ERROR_BODIES: dict[str, tuple[int, str]] = {
 
 
 def run_stream(
-    name: str, kind: str, *, prefill: str = ""
+    name: str, kind: str, *, prefill: str = "", top_logprobs: int = 0
 ) -> tuple[OllamaStream, list[dict[str, Any]]]:
-    stream = OllamaStream(kind, "gemma3", created_at_fn=fixed_clock, prefill=prefill)  # type: ignore[arg-type]
+    stream = OllamaStream(kind, "gemma3", created_at_fn=fixed_clock, prefill=prefill, top_logprobs=top_logprobs)  # type: ignore[arg-type]
     chunks = feed_all(stream, SAMPLES[name])
     for chunk in chunks:
         validate(kind, chunk)

@@ -113,14 +113,15 @@ def test_completion_eos_is_stop() -> None:
 
 
 def test_completion_probs_become_logprobs() -> None:
-    stream, chunks = run_stream("completion_probs", "generate")
+    stream, chunks = run_stream("completion_probs", "generate", top_logprobs=2)
     assert chunks[0]["logprobs"] == [
         {
             "token": " the",
             "logprob": -1.5936477184295654,
+            "bytes": [32, 116, 104, 101],
             "top_logprobs": [
-                {"token": " the", "logprob": -1.5936477184295654},
-                {"token": " a", "logprob": -2.2898948192596436},
+                {"token": " the", "logprob": -1.5936477184295654, "bytes": [32, 116, 104, 101]},
+                {"token": " a", "logprob": -2.2898948192596436, "bytes": [32, 97]},
             ],
         }
     ]
@@ -198,18 +199,29 @@ def test_generate_aggregate() -> None:
 
 
 def test_chat_logprobs() -> None:
-    _, chunks = run_stream("chat_logprobs", "chat")
+    _, chunks = run_stream("chat_logprobs", "chat", top_logprobs=2)
     assert [c["message"]["content"] for c in chunks] == ["<", "|"]
     assert chunks[1]["logprobs"] == [
         {
             "token": "|",
             "logprob": -0.025294063612818718,
+            "bytes": [124],
             "top_logprobs": [
-                {"token": "|", "logprob": -0.025294063612818718},
-                {"token": "im", "logprob": -6.146010398864746},
+                {"token": "|", "logprob": -0.025294063612818718, "bytes": [124]},
+                {"token": "im", "logprob": -6.146010398864746, "bytes": [105, 109]},
             ],
         }
     ]
+
+
+@pytest.mark.parametrize("top", [0, 1])
+def test_logprobs_carry_as_many_alternatives_as_asked(top: int) -> None:
+    # llama-server is asked for at least one alternative (it reports nothing for 0); Ollama omits
+    # top_logprobs when the request asked for none
+    _, chunks = run_stream("chat_logprobs", "chat", top_logprobs=top)
+    entry = chunks[1]["logprobs"][0]
+    assert entry["token"] == "|" and entry["bytes"] == [124]
+    assert len(entry.get("top_logprobs", [])) == top
 
 
 def test_chat_continue_strips_the_echoed_prefill() -> None:

@@ -94,7 +94,8 @@ async def _serve(kind: ollama.Kind) -> Response:
         upstream = ollama.transcript_upstream(body)
     if req.defaults:
         upstream = upstream.with_defaults(split_options(req.defaults)[0])
-    translator = OllamaStream(kind, model.name, prefill=upstream.prefill)
+    top = body.get("top_logprobs")
+    translator = OllamaStream(kind, model.name, prefill=upstream.prefill, top_logprobs=top if isinstance(top, int) else 0)
 
     if body.get("stream", True) is False:
         # One JSON answer upstream too: llama-server sends no per-token events to parse.

@@ -30,6 +30,7 @@ from trioshed.api.protocols.openai_chat import (
     ModelRenamer,
     as_chat,
     chat_needs,
+    logprobs_asked,
     openai_model_rewrite,
     transcript_completion_body,
     with_response_format,
@@ -112,7 +113,10 @@ async def _proxy(path: str, req: OpenAIRequest | None = None, *, as_chat_shape: 
         except ValueError:
             data = {"error": {"message": raw.decode("utf-8", "replace")[:500]}}
         if isinstance(data, dict):
-            data = openai_model_rewrite(as_chat(data) if as_chat_shape and status == 200 else data, name)
+            if as_chat_shape and status == 200:
+                assert isinstance(upstream, dict)
+                data = as_chat(data, top_logprobs=logprobs_asked(upstream))
+            data = openai_model_rewrite(data, name)
             if (trace := current_trace.get()) is not None:
                 trace.counted(data)
         return Response(json.dumps(data), status=client_status(status, raw), content_type="application/json")
@@ -144,7 +148,9 @@ async def _chat_as_transcript(req: OpenAIRequest) -> Response:
 async def _relay_as_chat(lease: Lease, body: dict[str, Any], model: str) -> AsyncIterator[bytes]:
     """llama-server's /v1/completions events as chat.completion.chunk events."""
     options = body.get("stream_options")
-    translator = CompletionAsChat(model, include_usage=isinstance(options, dict) and options.get("include_usage") is True)
+    translator = CompletionAsChat(
+        model, include_usage=isinstance(options, dict) and options.get("include_usage") is True, top_logprobs=logprobs_asked(body)
+    )
     try:
         async with open_upstream(lease, "/v1/completions", body) as batches:
             async for lines in batches:

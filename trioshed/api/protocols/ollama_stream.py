@@ -53,6 +53,7 @@ class OllamaStream:
         *,
         created_at_fn: Callable[[], str] = now_rfc3339,
         prefill: str = "",
+        top_logprobs: int = 0,
     ) -> None:
         if kind not in ("generate", "chat"):
             raise ValueError(f"kind must be 'generate' or 'chat', not {kind!r}")
@@ -71,6 +72,8 @@ class OllamaStream:
         self._prompt_tokens: int | None = None
         self._completion_tokens: int | None = None
         self._pieces = 0
+        #: How many alternatives each logprob entry carries (the request's ``top_logprobs``).
+        self.top_logprobs = top_logprobs
         self._echo = prefill  # what is left to strip of llama-server's echo of the prefill
 
     @property
@@ -149,7 +152,7 @@ class OllamaStream:
         out = []
         content = event.get("content") or ""
         probs = event.get("completion_probabilities") or []
-        logprobs = [_logprob_from_completion(p) for p in probs if isinstance(p, Mapping)]
+        logprobs = [_logprob_from_completion(p, self.top_logprobs) for p in probs if isinstance(p, Mapping)]
         if content or logprobs:
             out.append(self._piece(content=content, logprobs=logprobs))
         if event.get("stop"):
@@ -179,7 +182,7 @@ class OllamaStream:
                 self._add_tool_call_delta(call)
             lp = choice.get("logprobs")
             logprobs = [
-                _logprob_from_openai(p)
+                _logprob_from_openai(p, self.top_logprobs)
                 for p in ((lp.get("content") or []) if isinstance(lp, Mapping) else [])
                 if isinstance(p, Mapping)
             ]
@@ -330,22 +333,27 @@ class OllamaStream:
         return chunk
 
 
-def _logprob_from_openai(p: Mapping[str, Any]) -> dict[str, Any]:
-    """Ollama's logprob entry for one OpenAI ``logprobs.content`` entry."""
-    out: dict[str, Any] = {
-        "token": str(p.get("token", "")),
-        "logprob": float(p.get("logprob", 0.0)),
-    }
-    top = p.get("top_logprobs")
-    if top:
-        out["top_logprobs"] = [
-            {"token": str(t.get("token", "")), "logprob": float(t.get("logprob", 0.0))}
-            for t in top
-            if isinstance(t, Mapping)
-        ]
+def _token_logprob(p: Mapping[str, Any]) -> dict[str, Any]:
+    """Ollama's ``TokenLogprob``: ``token``, ``logprob`` and, when llama-server gave them, the
+    token's ``bytes`` (a token may be part of a UTF-8 character)."""
+    out: dict[str, Any] = {"token": str(p.get("token", "")), "logprob": float(p.get("logprob", 0.0))}
+    raw = p.get("bytes")
+    if isinstance(raw, list) and raw:
+        out["bytes"] = raw
     return out
 
 
-def _logprob_from_completion(p: Mapping[str, Any]) -> dict[str, Any]:
+def _logprob_from_openai(p: Mapping[str, Any], top: int) -> dict[str, Any]:
+    """Ollama's ``Logprob`` for one OpenAI ``logprobs.content`` entry, with at most ``top``
+    alternatives (none for 0: Ollama's ``top_logprobs`` is omitted then; llama-server was asked
+    for at least one, as it reports nothing for 0)."""
+    out = _token_logprob(p)
+    alternatives = p.get("top_logprobs")
+    if top and isinstance(alternatives, list) and alternatives:
+        out["top_logprobs"] = [_token_logprob(t) for t in alternatives[:top] if isinstance(t, Mapping)]
+    return out
+
+
+def _logprob_from_completion(p: Mapping[str, Any], top: int) -> dict[str, Any]:
     """Ollama's logprob entry for one ``/completion`` ``completion_probabilities`` entry."""
-    return _logprob_from_openai(p)
+    return _logprob_from_openai(p, top)

@@ -107,6 +107,15 @@ def transcript_completion_body(body: Mapping[str, Any]) -> dict[str, Any]:
         raise BadRequest("messages must be a list of objects")
     out = with_response_format({k: v for k, v in body.items() if k not in _CHAT_ONLY})
     out |= {"prompt": transcript_prompt(messages), "stop": with_turn_stop(out.get("stop"))}
+    if out.get("logprobs") is True:
+        # chat's logprobs: true + top_logprobs: N is completions' logprobs: N (at least 1: llama-server
+        # reports nothing for 0); top_logprobs stays in the body (llama-server ignores it there) so
+        # that the answer keeps only the N alternatives asked for
+        top = out.get("top_logprobs")
+        out["logprobs"] = max(top if isinstance(top, int) and not isinstance(top, bool) else 0, 1)
+        out["top_logprobs"] = top if isinstance(top, int) and not isinstance(top, bool) else 0
+    elif out.get("logprobs") is False:
+        out.pop("logprobs")
     if "max_completion_tokens" in out:
         out.setdefault("max_tokens", out.pop("max_completion_tokens"))
     return out
@@ -135,22 +144,46 @@ def with_response_format(body: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def chat_choice(choice: dict[str, Any], *, delta: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A /v1/completions choice in chat's shape (``message``, or ``delta`` when streamed)."""
+def chat_choice(choice: dict[str, Any], *, delta: dict[str, Any] | None = None, top_logprobs: int | None = None) -> dict[str, Any]:
+    """A /v1/completions choice in chat's shape (``message``, or ``delta`` when streamed).
+    ``top_logprobs``: the alternatives asked for (``None``: logprobs were not asked for)."""
     text = choice.get("text") or ""
     out: dict[str, Any] = {"index": choice.get("index", 0), "finish_reason": choice.get("finish_reason")}
     if delta is None:
         out["message"] = {"role": "assistant", "content": text}
     else:
         out["delta"] = delta | ({"content": text} if text else {})
+    if top_logprobs is not None:
+        out["logprobs"] = _chat_logprobs(choice.get("logprobs"), top_logprobs)
     return out
 
 
-def as_chat(data: dict[str, Any]) -> dict[str, Any]:
+def _chat_logprobs(logprobs: object, top: int) -> dict[str, Any] | None:
+    """llama-server's completion ``logprobs`` (already chat's ``{"content": [...]}``) with ``top``
+    alternatives per token, as chat answers them."""
+    if not isinstance(logprobs, Mapping) or not isinstance(logprobs.get("content"), list):
+        return None
+    content = [
+        {**entry, "top_logprobs": list(entry.get("top_logprobs") or [])[:top]} if isinstance(entry, Mapping) else entry
+        for entry in logprobs["content"]
+    ]
+    return {"content": content, "refusal": None}
+
+
+def logprobs_asked(body: Mapping[str, Any]) -> int | None:
+    """The alternatives a transcript body (:func:`transcript_completion_body`) asks for, or
+    ``None`` when it asks for no logprobs."""
+    if not isinstance(body.get("logprobs"), int) or isinstance(body.get("logprobs"), bool):
+        return None
+    top = body.get("top_logprobs")
+    return top if isinstance(top, int) else 0
+
+
+def as_chat(data: dict[str, Any], *, top_logprobs: int | None = None) -> dict[str, Any]:
     """A whole /v1/completions answer as a chat.completion."""
     if not isinstance(data.get("choices"), list):
         return data
-    return data | {"object": "chat.completion", "choices": [chat_choice(c) for c in data["choices"]]}
+    return data | {"object": "chat.completion", "choices": [chat_choice(c, top_logprobs=top_logprobs) for c in data["choices"]]}
 
 
 class CompletionAsChat:
@@ -163,9 +196,10 @@ class CompletionAsChat:
     chunk, always).
     """
 
-    def __init__(self, model: str, *, include_usage: bool = False) -> None:
+    def __init__(self, model: str, *, include_usage: bool = False, top_logprobs: int | None = None) -> None:
         self.model = model
         self.include_usage = include_usage
+        self.top_logprobs = top_logprobs
         self._first = True
 
     def feed_lines(self, lines: list[bytes]) -> bytes:
@@ -176,7 +210,7 @@ class CompletionAsChat:
                 usage = None
                 if isinstance(event.get("choices"), list):
                     role = {"role": "assistant"} if self._first else {}
-                    event["choices"] = [chat_choice(c, delta=role) for c in event["choices"]]
+                    event["choices"] = [chat_choice(c, delta=role, top_logprobs=self.top_logprobs) for c in event["choices"]]
                     event["object"] = "chat.completion.chunk"
                     self._first = False
                     if event["choices"]:
