@@ -26,7 +26,7 @@ from trioshed.api.protocols.options import field, json_type, require_object
 from trioshed.errors import BadRequest, Forbidden, TrioshedError
 
 #: trioshed's fields: they choose the runner and never go upstream.
-TRIOSHED_FIELDS = ("model", "keep_alive", "options")
+OWN_FIELDS = ("model", "keep_alive", "options")
 
 #: Each route's fields that llama-server reads with a fixed type: name -> (type, words).
 _TYPED: dict[str, dict[str, tuple[type | tuple[type, ...], str]]] = {
@@ -91,7 +91,7 @@ def tool_body(path: str, req: Mapping[str, Any]) -> dict[str, Any]:
         for i, message in enumerate(messages):
             if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
                 raise BadRequest(f'messages[{i}] must be an object with a "role" string')
-    return {k: v for k, v in req.items() if k not in TRIOSHED_FIELDS}
+    return {k: v for k, v in req.items() if k not in OWN_FIELDS}
 
 
 def _check_extra(extra: object) -> None:
