@@ -79,6 +79,13 @@ async def test_javascript_clients(node_clients: Path, model_store: Path, tmp_pat
     assert out["list"]["ok"] == ["llama3.2:1b", "short:latest", "tiny:latest"]
     assert out["show"]["ok"] == ["completion", "tools"]
     assert out["generate"]["ok"]["done"] is True and out["generate"]["ok"]["eval_count"] == 4
+    # Ollama's logprobs (the npm library's Logprob type), whole and streamed
+    whole = out["generate_logprobs"]["ok"]
+    assert "".join(e["token"] for e in whole["logprobs"]) == whole["response"] and len(whole["logprobs"]) == 4
+    assert all(len(e["top_logprobs"]) == 2 and e["logprob"] <= 0 for e in whole["logprobs"])
+    streamed = out["chat_logprobs_stream"]["ok"]
+    assert streamed["logprobs"] and "".join(e["token"] for e in streamed["logprobs"]) == streamed["text"]
+    assert all(len(e["top_logprobs"]) == 1 and isinstance(e["bytes"], list) for e in streamed["logprobs"])
     assert out["ps"]["ok"] == ["short:latest"]
     assert out["copy"]["ok"] == "success" and out["delete"]["ok"] == "success"
     assert out["pull"]["ok"] == "success"  # pulled from the registry stand-in

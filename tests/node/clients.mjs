@@ -24,6 +24,19 @@ await record("generate", async () => {
   const r = await client.generate({ model, prompt: "hi", stream: false, options: { num_predict: 4, temperature: 0 } });
   return { done: r.done, eval_count: r.eval_count, response: r.response };
 });
+await record("generate_logprobs", async () => {
+  const r = await client.generate({ model, prompt: "hi", stream: false, logprobs: true, top_logprobs: 2, options: { num_predict: 4, temperature: 0 } });
+  return { response: r.response, logprobs: r.logprobs };
+});
+await record("chat_logprobs_stream", async () => {
+  const entries = [];
+  let text = "";
+  for await (const part of await client.chat({ model, messages: [{ role: "user", content: "hi" }], stream: true, logprobs: true, top_logprobs: 1, options: { num_predict: 4, temperature: 0 } })) {
+    text += part.message.content;
+    entries.push(...(part.logprobs ?? []));
+  }
+  return { text, logprobs: entries };
+});
 await record("ps", async () => (await client.ps()).models.map((m) => m.name));
 await record("copy", async () => (await client.copy({ source: model, destination: "node-copy" })).status);
 await record("delete", async () => (await client.delete({ model: "node-copy" })).status);
