@@ -91,5 +91,14 @@ async def test_openai_client_reads_chat_logprobs_streamed_and_whole(store: Path,
             assert [(e.token, round(e.logprob, 3)) for e in ours.logprobs] == [(e.token, round(e.logprob, 3)) for e in content]
 
             completion = await in_thread(client.completions.create, model=model, prompt="hi", max_tokens=4, temperature=0, logprobs=2)
-            entries = completion.choices[0].logprobs.model_extra["content"]  # llama-server's own shape, relayed as is
-            assert len(entries) == completion.usage.completion_tokens and all(len(e["top_logprobs"]) == 2 for e in entries)
+            lp = completion.choices[0].logprobs  # OpenAI's fields, read by the client's own type
+            assert len(lp.tokens) == completion.usage.completion_tokens and "".join(lp.tokens) == completion.choices[0].text
+            assert all(len(top) <= 2 and top for top in lp.top_logprobs) and all(v <= 0 for v in lp.token_logprobs)
+            assert lp.text_offset[0] == len("hi")
+            entries = lp.model_extra["content"]  # and llama-server's own list, unchanged
+            assert [e["token"] for e in entries] == lp.tokens and [e["logprob"] for e in entries] == lp.token_logprobs
+            chunks = await in_thread(lambda: list(client.completions.create(model=model, prompt="hi", max_tokens=4, temperature=0, logprobs=2, stream=True)))
+            streamed_lp = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+            assert [t for s in streamed_lp for t in s.tokens] == [t for t in lp.tokens if t]
+            offsets = [o for s in streamed_lp for o in s.text_offset]
+            assert offsets == sorted(offsets) and offsets[0] == len("hi")

@@ -27,9 +27,11 @@ from trioshed.api.protocols.errors import openai_error_event
 from trioshed.api.protocols.openai_chat import (
     FINISHED,
     CompletionAsChat,
+    LegacyLogprobs,
     ModelRenamer,
     as_chat,
     chat_needs,
+    completion_logprobs_asked,
     logprobs_asked,
     openai_model_rewrite,
     transcript_completion_body,
@@ -50,9 +52,13 @@ from trioshed.trace import current as current_trace
 bp = Blueprint("openai", __name__)
 
 
-async def _relay(lease: Lease, path: str, body: dict[str, Any] | bytes, model: str) -> AsyncIterator[bytes]:
-    """llama-server's SSE bytes as they come, with ``model`` named as the client did."""
+async def _relay(
+    lease: Lease, path: str, body: dict[str, Any] | bytes, model: str, legacy: LegacyLogprobs | None = None
+) -> AsyncIterator[bytes]:
+    """llama-server's SSE bytes as they come, with ``model`` named as the client did (and, with
+    ``legacy``, OpenAI's Completions logprobs fields added to each event)."""
     renamer = ModelRenamer(lease.model.name, model)
+    fields = legacy.lines if legacy is not None else None
     # After the chunk with a finish reason only the usage chunk, [DONE] and the close follow
     # (microseconds later): they go out in one write with it (one or two sends fewer per answer).
     held = b""
@@ -60,11 +66,16 @@ async def _relay(lease: Lease, path: str, body: dict[str, Any] | bytes, model: s
         async with open_upstream_bytes(lease, path, body) as pieces:
             async for piece in pieces:
                 out = renamer.feed(piece)
+                if fields is not None and out:
+                    out = fields(out)
                 if held or FINISHED in out:
                     held += out
                 elif out:
                     yield out
-        if out := held + renamer.finish():
+        rest = renamer.finish()
+        if fields is not None and rest:
+            rest = fields(rest)
+        if out := held + rest:
             yield out
     except TrioshedError as exc:
         yield held + openai_error_event(exc.status, exc.message)
@@ -97,7 +108,9 @@ async def openai_request(*, embedding: bool = False) -> OpenAIRequest:
     return OpenAIRequest(body, name, req.model, req.options, req.keep_alive, raw)
 
 
-async def _proxy(path: str, req: OpenAIRequest | None = None, *, as_chat_shape: bool = False) -> Response:
+async def _proxy(
+    path: str, req: OpenAIRequest | None = None, *, as_chat_shape: bool = False, legacy: LegacyLogprobs | None = None
+) -> Response:
     """Forward ``req`` (the request's body, parsed here when not given) to ``path``;
     ``as_chat_shape``: a /v1/completions answer is given in chat's shape (see :func:`_chat_as_transcript`)."""
     st = state()
@@ -116,6 +129,8 @@ async def _proxy(path: str, req: OpenAIRequest | None = None, *, as_chat_shape: 
             if as_chat_shape and status == 200:
                 assert isinstance(upstream, dict)
                 data = as_chat(data, top_logprobs=logprobs_asked(upstream))
+            elif legacy is not None and status == 200:
+                data = legacy.event(data)
             data = openai_model_rewrite(data, name)
             if (trace := current_trace.get()) is not None:
                 trace.counted(data)
@@ -124,7 +139,7 @@ async def _proxy(path: str, req: OpenAIRequest | None = None, *, as_chat_shape: 
         assert isinstance(upstream, dict)
         relay = lambda lease: _relay_as_chat(lease, upstream, name)  # noqa: E731
     else:
-        relay = lambda lease: _relay(lease, path, upstream, name)  # noqa: E731
+        relay = lambda lease: _relay(lease, path, upstream, name, legacy)  # noqa: E731
     return await leased_stream(st.scheduler, model, options, keep_alive, relay, "text/event-stream")
 
 
@@ -165,6 +180,9 @@ async def completions() -> Response:
     await require_capabilities(req.model, req.name, (), action="generate")
     if "response_format" in req.body:  # llama-server's completions honour only json_schema
         req = replace(req, body=with_response_format(req.body), raw=None)
+    if completion_logprobs_asked(req.body):  # OpenAI's fields beside llama-server's own
+        prompt = req.body.get("prompt")
+        return await _proxy("/v1/completions", req, legacy=LegacyLogprobs(len(prompt) if isinstance(prompt, str) else 0))
     return await _proxy("/v1/completions", req)
 
 

@@ -224,6 +224,67 @@ class CompletionAsChat:
         return b"\n".join(out) + b"\n"
 
 
+class LegacyLogprobs:
+    """OpenAI's Completions ``logprobs`` fields beside llama-server's own (one per request).
+
+    llama-server answers ``/v1/completions``' ``logprobs: N`` in chat's shape,
+    ``{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}``; OpenAI's Completions (and
+    the ``openai`` client's ``Logprobs`` type) read ``tokens``, ``token_logprobs``,
+    ``top_logprobs`` (one ``{token: logprob}`` per token) and ``text_offset`` (where each token
+    starts in prompt + text). Both are given: llama-server's ``content`` unchanged, OpenAI's
+    fields added. Offsets count from ``prompt_chars`` (the prompt's length, when it is text).
+    """
+
+    def __init__(self, prompt_chars: int = 0) -> None:
+        self._offsets: dict[int, int] = {}
+        self._start = prompt_chars
+
+    def choice(self, choice: dict[str, Any]) -> dict[str, Any]:
+        lp = choice.get("logprobs")
+        if not isinstance(lp, Mapping) or not isinstance(lp.get("content"), list):
+            return choice
+        index = choice.get("index", 0)
+        offset = self._offsets.get(index, self._start)
+        entries = [e for e in lp["content"] if isinstance(e, Mapping)]
+        offsets = []
+        for entry in entries:
+            offsets.append(offset)
+            offset += len(str(entry.get("token", "")))
+        self._offsets[index] = offset
+        legacy = {
+            "tokens": [str(e.get("token", "")) for e in entries],
+            "token_logprobs": [e.get("logprob") for e in entries],
+            "top_logprobs": [
+                {str(t.get("token", "")): t.get("logprob") for t in e.get("top_logprobs") or [] if isinstance(t, Mapping)} for e in entries
+            ],
+            "text_offset": offsets,
+        }
+        return {**choice, "logprobs": {**lp, **legacy}}
+
+    def event(self, event: dict[str, Any]) -> dict[str, Any]:
+        """A whole answer or one streamed event with OpenAI's fields added to each choice."""
+        choices = event.get("choices")
+        if not isinstance(choices, list):
+            return event
+        return {**event, "choices": [self.choice(c) if isinstance(c, dict) else c for c in choices]}
+
+    def lines(self, data: bytes) -> bytes:
+        """Complete SSE lines with each ``data: {...}`` event rewritten (others unchanged)."""
+        out = []
+        for line in data.split(b"\n"):
+            if line.startswith(b"data: {"):
+                event = json.loads(line[6:])
+                line = b"data: " + json.dumps(self.event(event), ensure_ascii=False, separators=(",", ":")).encode()
+            out.append(line)
+        return b"\n".join(out)
+
+
+def completion_logprobs_asked(body: Mapping[str, Any]) -> bool:
+    """Whether a Completions body asks for log-probabilities (``logprobs``: a count)."""
+    value = body.get("logprobs")
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 #: A non-null finish reason, as llama-server serializes it: after the chunk carrying it only the
 #: usage chunk, [DONE] and the close follow.
 FINISHED = b'"finish_reason":"'
