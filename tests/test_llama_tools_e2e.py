@@ -75,24 +75,33 @@ async def test_each_route_answers_what_llama_server_alone_answers(fim_store: Pat
             streamed = await client.post("/infill", json={"model": "fim", **INFILL, "stream": True})
             assert streamed.status_code == 200 and streamed.headers["content-type"].startswith("text/event-stream")
             via_upstream = await client.post("/upstream/fim/infill", json=INFILL)
+            chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0, "stream": True}
+            upstream_stream = await client.post("/upstream/fim/v1/chat/completions", json=chat)
+            assert upstream_stream.headers["content-type"].startswith("text/event-stream")
             props = await client.get("/upstream/fim/props")
+            head = await client.head("/upstream/fim/health")
+            assert head.status_code == 200 and head.content == b""
             argv = _runner_argv()
     assert ours[0]["model"] == "fim" and ours[0]["content"] and ours[0]["stop"] is True
     assert ours[2]["tokens"][-1] == {"id": FIM_IDS[0], "piece": "<fim_prefix>"}
     assert props.status_code == 200 and props.json()["model_path"] == "fim"  # never the file's path
     assert str(fim_store) not in props.text
 
-    def alone() -> tuple[list[dict[str, Any]], str, dict[str, Any]]:
+    def alone() -> tuple[list[dict[str, Any]], str, dict[str, Any], str]:
         with running_llama_server(fim_store / "fim.gguf", argv) as server:
             answers = [httpx.post(server.url + path, json=body, timeout=60).json() for path, body in bodies]
             stream = httpx.post(server.url + "/infill", json={**INFILL, "stream": True}, timeout=60).text
-            return answers, stream, httpx.get(server.url + "/props").json()
+            chat_stream = httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=60).text
+            return answers, stream, httpx.get(server.url + "/props").json(), chat_stream
 
-    theirs, stream, their_props = await trio.to_thread.run_sync(alone)
+    theirs, stream, their_props, their_chat = await trio.to_thread.run_sync(alone)
     for (path, _), mine, reference in zip(bodies, ours, theirs, strict=True):
         assert _stable(mine) == _stable(reference), path
     assert _events(streamed.text) == _events(stream)
     assert _stable(via_upstream.json()) == _stable(theirs[0])
+    texts = [[e["choices"][0]["delta"].get("content") for e in map(json.loads, (x[6:] for x in t.splitlines() if x.startswith("data: {"))) if e["choices"]]
+             for t in (upstream_stream.text, their_chat)]  # fmt: skip
+    assert texts[0] == texts[1] and len(texts[0]) > 2
     per_process = ("model_path", "media_marker")  # the file's path is hidden; the marker is random per process
     assert {k: v for k, v in props.json().items() if k not in per_process} == {k: v for k, v in their_props.items() if k not in per_process}
 
@@ -167,3 +176,19 @@ async def test_upstream_refuses_what_it_must_not_forward_with_nothing_loaded(fim
                 assert r.status_code == 403
                 async with httpx.AsyncClient(base_url=server.base_url, timeout=30, headers=headers) as client:
                     await _nothing_loaded(client)
+
+
+async def test_ollamas_suffix_fills_in_the_middle_as_infill_does(fim_store: Path) -> None:
+    import ollama
+
+    with trio.fail_after(60):
+        async with open_test_server(fim_store) as server, httpx.AsyncClient(base_url=server.base_url, timeout=30) as client:
+            sdk = ollama.Client(host=server.base_url)
+            options = {"num_predict": 6, "temperature": 0, "seed": 1}
+            filled = await trio.to_thread.run_sync(lambda: sdk.generate(model="fim", prompt="def f(", suffix="return x\n", options=options))
+            infill = (await client.post("/infill", json={"model": "fim", **INFILL})).json()
+            assert filled.response == infill["content"] and filled.eval_count == infill["tokens_predicted"] == 6
+            with pytest.raises(ollama.ResponseError) as caught:
+                await trio.to_thread.run_sync(lambda: sdk.generate(model="plain", prompt="def f(", suffix="x", options=options))
+            assert caught.value.status_code == 400 and "does not support insert" in caught.value.error
+            assert [m["name"] for m in (await client.get("/api/ps")).json()["models"]] == ["fim:latest"]
