@@ -15,6 +15,7 @@ from typing import Any
 from quart import Blueprint, current_app
 
 from trioshed import __version__
+from trioshed.api.openapi_llama import llama_paths, llama_schemas
 from trioshed.models.store import ModelStore
 
 bp = Blueprint("openapi", __name__)
@@ -264,7 +265,7 @@ def _schemas(ollama_names: bool) -> Schema:
             ("model", "input"),
         ),
         **_anthropic_schemas(),
-        **_llama_schemas(),
+        **llama_schemas(),
         "OpenAIResponse": {"type": "object", "description": "OpenAI's answer as llama-server gives it, naming the model as the client did", "properties": {"object": _STR, "model": _STR}},
         "OpenAIModel": _obj({"id": _STR, "object": {"const": "model"}, "created": _INT, "owned_by": _STR}, ("id", "object")),
         "OpenAIModelList": _obj({"object": {"const": "list"}, "data": {"type": "array", "items": _ref("OpenAIModel")}}, ("object", "data")),
@@ -309,61 +310,8 @@ def _anthropic_schemas() -> Schema:
     }
 
 
-def _llama_schemas() -> Schema:
-    """llama-server's own routes (``trioshed.api.tools``): their fields as llama-server reads them."""
-    extras = {"model": _MODEL, "keep_alive": _ref("KeepAlive"), "options": _ref("Options")}
-    extra_chunk = _obj({"filename": _STR, "text": _STR})
-    piece = _obj({"id": _INT, "piece": {"anyOf": [_STR, {"type": "array", "items": _INT}]}}, ("id", "piece"))
-    return {
-        "LlamaInfillRequest": _obj(
-            {**extras, "input_prefix": _STR, "input_suffix": _STR, "input_extra": {"type": "array", "items": extra_chunk},
-             "prompt": _STR, "stream": {"type": "boolean", "default": False}, "n_predict": _INT, "n_probs": _INT,
-             "post_sampling_probs": _BOOL, "temperature": _NUM, "top_k": _INT, "top_p": _NUM, "seed": _INT,
-             "stop": _STRINGS, "cache_prompt": _BOOL},
-            ("model",),
-        ),
-        "LlamaCompletion": _obj({"content": _STR, "stop": _BOOL, "model": _STR, "tokens_predicted": _INT, "tokens_evaluated": _INT}),
-        "LlamaTokenizeRequest": _obj({**extras, "content": _STR, "add_special": _BOOL, "parse_special": _BOOL, "with_pieces": _BOOL}, ("model",)),
-        "LlamaTokens": _obj({"tokens": {"type": "array", "items": {"anyOf": [_INT, piece]}}}, ("tokens",)),
-        "LlamaDetokenizeRequest": _obj({**extras, "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}}}, ("model",)),
-        "LlamaContent": _obj({"content": _STR}, ("content",)),
-        "LlamaApplyTemplateRequest": _obj({**extras, "messages": {"type": "array", "minItems": 1, "items": {"type": "object"}}, "tools": {"type": "array"}}, ("model", "messages")),
-        "LlamaPrompt": _obj({"prompt": _STR}, ("prompt",)),
-        "LlamaError": _obj({"error": _obj({"code": _INT, "message": _STR, "type": _STR}, ("code", "message", "type"))}, ("error",)),
-    }
-
-
-def _llama_paths() -> Schema:
-    """``/infill``, ``/tokenize``, ``/detokenize``, ``/apply-template`` and ``/upstream/...``."""
-    model_errors = ("400", "401", "404", "413", "500", "502", "503", "507")
-    rest = {"name": "rest", "in": "path", "required": True,
-            "schema": {"type": "string", "description": "`<model>/<llama-server path>`, e.g. `tiny/props`, `tiny/v1/chat/completions`"}}
-    refused = {"403": {"description": "A llama-server route that is not forwarded (`/slots`, `POST /props`, anything not listed in docs/api.md).",
-                       "content": {"application/json": {"schema": _ref("LlamaError")}}}}
-    answer = {"200": {"description": "llama-server's answer, as it gives it", "content": {"application/json": {"schema": {"type": "object"}}, SSE: {"schema": _SSE_EVENT}}}}
-
-    def op(summary: str, request: str, response: str, *, stream: bool = False) -> Schema:
-        return {"post": _json_op(summary, request, _ref(response), stream=SSE if stream else None, errors=model_errors, llama=True)}
-
-    return {
-        "/infill": op("Fill in the middle (llama.cpp's /infill, what llama.vscode and llama.vim call); 400 for a model without FIM tokens",
-                      "LlamaInfillRequest", "LlamaCompletion", stream=True),
-        "/tokenize": op("Tokenize with the model's tokenizer (llama.cpp)", "LlamaTokenizeRequest", "LlamaTokens"),
-        "/detokenize": op("Token ids back to text (llama.cpp)", "LlamaDetokenizeRequest", "LlamaContent"),
-        "/apply-template": op("Render messages with the model's chat template (llama.cpp)", "LlamaApplyTemplateRequest", "LlamaPrompt"),
-        "/upstream/{rest}": {
-            "parameters": [rest],
-            "get": {"summary": "A llama-server read route of the model's runner (loaded if needed): /health, /v1/health, /props (without the file path), /models, /v1/models",
-                    "responses": {**answer, **_errors("400", "401", "404", "500", "502", "503", "507", llama=True), **refused}},
-            "post": {"summary": "A llama-server generating or tokenizing route of the model's runner (loaded if needed), forwarded as sent",
-                     "requestBody": {"required": True, "content": {"application/json": {"schema": {"type": "object"}}}},
-                     "responses": {**answer, **_errors(*model_errors, llama=True), **refused}},
-        },
-    }
-
-
-def _errors(*statuses: str, openai: bool = False, anthropic: bool = False, llama: bool = False) -> Schema:
-    schema = _ref("LlamaError") if llama else _ref("AnthropicError") if anthropic else _ref("OpenAIError") if openai else _ref("Error")
+def _errors(*statuses: str, openai: bool = False, anthropic: bool = False) -> Schema:
+    schema = _ref("AnthropicError") if anthropic else _ref("OpenAIError") if openai else _ref("Error")
     return {s: {"description": _ERROR_STATUSES[s], "content": {"application/json": {"schema": schema}}} for s in statuses}
 
 
@@ -379,7 +327,7 @@ _SSE_EVENT: Schema = {
 
 
 def _json_op(summary: str, request: str, response: Schema, *, stream: str | None = None, errors: tuple[str, ...] = _MODEL_ERRORS,
-             openai: bool = False, anthropic: bool = False, llama: bool = False) -> Schema:
+             openai: bool = False, anthropic: bool = False) -> Schema:
     content: Schema = {"application/json": {"schema": response}}
     if stream is not None:
         content[stream] = {"schema": response if stream == NDJSON else _SSE_EVENT}
@@ -387,7 +335,7 @@ def _json_op(summary: str, request: str, response: Schema, *, stream: str | None
         "summary": summary,
         "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}},
         "responses": {"200": {"description": "the answer" + (" (streamed unless `stream` is false)" if stream == NDJSON else ""), "content": content},
-                      **_errors(*errors, openai=openai, anthropic=anthropic, llama=llama)},
+                      **_errors(*errors, openai=openai, anthropic=anthropic)},
     }
 
 
@@ -498,7 +446,7 @@ def _paths() -> Schema:
         "/ui/ui.css": {"get": _get_op("The status page's style sheet", "text/css", _STR, auth=False)},
         "/metrics": {"get": _get_op("Prometheus metrics (text exposition format 0.0.4)", "text/plain", _STR)},
         "/openapi.json": {"get": _get_op("This document", "application/json", {"type": "object"})},
-        **_llama_paths(),
+        **llama_paths(),
     }
 
 
