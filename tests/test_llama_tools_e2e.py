@@ -192,3 +192,27 @@ async def test_ollamas_suffix_fills_in_the_middle_as_infill_does(fim_store: Path
                 await trio.to_thread.run_sync(lambda: sdk.generate(model="plain", prompt="def f(", suffix="x", options=options))
             assert caught.value.status_code == 400 and "does not support insert" in caught.value.error
             assert [m["name"] for m in (await client.get("/api/ps")).json()["models"]] == ["fim:latest"]
+
+
+async def test_the_routes_lease_like_any_request_and_set_the_keep_alive(fim_store: Path) -> None:
+    from datetime import UTC, datetime, timedelta
+
+    async def expires(client: httpx.AsyncClient) -> timedelta:
+        (model,) = (await client.get("/api/ps")).json()["models"]
+        return datetime.fromisoformat(model["expires_at"].replace("Z", "+00:00")) - datetime.now(UTC)
+
+    with trio.fail_after(60):
+        async with open_test_server(fim_store) as server, httpx.AsyncClient(base_url=server.base_url, timeout=30) as client:
+            assert (await client.get("/upstream/fim/health")).status_code == 200  # a read loads the model too
+            assert timedelta(minutes=4) < await expires(client) <= timedelta(minutes=5)  # the default keep-alive
+            r = await client.post("/tokenize", json={"model": "fim", "content": "x", "keep_alive": "2h"})
+            assert r.status_code == 200 and r.json() == {"tokens": [131, 123]}
+            assert timedelta(minutes=119) < await expires(client) <= timedelta(hours=2)
+            r = await client.post("/apply-template", json={"model": "fim", "messages": [{"role": "user", "content": "x"}], "keep_alive": "30m"})
+            assert r.status_code == 200 and timedelta(minutes=29) < await expires(client) <= timedelta(minutes=30)
+            metrics = (await client.get("/metrics")).text
+            waits = {line.split("{")[1].split("}")[0]: line.rsplit(" ", 1)[1] for line in metrics.splitlines()
+                     if line.startswith("trioshed_queue_wait_seconds_count")}  # fmt: skip
+            assert waits['model="fim:latest",route="/tokenize"'] == "1.0"  # through the scheduler, counted
+            assert waits['model="fim:latest",route="/apply-template"'] == "1.0"
+            assert waits['model="fim:latest",route="/upstream/<path:rest>"'] == "1.0"
