@@ -216,3 +216,21 @@ async def test_the_routes_lease_like_any_request_and_set_the_keep_alive(fim_stor
             assert waits['model="fim:latest",route="/tokenize"'] == "1.0"  # through the scheduler, counted
             assert waits['model="fim:latest",route="/apply-template"'] == "1.0"
             assert waits['model="fim:latest",route="/upstream/<path:rest>"'] == "1.0"
+
+
+async def test_a_stream_llama_server_refuses_answers_its_status_before_any_event(fim_store: Path) -> None:
+    too_long = {"prompt": "ab " * 400, "n_predict": 4, "stream": True}  # ~1,200 tokens for a 256-token context
+    with trio.fail_after(60):
+        async with open_test_server(fim_store, context_length=256) as server, httpx.AsyncClient(base_url=server.base_url, timeout=30) as client:
+            r = await client.post("/upstream/fim/completion", json=too_long)
+            ok = await client.post("/upstream/fim/completion", json={**too_long, "prompt": "ab"})
+            argv = _runner_argv()
+    assert r.status_code == 400 and r.headers["content-type"] == "application/json", r.text
+    assert r.json()["error"]["type"] == "invalid_request_error" and "context" in r.json()["error"]["message"]
+    assert ok.status_code == 200 and ok.headers["content-type"].startswith("text/event-stream") and '"stop":true' in ok.text
+
+    def alone() -> int:
+        with running_llama_server(fim_store / "fim.gguf", argv) as server:
+            return httpx.post(server.url + "/completion", json=too_long, timeout=60).status_code
+
+    assert await trio.to_thread.run_sync(alone) == r.status_code

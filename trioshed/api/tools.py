@@ -12,9 +12,10 @@ llama-server's own, the model named as the client named it; errors have llama.cp
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 
+import trio
 from quart import Blueprint, Response, request
 
 from trioshed.api.preamble import (
@@ -30,9 +31,9 @@ from trioshed.api.protocols.errors import llama_error
 from trioshed.api.protocols.openai_chat import ModelRenamer
 from trioshed.api.protocols.options import split_options
 from trioshed.api.upstream import (
+    LeasedBody,
     client_status,
     crash_or,
-    leased_stream,
     open_upstream_bytes,
     post_upstream_raw,
     step,
@@ -69,17 +70,43 @@ def _answer(status: int, raw: bytes, upstream_name: str, name: str) -> Response:
     return Response(body, status=client_status(status, raw), content_type="application/json")
 
 
-async def _relay(lease: Lease, path: str, body: dict[str, Any], name: str) -> AsyncIterator[bytes]:
-    renamer = ModelRenamer(lease.model.name, name)
+async def _relay(lease: Lease, path: str, body: dict[str, Any] | bytes, rename: str | None) -> AsyncGenerator[bytes, None]:
+    """llama-server's stream as it comes (the model renamed to ``rename`` when given). First it
+    yields ``b""`` once the runner answered 200, so that the route decides the status before the
+    headers go out; an error after that ends the stream with llama-server's error event."""
+    renamer = ModelRenamer(lease.model.name, rename) if rename is not None else None
+    started = False
     try:
         async with open_upstream_bytes(lease, path, body) as pieces:
+            started = True
+            yield b""
             async for piece in pieces:
-                if out := renamer.feed(piece):
+                if out := renamer.feed(piece) if renamer else piece:
                     yield out
-        if out := renamer.finish():
+        if renamer and (out := renamer.finish()):
             yield out
-    except TrioshedError as exc:  # after the first event: an error event, as llama-server sends
+    except TrioshedError as exc:
+        if not started:
+            raise
         yield b"data: " + json.dumps(llama_error(exc.status, exc.message)).encode() + b"\n\n"
+
+
+async def _stream(req: Prepared, path: str, body: dict[str, Any] | bytes, rename: str | None) -> Response:
+    """Lease a runner, start the stream, and answer with it once llama-server said 200; its
+    refusal (a context too small, ...) is the answer's status instead, the lease given back."""
+    lease = await state().scheduler.wait_for_lease(req.model, req.options, req.keep_alive)
+    pieces = _relay(lease, path, body, rename)
+    try:
+        await pieces.__anext__()
+        response = Response(LeasedBody(lease, pieces), content_type="text/event-stream")
+        response.headers["Cache-Control"] = "no-cache"
+        response.timeout = None  # Quart's RESPONSE_TIMEOUT would cut long streams
+    except BaseException:
+        with trio.CancelScope(shield=True):
+            await pieces.aclose()
+        lease.release()
+        raise
+    return response
 
 
 async def _tool(path: str) -> Response:
@@ -94,9 +121,7 @@ async def _tool(path: str) -> Response:
         if req.defaults:  # the model's sampling defaults, under the request's own
             upstream = {**split_options(req.defaults)[0], **upstream}
         if protocol.infill_streams(upstream):
-            scheduler = state().scheduler
-            relay = lambda lease: _relay(lease, path, upstream, name)  # noqa: E731
-            return await leased_stream(scheduler, req.model, req.options, req.keep_alive, relay, "text/event-stream")
+            return await _stream(req, path, upstream, name)
     async with state().scheduler.acquire(req.model, req.options, req.keep_alive) as lease:
         status, raw = await post_upstream_raw(lease, path, upstream)
     return _answer(status, raw, req.model.name, name)
@@ -164,8 +189,7 @@ async def upstream(rest: str) -> Response:
     req = prepare({}, name, embedding=path in protocol.UPSTREAM_EMBEDDING)
     target = protocol.upstream_target(path, request.query_string)
     if streaming:
-        relay = lambda lease: _raw_relay(lease, target, payload)  # noqa: E731
-        return await leased_stream(state().scheduler, req.model, req.options, req.keep_alive, relay, "text/event-stream")
+        return await _stream(req, target, payload, None)
     async with state().scheduler.acquire(req.model, req.options, req.keep_alive) as lease:
         status, headers, raw = await _request(lease, method, target, payload)
     if path == "/props" and status == 200:
@@ -185,12 +209,3 @@ async def _request(lease: Lease, method: str, target: str, payload: bytes) -> tu
         return result
     except ConnectionFailed as exc:
         raise await crash_or(lease, exc) from None
-
-
-async def _raw_relay(lease: Lease, target: str, payload: bytes) -> AsyncIterator[bytes]:
-    try:
-        async with open_upstream_bytes(lease, target, payload) as pieces:
-            async for piece in pieces:
-                yield piece
-    except TrioshedError as exc:
-        yield b"data: " + json.dumps(llama_error(exc.status, exc.message)).encode() + b"\n\n"
