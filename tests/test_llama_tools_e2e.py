@@ -234,3 +234,33 @@ async def test_a_stream_llama_server_refuses_answers_its_status_before_any_event
             return httpx.post(server.url + "/completion", json=too_long, timeout=60).status_code
 
     assert await trio.to_thread.run_sync(alone) == r.status_code
+
+
+async def test_gemma_tokenizes_and_renders_its_template_as_llama_server_alone(gemma_store: Path) -> None:
+    bodies: list[tuple[str, dict[str, Any]]] = [
+        ("/tokenize", {"content": "Héllo <start_of_turn> wörld 🙂", "with_pieces": True}),
+        ("/tokenize", {"content": "Héllo <start_of_turn>", "add_special": True, "parse_special": True}),
+        ("/detokenize", {"tokens": [2, 9259, 106, 236743]}),
+        ("/apply-template", {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                                          {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Why?"}]}),
+    ]  # fmt: skip
+    with trio.fail_after(180):
+        async with open_test_server(gemma_store) as server, httpx.AsyncClient(base_url=server.base_url, timeout=120) as client:
+            ours = [(await client.post(path, json={"model": "gemma3-270m", **body})).json() for path, body in bodies]
+            argv = _runner_argv()
+            infill = await client.post("/infill", json={"model": "gemma3-270m", **INFILL})
+    assert ours[3]["prompt"].endswith("Why?<|im_end|>\n<|im_start|>assistant\n")  # no template in this GGUF: llama-server's ChatML
+    # gemma3 has no fill-in-the-middle tokens
+    assert infill.status_code == 400 and "does not support insert" in infill.json()["error"]["message"], infill.text
+
+    def alone() -> list[dict[str, Any]]:
+        with running_llama_server(_gemma_path(gemma_store), argv) as server:
+            return [httpx.post(server.url + path, json=body, timeout=60).json() for path, body in bodies]
+
+    assert ours == await trio.to_thread.run_sync(alone)
+
+
+def _gemma_path(store: Path) -> str:
+    import tomllib
+
+    return str(tomllib.loads((store / "models.toml").read_text())["models"]["gemma3-270m"]["path"])
