@@ -22,6 +22,7 @@ from trioshed.api.preamble import (
     Prepared,
     model_capabilities,
     prepare,
+    read_body,
     read_body_raw,
     require_capabilities,
     state,
@@ -110,7 +111,7 @@ async def _stream(req: Prepared, path: str, body: dict[str, Any] | bytes, rename
 
 
 async def _tool(path: str) -> Response:
-    _, body = await read_body_raw()
+    body = await read_body()
     name = _model_name(body)
     req = await _prepare(body, name)
     upstream = protocol.tool_body(path, body)

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from trioshed.api.protocols.options import field, json_type, require_object
-from trioshed.errors import BadRequest, Forbidden, TrioshedError
+from trioshed.errors import BadRequest, Forbidden
 
 #: trioshed's fields: they choose the runner and never go upstream.
 OWN_FIELDS = ("model", "keep_alive", "options")
@@ -59,7 +59,7 @@ _TYPED: dict[str, dict[str, tuple[type | tuple[type, ...], str]]] = {
 #: The routes :func:`tool_body` knows.
 TOOL_PATHS = tuple(_TYPED)
 
-#: The most tokens /detokenize takes in one request (a 32 MiB body could otherwise carry millions).
+#: The most tokens /detokenize takes in one request (a large body could otherwise carry millions).
 MAX_DETOKENIZE = 1 << 20
 
 
@@ -103,11 +103,6 @@ def _check_extra(extra: object) -> None:
 def infill_streams(body: Mapping[str, Any]) -> bool:
     """Whether an /infill answer streams (llama-server's default: whole)."""
     return body.get("stream") is True
-
-
-def is_fim_unsupported(exc: TrioshedError) -> bool:
-    """Whether llama-server refused /infill for want of the model's FIM tokens."""
-    return "Infill is not supported by this model" in exc.message
 
 
 # -- the pass-through --------------------------------------------------------------------------
