@@ -107,8 +107,10 @@ def _schemas(ollama_names: bool) -> Schema:
         "format": {"anyOf": [{"type": "string", "enum": ["json"]}, {"type": "object"}]},
         "think": {"anyOf": [_BOOL, {"type": "string", "enum": ["low", "medium", "high"]}]},
         "logprobs": _BOOL,
-        "top_logprobs": {"type": "integer", "minimum": 0},
+        "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
     }
+    token = {"token": _STR, "logprob": _NUM, "bytes": {"type": "array", "items": _INT}}  # Ollama's Logprob
+    logprobs = {"type": "array", "items": _obj({**token, "top_logprobs": {"type": "array", "items": _obj(token)}}, ("token", "logprob"))}
     timings = {
         "total_duration": _INT, "load_duration": _INT, "prompt_eval_count": _INT,
         "prompt_eval_duration": _INT, "eval_count": _INT, "eval_duration": _INT,
@@ -146,7 +148,7 @@ def _schemas(ollama_names: bool) -> Schema:
             ("model",),
         ),
         "GenerateResponse": _obj(
-            {"model": _STR, "created_at": _STR, "response": _STR, "thinking": _STR, "done": _BOOL, "done_reason": _STR, "context": {"type": "array", "items": _INT}, **timings},
+            {"model": _STR, "created_at": _STR, "response": _STR, "thinking": _STR, "done": _BOOL, "done_reason": _STR, "context": {"type": "array", "items": _INT}, "logprobs": logprobs, **timings},
             ("model", "done"),
         ),
         "ChatRequest": _obj(
@@ -154,7 +156,7 @@ def _schemas(ollama_names: bool) -> Schema:
             ("model",),
         ),
         "ChatResponse": _obj(
-            {"model": _STR, "created_at": _STR, "message": _ref("Message"), "done": _BOOL, "done_reason": _STR, **timings},
+            {"model": _STR, "created_at": _STR, "message": _ref("Message"), "done": _BOOL, "done_reason": _STR, "logprobs": logprobs, **timings},
             ("model", "done"),
         ),
         "EmbedRequest": _obj(
@@ -226,7 +228,8 @@ def _schemas(ollama_names: bool) -> Schema:
                 "temperature": {"type": ["number", "null"]}, "top_p": {"type": ["number", "null"]},
                 "seed": {"type": ["integer", "null"]}, "stop": {"anyOf": [_STR, _STRINGS, {"type": "null"}]},
                 "tools": {"type": "array", "items": {"type": "object"}}, "response_format": {"type": "object"},
-                "stream_options": {"type": ["object", "null"]},
+                "stream_options": {"type": ["object", "null"]}, "logprobs": {"type": ["boolean", "null"]},
+                "top_logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": 20},
             },
             ("model", "messages"),
         ),
@@ -254,6 +257,7 @@ def _schemas(ollama_names: bool) -> Schema:
                 "temperature": {"type": ["number", "null"]}, "top_p": {"type": ["number", "null"]},
                 "seed": {"type": ["integer", "null"]}, "stop": {"anyOf": [_STR, _STRINGS, {"type": "null"}]},
                 "suffix": {"type": ["string", "null"]}, "stream_options": {"type": ["object", "null"]},
+                "logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": 20},
             },
             ("model", "prompt"),
         ),
