@@ -264,3 +264,22 @@ def _gemma_path(store: Path) -> str:
     import tomllib
 
     return str(tomllib.loads((store / "models.toml").read_text())["models"]["gemma3-270m"]["path"])
+
+
+async def test_upstream_finds_model_names_with_slashes(fim_store: Path, tmp_path: Path) -> None:
+    import os
+
+    from trioshed.testing.ollama_store import add_ollama_model
+
+    ollama_root = tmp_path / "ollama"
+    add_ollama_model(ollama_root, "someone/coder:v1", fim_store / "fim.gguf", params={"temperature": 0})
+    with trio.fail_after(60):
+        async with open_test_server(f"{fim_store}{os.pathsep}{ollama_root}") as server, httpx.AsyncClient(base_url=server.base_url, timeout=30) as client:  # type: ignore[arg-type]
+            r = await client.post("/upstream/someone/coder:v1/tokenize", json={"content": "hi"})
+            assert r.status_code == 200 and r.json() == {"tokens": [131, 107, 108]}
+            r = await client.post("/upstream/someone/coder:v1/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2})
+            assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
+            assert (await client.post("/upstream/someone/nobody:v1/tokenize", json={"content": "hi"})).status_code == 404
+            assert (await client.post("/upstream/someone/coder:v1/slots/0", json={})).status_code == 403
+            r = await client.post("/infill", json={"model": "someone/coder:v1", **INFILL})
+            assert r.status_code == 200 and r.json()["model"] == "someone/coder:v1"

@@ -167,12 +167,13 @@ def _resolve(rest: str) -> tuple[ModelSpec, str, str]:
     reading whose model exists; see :func:`protocol.split_upstream`)."""
     readings = protocol.split_upstream(rest, request.scope.get("raw_path") or b"")
     store = state().store
+    first: TrioshedError | None = None
     for name, path in readings:
         try:
             return store.resolve(name), name, path
-        except ModelNotFound:
-            continue
-    raise ModelNotFound(readings[0][0])
+        except (ModelNotFound, BadRequest) as exc:  # not this reading (a name no store accepts is one)
+            first = first or exc
+    raise first or ModelNotFound(rest)
 
 
 @bp.route("/upstream/<path:rest>", methods=["GET", "POST"])
