@@ -283,3 +283,20 @@ async def test_upstream_finds_model_names_with_slashes(fim_store: Path, tmp_path
             assert (await client.post("/upstream/someone/coder:v1/slots/0", json={})).status_code == 403
             r = await client.post("/infill", json={"model": "someone/coder:v1", **INFILL})
             assert r.status_code == 200 and r.json()["model"] == "someone/coder:v1"
+
+
+@pytest.mark.parametrize("path", ["/infill", "/upstream/fim/completion"])
+async def test_a_client_that_leaves_mid_stream_gives_the_lease_back(fim_store: Path, path: str) -> None:
+    body = {"input_prefix": "a", "input_suffix": "b", "prompt": "c", "n_predict": 2000, "stream": True}
+    body |= {"model": "fim"} if path == "/infill" else {}
+    with trio.fail_after(60):
+        async with open_test_server(fim_store) as server, httpx.AsyncClient(base_url=server.base_url, timeout=30) as client:
+            async with client.stream("POST", path, json=body) as response:
+                assert response.status_code == 200
+                first = await response.aiter_lines().__anext__()
+                assert first.startswith("data: {") and server.scheduler.statistics().leased == 1
+            with trio.fail_after(10):
+                stats = await server.scheduler.wait_statistics(lambda s: s.leased == 0)
+            assert stats.loaded == 1 and stats.runners[0].leases == 0
+            r = await client.post("/tokenize", json={"model": "fim", "content": "hi"})
+            assert r.status_code == 200 and server.scheduler.statistics().loads == 1  # the same runner serves on
