@@ -55,6 +55,7 @@ def _json_error(status: int, message: str, headers: dict[str, str] | None = None
 
 def create_app(state: AppState) -> QuartTrio:
     app = QuartTrio("trioshed", static_folder=None)  # no /static/<path> route: nothing static is served
+    app.request_class = manage.StoreRequest  # blob uploads stream past TRIOSHED_MAX_BODY
     app.config["TRIOSHED"] = state
     app.config["RESPONSE_TIMEOUT"] = None  # token streams may run for many minutes
     app.config["BODY_TIMEOUT"] = BODY_TIMEOUT

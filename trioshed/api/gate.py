@@ -19,9 +19,9 @@ from trioshed.trace import current as current_trace
 #: What a browser may send cross-origin (the official JS clients' headers included).
 _ALLOW_HEADERS = "Authorization, Content-Type, User-Agent, Accept, X-Requested-With, x-api-key, anthropic-version"
 
-#: Routes that answer without reading the body (501, see trioshed.api.manage): a blob upload of
-#: any size gets that answer rather than 413.
-_UNREAD_BODIES = ("/api/blobs/", "/api/create", "/api/push", "/api/pull")
+#: Routes whose body is not bounded by TRIOSHED_MAX_BODY: a blob upload is streamed to disk with
+#: its own bound (see trioshed.models.blobs) and may be any type.
+_UNREAD_BODIES = ("/api/blobs/",)
 
 
 class Gate:

@@ -1,30 +1,61 @@
-"""Ollama's model-management routes: /api/delete, /api/copy, and the ones trioshed leaves out.
+"""Ollama's model-management routes: blobs, create, copy, delete, push (pull is :mod:`trioshed.api.pull`).
 
+* ``HEAD /api/blobs/sha256:<hex>``: 200 when the blob is in trioshed's store (``pulled/``), 404
+  when not. ``POST``: the upload, streamed to a partial file while it is hashed, renamed into
+  place only when its sha256 matches (201; 200 when it was there already; 400 on a mismatch,
+  nothing kept; 413 above 2 TiB; 507 when the disk has no room). See :mod:`trioshed.models.blobs`.
+* ``POST /api/create``: Ollama's fields (``model``, ``from``, ``files``, ``adapters``,
+  ``template``, ``system``, ``license``, ``parameters``, ``messages``, ``quantize``) or the older
+  ``modelfile`` text; checked whole before the answer starts (400/403/404/501), then streamed
+  (``using existing layer …``, ``creating new layer …``, ``writing manifest``, ``success``) or,
+  with ``"stream": false``, the last line. See :mod:`trioshed.models.create`.
 * ``DELETE /api/delete``: a model of trioshed's own folder store is unloaded (unless another
   name still serves its file), then its GGUF file (or its ``models.toml`` name) removed; a
-  pulled model's manifest is removed with the blobs no other pulled model uses; a model of an
-  Ollama store is 403 (read-only).
-* ``POST /api/copy``: a ``models.toml`` entry ``destination`` naming the source's files.
-* ``/api/push``, ``/api/create``, ``HEAD``/``POST /api/blobs/:digest``: 501 with how to add a
-  model instead, whatever the body's size. trioshed uploads nothing and builds no models
-  (``/api/pull`` is :mod:`trioshed.api.pull`).
+  pulled or created model's manifest is removed with the blobs no other manifest names; a model
+  of an Ollama store is 403 (read-only).
+* ``POST /api/copy``: a pulled or created model gets a second manifest (the blobs are shared);
+  a folder-store model a ``models.toml`` entry ``destination`` naming the source's files.
+* ``POST /api/push``: :mod:`trioshed.api.push`.
+
+Every route here that writes goes through :func:`~trioshed.api.preamble.store_writer`.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
 import trio
-from quart import Blueprint, Response
+from quart import Blueprint, Response, request
+from quart_trio.wrappers.request import TrioRequest
 
-from trioshed.api.preamble import read_body, state
-from trioshed.errors import BadRequest, NotSupported
+from trioshed.api.preamble import read_body, state, store_writer
+from trioshed.api.protocols.errors import ollama_error
+from trioshed.errors import BadRequest, Forbidden, TrioshedError
+from trioshed.models.blobs import MAX_BLOB, has_blob, receive_blob
+from trioshed.models.create import Creator, Prepared
 
+log = logging.getLogger(__name__)
 bp = Blueprint("manage", __name__)
+NDJSON = "application/x-ndjson"
 
 HOW_TO_ADD = (
-    "to add a model, pull it (trioshed pull NAME, or /api/pull), copy its GGUF file into the model store (TRIOSHED_MODELS; NAME.gguf "
-    "is model NAME), or point TRIOSHED_MODELS at an existing Ollama store "
-    "(e.g. ~/.ollama/models, several folders separated by ':')"
+    "to add a model, pull it (trioshed pull NAME, or /api/pull), create it (trioshed create NAME -f Modelfile), copy its "
+    "GGUF file into the model store (TRIOSHED_MODELS; NAME.gguf is model NAME), or point TRIOSHED_MODELS at an existing "
+    "Ollama store (e.g. ~/.ollama/models, several folders separated by ':')"
 )
+
+
+class StoreRequest(TrioRequest):
+    """Quart's request, whose body may be as large as a blob on ``/api/blobs/`` (it is streamed
+    to disk there, never held); every other route keeps ``TRIOSHED_MAX_BODY``."""
+
+    def __init__(self, method: str, scheme: str, path: str, *args: Any, **kwargs: Any) -> None:
+        if method == "POST" and path.startswith("/api/blobs/"):
+            kwargs["max_content_length"] = MAX_BLOB
+        super().__init__(method, scheme, path, *args, **kwargs)
 
 
 def _name(body: dict[str, object], *keys: str) -> str:
@@ -35,9 +66,13 @@ def _name(body: dict[str, object], *keys: str) -> str:
     raise BadRequest(f'"{keys[0]}" is required')
 
 
+def _line(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj, ensure_ascii=False).encode() + b"\n"
+
+
 @bp.delete("/api/delete")
 async def delete() -> Response:
-    st = state()
+    st = store_writer()
     body = await read_body()
     name = _name(body, "model", "name")
     spec = await trio.to_thread.run_sync(st.store.find_for_delete, name)
@@ -49,7 +84,7 @@ async def delete() -> Response:
 
 @bp.post("/api/copy")
 async def copy() -> Response:
-    st = state()
+    st = store_writer()
     body = await read_body()
     source = _name(body, "source")
     destination = _name(body, "destination")
@@ -57,23 +92,50 @@ async def copy() -> Response:
     return Response("", status=200)
 
 
-def _not_supported(what: str) -> NotSupported:
-    """The 501 to raise. The body is not read (a blob upload may be gigabytes): the answer closes
-    the connection, so that a keep-alive client sends its next request on a new one instead of
-    finding this one gone."""
-    return NotSupported(f"trioshed does not {what}; {HOW_TO_ADD}", headers={"Connection": "close"})
-
-
-@bp.post("/api/push")
-async def push() -> Response:
-    raise _not_supported("upload models (/api/push)")
+@bp.route("/api/blobs/<digest>", methods=["HEAD", "POST"])
+async def blobs(digest: str) -> Response:
+    if request.method == "HEAD":
+        st = state()
+        root = st.store.pull_root
+        found = root is not None and await trio.to_thread.run_sync(has_blob, root, digest)
+        return Response("", status=200 if found else 404)
+    st = store_writer()
+    root = st.store.pull_root
+    if root is None:
+        raise Forbidden("blob uploads need a folder store to write into (its pulled/ folder); every folder in "
+                        "TRIOSHED_MODELS is a read-only Ollama store", headers={"Connection": "close"})  # fmt: skip
+    if await trio.to_thread.run_sync(has_blob, root, digest):
+        return Response("", status=200, headers={"Connection": "close"})  # the body is not read
+    try:
+        new = await receive_blob(root, digest, aiter(request.body), length=request.content_length)
+    except TrioshedError as exc:
+        exc.headers = {**(exc.headers or {}), "Connection": "close"}  # the rest of the body is not read
+        raise
+    return Response("", status=201 if new else 200)
 
 
 @bp.post("/api/create")
 async def create() -> Response:
-    raise _not_supported("create models from a Modelfile (/api/create)")
+    st = store_writer()
+    body = await read_body()
+    stream = body.get("stream", True)
+    if not isinstance(stream, bool):
+        raise BadRequest('"stream" must be true or false')
+    creator = st.creator()
+    prepared = await creator.prepare(body)
+    if not stream:
+        async for _ in creator.run(prepared):
+            pass
+        return Response(json.dumps({"status": "success"}), content_type="application/json")
+    response = Response(_progress(creator, prepared), content_type=NDJSON)
+    response.timeout = None  # copying a large model file outlasts Quart's RESPONSE_TIMEOUT
+    return response
 
 
-@bp.route("/api/blobs/<digest>", methods=["HEAD", "POST"])
-async def blobs(digest: str) -> Response:
-    raise _not_supported("store uploaded blobs (/api/blobs)")
+async def _progress(creator: Creator, prepared: Prepared) -> AsyncIterator[bytes]:
+    try:
+        async for line in creator.run(prepared):
+            yield _line(line)
+    except TrioshedError as exc:
+        log.warning("create of %s failed: %s", prepared.request.name.display(), exc.message)
+        yield _line(ollama_error(exc.status, exc.message))

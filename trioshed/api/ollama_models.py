@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import math
 import os
@@ -18,6 +17,7 @@ from trioshed.api.preamble import model_capabilities, read_body, state
 from trioshed.api.state import AppState
 from trioshed.core.estimate import effective_kv_type, estimate
 from trioshed.core.model import ModelSpec, RunnerOptions
+from trioshed.models import modelfile
 from trioshed.models.gguf_meta import read_metadata
 from trioshed.models.ollama_store import OllamaManifest
 from trioshed.scheduler import RunnerStats
@@ -249,22 +249,23 @@ async def show() -> Any:
 
 def _parameter_lines(defaults: tuple[tuple[str, object], ...]) -> list[str]:
     """Ollama's ``parameters`` text: ``name value`` per line, a list one line per item."""
-    lines = []
-    for key, value in defaults:
-        for item in value if isinstance(value, list | tuple) else [value]:
-            lines.append(f"{key:<30} {json.dumps(item, ensure_ascii=False)}")
-    return lines
+    return modelfile.parameter_lines(defaults)
 
 
 def _modelfile(spec: ModelSpec, template: str) -> str:
-    lines = [f"# Modelfile of {spec.name} as trioshed serves it", f"FROM {spec.path}"]
-    lines += [f"ADAPTER {a}" for a in spec.adapters]
-    if template:
-        lines.append(f'TEMPLATE """{template}"""')
-    if spec.system:
-        lines.append(f'SYSTEM """{spec.system}"""')
-    lines += [f"PARAMETER {line}" for line in _parameter_lines(spec.defaults)]
-    return "\n".join(lines) + "\n"
+    """A Modelfile that creates the model again: for a model of an Ollama-layout store its layers
+    exactly (``FROM``/``ADAPTER`` name the blob files, which ``/api/create`` reads as digests)."""
+    origin = spec.origin if isinstance(spec.origin, OllamaManifest) else None
+    if origin is None:
+        return modelfile.render(name=spec.name, model=[spec.path, *([spec.projector] if spec.projector else [])],
+                                adapters=list(spec.adapters), template=template, system=spec.system,
+                                parameters=spec.defaults)  # fmt: skip
+    return modelfile.render(
+        name=spec.name, model=[spec.path, *([spec.projector] if spec.projector else [])], adapters=list(spec.adapters),
+        template=origin.template, system=origin.system, parameters=spec.defaults,
+        messages=[{"role": r, "content": c} for r, c in origin.messages], licenses=list(origin.licenses),
+        requires=origin.requires,
+    )  # fmt: skip
 
 
 @bp.get("/api/version")

@@ -42,6 +42,12 @@ def state() -> AppState:
     return current_app.config["TRIOSHED"]  # type: ignore[no-any-return]
 
 
+def store_writer() -> AppState:
+    """The state, for a route that writes the model store (pull, push, create, blob uploads,
+    copy, delete): the one place where who may change the store is decided."""
+    return state()
+
+
 async def read_body() -> dict[str, Any]:
     """The request body parsed: a JSON object, else BadRequest."""
     return (await read_body_raw())[1]

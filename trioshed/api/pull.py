@@ -21,7 +21,7 @@ from typing import Any
 
 from quart import Blueprint, Response
 
-from trioshed.api.preamble import read_body, state
+from trioshed.api.preamble import read_body, store_writer
 from trioshed.api.protocols.errors import ollama_error
 from trioshed.errors import BadRequest, TrioshedError
 from trioshed.models.pull import Prepared, Puller
@@ -37,7 +37,7 @@ def _line(obj: dict[str, Any]) -> bytes:
 
 @bp.post("/api/pull")
 async def pull() -> Response:
-    st = state()
+    st = store_writer()
     body = await read_body()
     name = body.get("model") or body.get("name")
     if not isinstance(name, str) or not name.strip():

@@ -15,6 +15,7 @@ from trioshed.config import Settings
 from trioshed.core.model import MiB, ModelSpec, RunnerOptions
 from trioshed.errors import BadRequest
 from trioshed.logtail import LogTail
+from trioshed.models.create import Creator
 from trioshed.models.gguf_meta import GGUFMetadata, cached_metadata, read_metadata, unreadable
 from trioshed.models.pull import Puller
 from trioshed.models.stores import Stores
@@ -38,6 +39,7 @@ class AppState:
     recent: RecentRequests = field(default_factory=RecentRequests)  # the status page's activity
     timeline: Timeline = field(default_factory=Timeline)  # the status page's last hour (serve() samples it)
     _puller: Puller | None = None
+    _creator: Creator | None = None
     #: headers by the file's identity as the spec was resolved (path, size, mtime): the hot
     #: routes ask two or three times per request, each a realpath and a stat otherwise
     _meta: dict[tuple[str, int, float], GGUFMetadata] = field(default_factory=dict)
@@ -55,6 +57,12 @@ class AppState:
             end = time.time()
             generating = trace.eval_seconds or max(0.0, duration - (trace.queue_wait or 0.0))
             self.timeline.add_tokens(trace.model, trace.eval_tokens, end - generating, end)
+
+    def creator(self) -> Creator:
+        """The server's one :class:`Creator` (creates write one at a time)."""
+        if self._creator is None:
+            self._creator = Creator(self.store)
+        return self._creator
 
     def runner_options(self, model: ModelSpec, overrides: dict[str, Any]) -> RunnerOptions:
         """The runner options for a request: settings, then the model's defaults, then the request."""

@@ -49,6 +49,7 @@ MEDIA_PARAMS = "application/vnd.ollama.image.params"
 MEDIA_TEMPLATE = "application/vnd.ollama.image.template"
 MEDIA_SYSTEM = "application/vnd.ollama.image.system"
 MEDIA_LICENSE = "application/vnd.ollama.image.license"
+MEDIA_MESSAGES = "application/vnd.ollama.image.messages"
 
 _DIGEST = re.compile(r"^sha256[:-]([0-9a-f]{64})$")
 _PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -125,6 +126,9 @@ class OllamaManifest:
     families: tuple[str, ...] = ()
     parameter_size: str = ""
     quantization_level: str = ""
+    licenses: tuple[str, ...] = ()  # each license layer
+    messages: tuple[tuple[str, str], ...] = ()  # (role, content) of the messages layer
+    requires: str = ""  # the config's "requires" (a Modelfile's REQUIRES)
 
 
 class OllamaStore:
@@ -198,6 +202,14 @@ class OllamaStore:
         if isinstance(manifest.get("config"), dict):
             size += int(manifest["config"].get("size") or 0)
         stat = path.stat()
+        licenses = tuple(self._text(t) for t in by_type.get(MEDIA_LICENSE, []))
+        messages: list[tuple[str, str]] = []
+        for layer in by_type.get(MEDIA_MESSAGES, [])[-1:]:
+            try:
+                loaded = json.loads(self._text(layer) or "[]")
+            except ValueError:
+                loaded = []
+            messages += [(str(m.get("role")), str(m.get("content") or "")) for m in loaded if isinstance(m, dict)] if isinstance(loaded, list) else []
         origin = OllamaManifest(
             name=name,
             path=str(path),
@@ -205,7 +217,10 @@ class OllamaStore:
             size=size,
             template="".join(self._text(t) for t in by_type.get(MEDIA_TEMPLATE, [])[-1:]),
             system="".join(self._text(t) for t in by_type.get(MEDIA_SYSTEM, [])[-1:]),
-            license="\n".join(self._text(t) for t in by_type.get(MEDIA_LICENSE, [])),
+            license="\n".join(licenses),
+            licenses=licenses,
+            messages=tuple(messages),
+            requires=str(config.get("requires") or ""),
             family=str(config.get("model_family") or ""),
             families=tuple(str(f) for f in families) if isinstance(families, list) else (),
             parameter_size=str(config.get("model_type") or ""),

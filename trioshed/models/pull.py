@@ -53,9 +53,7 @@ host be reached over plain HTTP.
 from __future__ import annotations
 
 import errno
-import hashlib
 import logging
-import os
 import shutil
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -66,6 +64,7 @@ import httpx
 import trio
 
 from trioshed.errors import Forbidden, InsufficientStorage, RegistryError, TrioshedError
+from trioshed.models.blobs import verify_into_place, write_manifest
 from trioshed.models.pull_plan import (
     Layer,
     Plan,
@@ -244,18 +243,7 @@ class Puller:
             yield line
 
     def _write_manifest(self, store: Path, plan: Plan) -> None:
-        path = store.joinpath("manifests", *manifest_path_parts(plan.target.name))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = store / f".manifest.{os.getpid()}.{id(plan)}.tmp"  # outside manifests/: never listed
-        try:
-            with open(tmp, "wb") as f:
-                f.write(plan.manifest)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        write_manifest(store, manifest_path_parts(plan.target.name), plan.manifest)
 
     async def _fetch(self, client: httpx.AsyncClient, session: Session, blobs: Path, layer: Layer) -> AsyncIterator[dict[str, Any]]:
         status = f"pulling {layer.short}"
@@ -401,12 +389,4 @@ def _copy_error(error: TrioshedError) -> TrioshedError:
 
 def _verify(partial: Path, final: Path, layer: Layer) -> bool:
     """Hash the complete partial file; on a match rename it into place, else remove it."""
-    h = hashlib.sha256()
-    with open(partial, "rb") as f:
-        while chunk := f.read(CHUNK):
-            h.update(chunk)
-    if h.hexdigest() != layer.hex:
-        partial.unlink(missing_ok=True)
-        return False
-    os.replace(partial, final)
-    return True
+    return verify_into_place(partial, final, layer.hex)

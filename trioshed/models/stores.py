@@ -26,9 +26,11 @@ from typing import Any
 
 from trioshed.core.model import ModelSpec
 from trioshed.errors import BadRequest, Conflict, Forbidden, ModelNotFound
+from trioshed.models.blobs import write_manifest
 from trioshed.models.catalogue import Catalogue, full_name, parse_catalogue
-from trioshed.models.ollama_store import OllamaManifest, OllamaStore, is_ollama_store
+from trioshed.models.ollama_store import OllamaManifest, OllamaStore, is_ollama_store, parse_name
 from trioshed.models.pull import PULLED
+from trioshed.models.pull_plan import manifest_path_parts
 from trioshed.models.store import ModelStore, split_name
 
 Backend = ModelStore | OllamaStore
@@ -199,7 +201,9 @@ class Stores:
         base, tag = split_name(dest)
         key = base if tag == "latest" else dest
         with self._lock:
-            spec = self.resolve(source)
+            backend, spec = self._find(source)
+            if self._is_pulled(backend) and isinstance(spec.origin, OllamaManifest):
+                return self._copy_manifest(backend.root, spec.origin, destination)
             if spec.name == dest:
                 return dest  # a copy onto itself changes nothing
             store = self.writable
@@ -234,16 +238,53 @@ class Stores:
             return dest
 
 
+    def _copy_manifest(self, root: Path, origin: OllamaManifest, destination: str) -> str:
+        """A pulled or created model copied as Ollama copies it: its manifest under the new name
+        (the blobs are shared; deleting either name keeps what the other still names)."""
+        name = parse_name(destination)
+        parts = manifest_path_parts(name)
+        if name.key == origin.name.key:
+            return name.display()
+        for backend in self.backends():
+            if isinstance(backend, ModelStore) and "/" not in destination:
+                if backend.catalogue().lookup(full_name(destination)) is not None or (backend.root / f"{split_name(full_name(destination))[0]}.gguf").exists():
+                    raise Conflict(f"'{destination}' is a model of the folder store {backend.root}; delete it first or copy to another name")
+        data = Path(origin.path).read_bytes()
+        top = root / "manifests"
+        for path in top.glob("*/*/*/*"):  # the same name in another letter case is replaced
+            if parse_name("/".join(path.relative_to(top).parts[:3]) + ":" + path.name).key == name.key and path.relative_to(top).parts != parts:
+                path.unlink()
+        write_manifest(root, parts, data)
+        return name.display()
+
+
 def remove_pulled(root: Path, manifest: Path, *, keep: frozenset[str] | set[str] = frozenset()) -> None:
-    """Remove a pulled model's manifest, then every blob of ``root`` no other manifest names
-    (as ``ollama rm`` prunes layers) and not in ``keep`` (blob file names a ``models.toml``
-    entry uses); partial downloads are left alone."""
+    """Remove a pulled or created model's manifest, then those of its blobs no other manifest
+    names (as ``ollama rm`` prunes layers) and not in ``keep`` (blob file names a
+    ``models.toml`` entry uses); uploads no manifest names yet and partial files are left alone."""
+    layers = manifest_blobs(manifest)
     manifest.unlink()
     for parent in list(manifest.parents)[: len(manifest.relative_to(root / "manifests").parts) - 1]:
         try:
             parent.rmdir()  # empty tag folders of the name go too
         except OSError:
             break
+    prune_blobs(root, layers, keep=keep)
+
+
+def manifest_blobs(manifest: Path) -> set[str]:
+    """The blob file names (``sha256-<hex>``) a manifest names, its config included."""
+    try:
+        data = json.loads(manifest.read_bytes())
+    except (OSError, ValueError):
+        return set()
+    layers = [*(data.get("layers") or []), data.get("config") or {}] if isinstance(data, dict) else []
+    return {str(layer.get("digest", "")).replace(":", "-") for layer in layers if isinstance(layer, dict)}
+
+
+def prune_blobs(root: Path, candidates: set[str], *, keep: frozenset[str] | set[str] = frozenset()) -> None:
+    """Remove the blobs among ``candidates`` (file names) that no manifest of ``root`` names and
+    that are not in ``keep``."""
     used: set[str] = set()
     for path in (root / "manifests").glob("*/*/*/*"):
         try:
@@ -252,9 +293,9 @@ def remove_pulled(root: Path, manifest: Path, *, keep: frozenset[str] | set[str]
             return  # a manifest trioshed cannot read: keep every blob
         layers = [*(data.get("layers") or []), data.get("config") or {}] if isinstance(data, dict) else []
         used.update(str(layer.get("digest", "")).replace(":", "-") for layer in layers if isinstance(layer, dict))
-    for blob in (root / "blobs").glob("sha256-*"):
-        if blob.name not in used and blob.name not in keep and not blob.name.endswith("-partial"):
-            blob.unlink(missing_ok=True)
+    for name in candidates - used - set(keep):
+        if name.startswith("sha256-") and "/" not in name and not name.endswith("-partial"):
+            (root / "blobs" / name).unlink(missing_ok=True)
 
 
 def _merged(catalogues: list[Catalogue]) -> Catalogue:

@@ -286,3 +286,36 @@ def write_tiny_model(
         Path(tmp_name).unlink(missing_ok=True)
         raise
     return target
+
+
+def write_tiny_lora(
+    path: str | os.PathLike[str], *, n_embd: int = 64, n_layer: int = 2, rank: int = 4, alpha: float = 8.0, seed: int = 1
+) -> Path:
+    """Write a random LoRA adapter (``general.type = adapter``) for :func:`write_tiny_model`'s
+    default shape: ``lora_a``/``lora_b`` pairs for every layer's ``attn_q`` and ``ffn_up``, strong
+    enough that a generation at temperature 0 changes. The same arguments give the same bytes."""
+    rng = np.random.default_rng(seed)
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        writer = gguf.GGUFWriter(tmp_name, "llama")
+        writer.add_string("general.type", "adapter")
+        writer.add_string("adapter.type", "lora")
+        writer.add_float32("adapter.lora.alpha", alpha)
+        n_ff = 2 * n_embd
+        for i in range(n_layer):
+            for tensor, n_out in (("attn_q", n_embd), ("ffn_up", n_ff)):
+                # numpy (rows, cols) is ggml's {ne0 = cols, ne1 = rows}: a is {n_embd, rank}, b {rank, n_out}
+                writer.add_tensor(f"blk.{i}.{tensor}.weight.lora_a", (rng.standard_normal((rank, n_embd)) / np.sqrt(n_embd)).astype(np.float32))
+                writer.add_tensor(f"blk.{i}.{tensor}.weight.lora_b", rng.standard_normal((n_out, rank)).astype(np.float32))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(tmp_name, target)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
+    return target

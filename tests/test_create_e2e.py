@@ -1,0 +1,158 @@
+"""Blobs, create, copy and delete end to end: the official ``ollama`` client against a real
+server with real runners, and what lands in the store checked byte for byte."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import ollama
+import psutil
+import pytest
+import trio
+
+from tests.conftest import session_llama_servers
+from trioshed.testing.registry import tree_snapshot
+from trioshed.testing.server import open_test_server
+from trioshed.testing.tiny import write_tiny_lora
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_leaked_runner")]
+
+FAST = {"num_predict": 4, "temperature": 0, "seed": 1}
+
+
+async def in_thread(fn, *args, **kwargs):  # type: ignore[no-untyped-def]
+    return await trio.to_thread.run_sync(lambda: fn(*args, **kwargs))
+
+
+def runner_args() -> list[list[str]]:
+    out = []
+    for proc in session_llama_servers():
+        try:
+            out.append(proc.cmdline())
+        except psutil.Error:
+            continue
+    return out
+
+
+def arg(argv: list[str], flag: str) -> str | None:
+    return argv[argv.index(flag) + 1] if flag in argv else None
+
+
+async def show(base_url: str, name: str) -> dict[str, Any]:
+    """``/api/show`` as sent (the client's ShowResponse leaves ``system`` out)."""
+    async with httpx.AsyncClient(base_url=base_url) as http:
+        answer = await http.post("/api/show", json={"model": name})
+    assert answer.status_code == 200, answer.text
+    return answer.json()  # type: ignore[no-any-return]
+
+
+def manifest_of(store: Path, name: str, tag: str = "latest") -> dict[str, Any]:
+    return json.loads((store / "pulled" / "manifests" / "registry.ollama.ai" / "library" / name / tag).read_bytes())
+
+
+async def test_blobs_create_show_copy_delete_with_the_ollama_client(model_store: Path, tiny_model: Path, tmp_path: Path) -> None:
+    lora = write_tiny_lora(tmp_path / "lora.gguf")
+    with trio.fail_after(180):
+        async with open_test_server(model_store) as server:
+            client = ollama.Client(host=server.base_url)
+            # blobs: HEAD 404, upload (201), HEAD 200; a mismatch is a 400 and keeps nothing
+            digest = "sha256:" + hashlib.sha256(await trio.to_thread.run_sync(tiny_model.read_bytes)).hexdigest()
+            async with httpx.AsyncClient(base_url=server.base_url) as http:
+                assert (await http.head(f"/api/blobs/{digest}")).status_code == 404
+                wrong = await http.post(f"/api/blobs/{digest}", content=b"GGUF not the model")
+                assert wrong.status_code == 400 and "digest mismatch" in wrong.json()["error"]
+                assert not list((model_store / "pulled" / "blobs").glob("*"))
+                assert (await http.head("/api/blobs/sha256:xyz")).status_code == 400
+            assert await in_thread(client.create_blob, tiny_model) == digest
+            async with httpx.AsyncClient(base_url=server.base_url) as http:
+                assert (await http.head(f"/api/blobs/{digest}")).status_code == 200
+            lora_digest = await in_thread(client.create_blob, lora)
+
+            # create from files, with a system prompt and parameters
+            progress = await in_thread(lambda: list(client.create(
+                model="mine", files={"tiny.gguf": digest}, system="You are a pirate. Always answer as a pirate.",
+                parameters={"num_ctx": 1024, "stop": ["<|im_end|>"], "temperature": 0.5}, stream=True)))  # fmt: skip
+            statuses = [p.status for p in progress]
+            assert statuses[-2:] == ["writing manifest", "success"]
+            assert f"using existing layer {digest}" in statuses
+            assert any(s.startswith("creating new layer sha256:") for s in statuses)
+            listed = {m.model for m in (await in_thread(client.list)).models}
+            assert {"mine:latest", "tiny:latest"} <= listed
+            shown = await show(server.base_url, "mine")
+            assert shown["system"] == "You are a pirate. Always answer as a pirate."
+            assert "num_ctx" in shown["parameters"] and "1024" in shown["parameters"]
+            base = await in_thread(client.generate, model="tiny", prompt="hello", options=FAST)
+            mine = await in_thread(client.generate, model="mine", prompt="hello", options=FAST)
+            assert mine.prompt_eval_count > base.prompt_eval_count  # the system prompt is part of the prompt
+            ctxs = {arg(a, "--ctx-size") for a in runner_args() if arg(a, "--model") == str(model_store / "pulled" / "blobs" / f"sha256-{digest[7:]}")}
+            assert ctxs and all(c is not None and int(c) % 1024 == 0 and int(c) < 4096 for c in ctxs), ctxs
+
+            # from_ an existing model: num_ctx and a system prompt
+            assert (await in_thread(client.create, model="tiny-long", from_="tiny", system="Be brief.", parameters={"num_ctx": 512})).status == "success"
+            shown = await show(server.base_url, "tiny-long")
+            assert shown["system"] == "Be brief." and "512" in shown["parameters"]
+            long = await in_thread(client.generate, model="tiny-long", prompt="hello", options=FAST)
+            assert long.prompt_eval_count > base.prompt_eval_count
+
+            # an adapter variant: --lora on the runner's command line, and a different answer
+            assert (await in_thread(client.create, model="mine-lora", from_="mine", adapters={"lora.gguf": lora_digest})).status == "success"
+            adapted = await in_thread(client.generate, model="mine-lora", prompt="hello", options=FAST)
+            assert adapted.response != mine.response
+            loras = [arg(a, "--lora") for a in runner_args()]
+            assert str(model_store / "pulled" / "blobs" / f"sha256-{lora_digest[7:]}") in loras
+
+            # show().modelfile fed back to create gives the same manifest
+            shown = await show(server.base_url, "mine-lora")
+            async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
+                again = await http.post("/api/create", json={"model": "mine-again", "modelfile": shown["modelfile"], "stream": False})
+                assert again.status_code == 200, again.text
+            assert manifest_of(model_store, "mine-again") == manifest_of(model_store, "mine-lora")
+
+            # copy keeps the blobs shared; deleting one name keeps what the other names
+            assert (await in_thread(client.copy, "mine", "mine-copy")).status == "success"
+            assert manifest_of(model_store, "mine-copy") == manifest_of(model_store, "mine")
+            assert (await in_thread(client.delete, "mine")).status == "success"
+            blobs = {p.name for p in (model_store / "pulled" / "blobs").glob("sha256-*")}
+            for layer in manifest_of(model_store, "mine-copy")["layers"]:
+                assert layer["digest"].replace(":", "-") in blobs
+            copied = await in_thread(client.generate, model="mine-copy", prompt="hello", options=FAST)
+            assert copied.response == mine.response
+            for name in ("mine-copy", "mine-lora", "mine-again", "tiny-long"):
+                assert (await in_thread(client.delete, name)).status == "success"
+            assert {p.name for p in (model_store / "pulled" / "blobs").glob("sha256-*")} <= {f"sha256-{digest[7:]}", f"sha256-{lora_digest[7:]}"}
+
+
+BAD: list[tuple[dict[str, Any], int, str]] = [
+    ({"model": "x", "modelfile": "FROM tiny\nFOO bar\n"}, 400, "line 2"),
+    ({"model": "x", "modelfile": "FROM tiny\nPARAMETER num_ctx lots\n"}, 400, "line 2"),
+    ({"model": "x", "modelfile": "FROM tiny\nPARAMETER nonsense 1\n"}, 400, "unknown parameter"),
+    ({"model": "x", "from": "nothere"}, 404, "not found"),
+    ({"model": "x", "from": "tiny", "template": "{{ if .System }}unclosed"}, 400, "template"),
+    ({"model": "x", "from": "tiny", "template": "{% for m in messages %}{{ m }}"}, 400, "template"),
+    ({"model": "../x", "from": "tiny"}, 400, "invalid model name"),
+    ({"model": "x", "from": "./model.gguf"}, 400, "file path"),
+    ({"model": "x", "files": {"../m.gguf": "sha256:" + "0" * 64}}, 400, "not a path"),
+    ({"model": "x", "files": {"m.gguf": "sha256:" + "0" * 64}}, 400, "upload it first"),
+    ({"model": "x"}, 400, "neither 'from' or 'files' was specified"),
+    ({"model": "x", "from": "tiny", "parameters": {"num_ctx": "big"}}, 400, "num_ctx"),
+    ({"model": "x", "from": "tiny", "quantize": "q4_K_M"}, 501, "does not quantize"),  # tiny is F32
+    ({"model": "x", "from": "tiny", "messages": [{"role": "wizard", "content": "hi"}]}, 400, "message role"),
+]
+
+
+async def test_bad_creates_leave_the_store_untouched(model_store: Path, tiny_model: Path) -> None:
+    async with open_test_server(model_store) as server:
+        client = ollama.Client(host=server.base_url)
+        await in_thread(client.create_blob, tiny_model)
+        before = tree_snapshot(model_store)
+        async with httpx.AsyncClient(base_url=server.base_url) as http:
+            for body, status, words in BAD:
+                for stream in (True, False):
+                    answer = await http.post("/api/create", json={**body, "stream": stream})
+                    assert answer.status_code == status, (body, answer.text)
+                    assert words in answer.json()["error"], (body, answer.text)
+        assert tree_snapshot(model_store) == before

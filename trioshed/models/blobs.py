@@ -1,0 +1,206 @@
+"""The blobs of trioshed's Ollama-layout store (``<store>/pulled/blobs/sha256-<hex>``), and how
+every writer of that store (pull, upload, create, copy) puts a file there.
+
+* A blob is written into a ``…-partial`` file next to it, its sha256 checked, then renamed into
+  place: a blob is never visible unverified nor half-written. A wrong digest removes the partial
+  file and keeps nothing.
+* A manifest is written last, atomically (temporary file outside ``manifests/``, fsync, rename).
+* ``HEAD``/``POST /api/blobs/sha256:<hex>`` (:func:`has_blob`, :func:`receive_blob`): Ollama's
+  blob upload, streamed straight to disk while it is hashed; at most :data:`MAX_BLOB` bytes, and
+  no more than the disk has room for (507).
+
+Blocking helpers (files) are called from worker threads; :func:`receive_blob` is async.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import itertools
+import os
+import re
+import shutil
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import trio
+
+from trioshed.errors import BadRequest, InsufficientStorage, PayloadTooLarge, TrioshedError
+
+CHUNK = 1 << 20  # bytes hashed or written at a time
+DISK_MARGIN = 64 << 20  # room left free after a write, for manifests and the system
+MAX_BLOB = 1 << 41  # 2 TiB: no layer of a real model is larger
+
+_DIGEST = re.compile(r"^sha256[:-]([0-9a-f]{64})$")
+_unique = itertools.count()
+
+
+def free_space(path: Path) -> int:
+    """Bytes free on the file system holding ``path`` (its nearest existing parent)."""
+    where = path
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    return shutil.disk_usage(where).free
+
+
+def digest_hex(digest: object) -> str:
+    """The 64 hex digits of ``sha256:<hex>`` (``sha256-<hex>`` too), else a 400 naming it."""
+    match = _DIGEST.match(digest) if isinstance(digest, str) else None
+    if not match:
+        raise BadRequest(f"invalid digest {str(digest)[:100]!r}: expected sha256:<64 lowercase hex digits>")
+    return match.group(1)
+
+
+def blob_path(root: Path, digest: object) -> Path:
+    """Where the blob ``digest`` lives in the store ``root`` (validated: never a client's path)."""
+    return root / "blobs" / f"sha256-{digest_hex(digest)}"
+
+
+def has_blob(root: Path, digest: object) -> bool:
+    return blob_path(root, digest).is_file()
+
+
+def partial_path(final: Path) -> Path:
+    """A private partial file for ``final`` (ends in ``-partial``, so pruning leaves it alone)."""
+    return final.with_name(f"{final.name}-{os.getpid()}.{next(_unique)}-partial")
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def verify_into_place(partial: Path, final: Path, hex_digest: str) -> bool:
+    """Hash the complete ``partial`` file; on a match rename it to ``final``, else remove it."""
+    if sha256_file(partial) != hex_digest:
+        partial.unlink(missing_ok=True)
+        return False
+    os.replace(partial, final)
+    return True
+
+
+def write_blob(root: Path, data: bytes) -> tuple[str, bool]:
+    """Store ``data`` as a blob of ``root``; returns its digest and whether it was new."""
+    hex_digest = hashlib.sha256(data).hexdigest()
+    final = root / "blobs" / f"sha256-{hex_digest}"
+    if final.is_file():
+        return f"sha256:{hex_digest}", False
+    final.parent.mkdir(parents=True, exist_ok=True)
+    partial = partial_path(final)
+    try:
+        with open(partial, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        if not verify_into_place(partial, final, hex_digest):  # pragma: no cover - the bytes just hashed
+            raise TrioshedError(f"blob sha256:{hex_digest} changed while it was written")
+    finally:
+        partial.unlink(missing_ok=True)
+    return f"sha256:{hex_digest}", True
+
+
+def import_file(root: Path, source: Path) -> tuple[str, int, bool]:
+    """Put a file the server already has (a folder-store GGUF) into ``root``'s blobs: a hard link
+    where the file system allows, else a copy, verified like any blob. Returns (digest, size, new)."""
+    hex_digest = sha256_file(source)
+    final = root / "blobs" / f"sha256-{hex_digest}"
+    size = source.stat().st_size
+    if final.is_file():
+        return f"sha256:{hex_digest}", size, False
+    final.parent.mkdir(parents=True, exist_ok=True)
+    partial = partial_path(final)
+    try:
+        try:
+            os.link(source, partial)
+            os.replace(partial, final)
+        except OSError:
+            shutil.copyfile(source, partial)
+            if not verify_into_place(partial, final, hex_digest):
+                raise TrioshedError(f"{source.name} changed while it was copied into the store; try again") from None
+    finally:
+        partial.unlink(missing_ok=True)
+    return f"sha256:{hex_digest}", size, True
+
+
+def write_manifest(root: Path, parts: tuple[str, str, str, str], data: bytes) -> Path:
+    """Write a manifest atomically (temporary file outside ``manifests/``, fsync, rename)."""
+    path = root.joinpath("manifests", *parts)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".manifest.{os.getpid()}.{next(_unique)}.tmp"  # outside manifests/: never listed
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+async def receive_blob(
+    root: Path,
+    digest: str,
+    chunks: AsyncIterator[bytes],
+    *,
+    length: int | None,
+    space: Callable[[Path], int] = free_space,
+    limit: int = MAX_BLOB,
+) -> bool:
+    """Stream an uploaded blob into ``root``'s blobs, hashing it on the way; rename it into place
+    only when its sha256 is ``digest``. Returns whether it was new (Ollama answers 201 then).
+
+    400 on a mismatch (nothing kept), 413 above ``limit`` bytes, 507 when it does not fit
+    (announced ``length`` checked before the first byte, the rest while it arrives)."""
+    hex_digest = digest_hex(digest)
+    blobs = root / "blobs"
+    final = blobs / f"sha256-{hex_digest}"
+    if length is not None and length > limit:
+        raise PayloadTooLarge(f"a blob of {length} bytes exceeds the {limit} byte limit")
+    free = await trio.to_thread.run_sync(space, blobs)
+    if length is not None and length + DISK_MARGIN > free:
+        raise InsufficientStorage(length + DISK_MARGIN, free, str(root))
+    await trio.to_thread.run_sync(lambda: blobs.mkdir(parents=True, exist_ok=True))
+    partial = partial_path(final)
+    h = hashlib.sha256()
+    size = 0
+    f = await trio.to_thread.run_sync(open, partial, "wb")
+    try:
+        try:
+            pending = bytearray()
+            async for chunk in chunks:
+                size += len(chunk)
+                if size > limit:
+                    raise PayloadTooLarge(f"the blob exceeds the {limit} byte limit; nothing was kept")
+                if size + DISK_MARGIN > free:
+                    raise InsufficientStorage(size + DISK_MARGIN, free, str(root))
+                h.update(chunk)
+                pending += chunk
+                if len(pending) >= CHUNK:
+                    await trio.to_thread.run_sync(f.write, bytes(pending))
+                    pending.clear()
+            if pending:
+                await trio.to_thread.run_sync(f.write, bytes(pending))
+            await trio.to_thread.run_sync(f.flush)
+            await trio.to_thread.run_sync(os.fsync, f.fileno())
+        finally:
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(f.close)
+        if length is not None and size != length:
+            raise BadRequest(f"the upload ended after {size} of {length} bytes; nothing was kept")
+        if h.hexdigest() != hex_digest:
+            raise BadRequest(f"digest mismatch: the uploaded bytes have sha256:{h.hexdigest()}, not {digest}; nothing was kept")
+        new = not await trio.to_thread.run_sync(final.is_file)
+        await trio.to_thread.run_sync(os.replace, partial, final)
+        return new
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise InsufficientStorage(size + DISK_MARGIN, await trio.to_thread.run_sync(space, blobs), str(root)) from None
+        raise TrioshedError(f"cannot write the blob into the store: {exc.strerror}; check the folder's permissions") from None
+    finally:
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(lambda: partial.unlink(missing_ok=True))
