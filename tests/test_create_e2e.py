@@ -15,7 +15,8 @@ import pytest
 import trio
 
 from tests.conftest import session_llama_servers
-from trioshed.testing.registry import tree_snapshot
+from trioshed.models import push as push_module
+from trioshed.testing.registry import open_stand_in, tree_snapshot
 from trioshed.testing.server import open_test_server
 from trioshed.testing.tiny import write_tiny_lora
 
@@ -48,6 +49,10 @@ async def show(base_url: str, name: str) -> dict[str, Any]:
         answer = await http.post("/api/show", json={"model": name})
     assert answer.status_code == 200, answer.text
     return answer.json()  # type: ignore[no-any-return]
+
+
+def manifest_path(root: Path, namespace: str, name: str, tag: str) -> Path:
+    return root / "manifests" / "registry.ollama.ai" / namespace / name / tag
 
 
 def manifest_of(store: Path, name: str, tag: str = "latest") -> dict[str, Any]:
@@ -156,3 +161,46 @@ async def test_bad_creates_leave_the_store_untouched(model_store: Path, tiny_mod
                     assert answer.status_code == status, (body, answer.text)
                     assert words in answer.json()["error"], (body, answer.text)
         assert tree_snapshot(model_store) == before
+
+
+async def test_push_to_the_stand_in_then_pull_into_an_empty_store(
+    model_store: Path, tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with trio.fail_after(120):
+        async with open_stand_in() as stand_in:
+            stand_in.token = "s3cret"  # every /v2/ request needs the token flow
+            monkeypatch.setenv("TRIOSHED_OLLAMA_REGISTRY", stand_in.base_url)
+            monkeypatch.setenv("TRIOSHED_REGISTRY_TOKEN", "user-credential")
+            monkeypatch.setattr(push_module, "PUSH_CHUNK", 40_000)  # several PATCHes for the tiny model
+            async with open_test_server(model_store) as server:
+                client = ollama.Client(host=server.base_url)
+                digest = await in_thread(client.create_blob, tiny_model)
+                await in_thread(client.create, model="me/mine:v1", files={"tiny.gguf": digest}, system="Be a pirate.",
+                                parameters={"num_ctx": 1024}, license="MIT")  # fmt: skip
+                progress = await in_thread(lambda: list(client.push("me/mine:v1", stream=True)))
+                statuses = [p.status for p in progress]
+                assert statuses[0] == "retrieving manifest" and statuses[-2:] == ["pushing manifest", "success"]
+                model_lines = [p for p in progress if p.digest == digest]
+                assert [p.completed for p in model_lines][-1] == model_lines[0].total and len(model_lines) > 3
+                assert not stand_in.problems
+                mine = manifest_path(model_store / "pulled", "me", "mine", "v1").read_bytes()
+                assert stand_in.manifests[("me", "mine", "v1")] == mine
+                # a second push sends no blob again
+                uploads = len([r for r in stand_in.requests if r.method == "POST"])
+                assert (await in_thread(client.push, "me/mine:v1")).status == "success"
+                assert len([r for r in stand_in.requests if r.method == "POST"]) == uploads
+                for name, status in (("nothere/x:1", 404), ("hf.co/a/b", 400), ("../x", 400), ("tiny", 400)):
+                    with pytest.raises(ollama.ResponseError) as info:
+                        await in_thread(client.push, name)
+                    assert info.value.status_code == status, (name, info.value.error)
+            async with open_test_server(empty) as server:
+                client = ollama.Client(host=server.base_url)
+                assert (await in_thread(client.pull, "me/mine:v1")).status == "success"
+                assert manifest_path(empty / "pulled", "me", "mine", "v1").read_bytes() == mine
+                for layer in json.loads(mine)["layers"]:
+                    path = empty / "pulled" / "blobs" / layer["digest"].replace(":", "-")
+                    assert hashlib.sha256(path.read_bytes()).hexdigest() == layer["digest"][7:]
+                answer = await in_thread(client.generate, model="me/mine:v1", prompt="hello", options=FAST)
+                assert answer.done

@@ -15,7 +15,10 @@
   of an Ollama store is 403 (read-only).
 * ``POST /api/copy``: a pulled or created model gets a second manifest (the blobs are shared);
   a folder-store model a ``models.toml`` entry ``destination`` naming the source's files.
-* ``POST /api/push``: :mod:`trioshed.api.push`.
+* ``POST /api/push``: a pulled or created model sent to an Ollama-protocol registry, checked
+  before the answer starts (400 bad name, 404 not here), then streamed as Ollama streams it
+  (``retrieving manifest``, ``pushing <12 hex>``, ``pushing manifest``, ``success``); a failure
+  after that is a last ``{"error": …}`` line. See :mod:`trioshed.models.push`.
 
 Every route here that writes goes through :func:`~trioshed.api.preamble.store_writer`.
 """
@@ -34,6 +37,7 @@ from quart_trio.wrappers.request import TrioRequest
 from trioshed.api.preamble import read_body, state, store_writer
 from trioshed.api.protocols.errors import ollama_error
 from trioshed.errors import BadRequest, Forbidden, TrioshedError
+from trioshed.models import push as pushing
 from trioshed.models.blobs import MAX_BLOB, has_blob, receive_blob
 from trioshed.models.create import Creator, Prepared
 
@@ -138,4 +142,32 @@ async def _progress(creator: Creator, prepared: Prepared) -> AsyncIterator[bytes
             yield _line(line)
     except TrioshedError as exc:
         log.warning("create of %s failed: %s", prepared.request.name.display(), exc.message)
+        yield _line(ollama_error(exc.status, exc.message))
+
+
+@bp.post("/api/push")
+async def push() -> Response:
+    st = store_writer()
+    body = await read_body()
+    name = _name(body, "model", "name")
+    insecure = body.get("insecure", False)
+    stream = body.get("stream", True)
+    if not isinstance(insecure, bool) or not isinstance(stream, bool):
+        raise BadRequest('"insecure" and "stream" must be true or false')
+    prepared = await pushing.prepare(st.store, name, insecure=insecure)
+    if not stream:
+        async for _ in pushing.run(prepared):
+            pass
+        return Response(json.dumps({"status": "success"}), content_type="application/json")
+    response = Response(_pushing(prepared), content_type=NDJSON)
+    response.timeout = None  # a push of gigabytes outlasts Quart's RESPONSE_TIMEOUT
+    return response
+
+
+async def _pushing(prepared: pushing.Prepared) -> AsyncIterator[bytes]:
+    try:
+        async for line in pushing.run(prepared):
+            yield _line(line)
+    except TrioshedError as exc:
+        log.warning("push of %s failed: %s", prepared.session.target.display, exc.message)
         yield _line(ollama_error(exc.status, exc.message))

@@ -228,3 +228,27 @@ def session_for(target: Target, registries: Registries, *, insecure: bool) -> Se
     host = target.name.host
     base = registries.ollama if host.lower() == o.DEFAULT_HOST else f"{'http' if insecure else 'https'}://{host}"
     return Session(target, base, insecure, registry_token=registries.registry_token)
+
+
+async def send(
+    client: httpx.AsyncClient, session: Session, method: str, url: str, *,
+    content: bytes | AsyncIterator[bytes] | None = None, headers: Mapping[str, str] | None = None,
+) -> httpx.Response:  # fmt: skip
+    """One request (its answer read whole); a 401 with a bearer challenge runs the token flow
+    and asks once more (a streamed body is not sent twice: the caller asks something small of the
+    same scope first). Network failures are a :class:`RegistryError` naming the origin."""
+    request_headers = dict(headers or {})
+    for attempt in range(2):
+        if session.authorization:
+            request_headers["Authorization"] = session.authorization
+        try:
+            response = await client.request(method, url, content=content, headers=request_headers)
+        except httpx.HTTPError as exc:
+            raise RegistryError(f"cannot reach {origin(url)}: {exc or type(exc).__name__}; check the network, "
+                                "the proxy (HTTPS_PROXY) or the registry's URL") from None  # fmt: skip
+        challenge = response.headers.get("www-authenticate", "")
+        if response.status_code == 401 and attempt == 0 and challenge.lower().startswith("bearer") and isinstance(content, bytes | None):
+            await _authorize(client, session, challenge)
+            continue
+        return response
+    raise AssertionError("unreachable")  # pragma: no cover

@@ -17,6 +17,13 @@ bytes of the same size; ``pad`` serves 1 KiB more than the blob; ``no_range`` ig
 ``gate[digest]`` sends half the blob, sets ``paused[digest]`` and waits for the gate before the
 rest; ``token`` requires ``Authorization: Bearer <token>`` on ``/v2/`` and answers 401 with a
 bearer challenge whose realm (``/token``) grants it. Every request is recorded in ``requests``.
+
+Pushes, checked as a registry checks them: ``HEAD /v2/<ns>/<model>/blobs/<digest>`` (200 or
+404), ``POST …/blobs/uploads/`` (202, ``Location: /upload/<n>``), ``PATCH /upload/<n>`` with a
+``Content-Range`` that must continue the upload, ``PUT /upload/<n>?digest=…`` (the bytes' sha256
+must be the digest: else 400 ``DIGEST_INVALID``) and ``PUT …/manifests/<tag>`` (the manifest
+type, and every blob it names already received: else 400 ``BLOB_UNKNOWN``). ``problems`` lists
+every refusal.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 import trio
 
@@ -59,6 +66,8 @@ class StandIn:
     token: str | None = None
     requests: list[Seen] = field(default_factory=list)
     base_url: str = ""
+    uploads: dict[str, bytearray] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
 
     # -- content -------------------------------------------------------------------------------
 
@@ -111,16 +120,82 @@ class StandIn:
                 if not chunk or len(data) > 65536 or not (data + chunk)[:1].isalpha():
                     return  # closed, too long, or not HTTP (a TLS handshake): close at once
                 data += chunk
-            head = data.split(b"\r\n\r\n", 1)[0].decode("latin-1").split("\r\n")
+            raw_head, _, body = data.partition(b"\r\n\r\n")
+            head = raw_head.decode("latin-1").split("\r\n")
             method, target, _ = head[0].split(" ", 2)
             headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in head[1:])}
             path = unquote(urlsplit(target).path)
             self.requests.append(Seen(method, path, headers))
+            if method in ("PUT", "PATCH", "POST"):
+                length = int(headers.get("content-length") or 0)
+                while len(body) < length:
+                    chunk = await stream.receive_some(1 << 20)
+                    if not chunk:
+                        return
+                    body += chunk
+                if await self._push(stream, method, path, dict(parse_qsl(urlsplit(target).query)), headers, bytes(body)):
+                    return
             await self._route(stream, method, path, headers)
+
+    async def _push(self, stream: trio.SocketStream, method: str, path: str, query: dict[str, str], headers: dict[str, str],
+                    body: bytes) -> bool:  # fmt: skip
+        """The push side; False for a request that is not one."""
+        parts = path.strip("/").split("/")
+        if parts[0] == "v2" and self.token and headers.get("authorization") != f"Bearer {self.token}":
+            return False  # _route answers the 401
+        if method == "POST" and len(parts) == 5 and parts[0] == "v2" and parts[3:] == ["blobs", "uploads"]:
+            upload = str(len(self.uploads))
+            self.uploads[upload] = bytearray()
+            await self._send(stream, "202 Accepted", b"", {"Location": f"/upload/{upload}", "Range": "0-0"})
+            return True
+        if len(parts) == 2 and parts[0] == "upload" and parts[1] in self.uploads:
+            data = self.uploads[parts[1]]
+            if method == "PATCH":
+                start = (headers.get("content-range") or "").partition("-")[0]
+                if not start.isdigit() or int(start) != len(data):
+                    self.problems.append(f"PATCH at {start!r}, the upload has {len(data)} bytes")
+                    await self._send(stream, "416 Range Not Satisfiable", b'{"errors":[{"code":"BLOB_UPLOAD_INVALID"}]}')
+                    return True
+                data += body
+                await self._send(stream, "202 Accepted", b"", {"Location": f"/upload/{parts[1]}", "Range": f"0-{len(data) - 1}"})
+                return True
+            if method == "PUT":
+                data += body
+                digest = query.get("digest", "")
+                if digest != "sha256:" + hashlib.sha256(data).hexdigest():
+                    self.problems.append(f"upload {parts[1]}: its bytes are not {digest}")
+                    await self._send(stream, "400 Bad Request", b'{"errors":[{"code":"DIGEST_INVALID"}]}')
+                    return True
+                self.blobs[digest] = bytes(data)
+                del self.uploads[parts[1]]
+                await self._send(stream, "201 Created", b"", {"Docker-Content-Digest": digest})
+                return True
+        if method == "PUT" and len(parts) == 5 and parts[0] == "v2" and parts[3] == "manifests":
+            try:
+                manifest = json.loads(body)
+                named = [x["digest"] for x in [*manifest["layers"], manifest["config"]]]
+            except (ValueError, KeyError, TypeError):
+                named = None
+            if headers.get("content-type") != MANIFEST_V2 or named is None:
+                self.problems.append(f"manifest {path}: not a {MANIFEST_V2}")
+                await self._send(stream, "400 Bad Request", b'{"errors":[{"code":"MANIFEST_INVALID"}]}')
+                return True
+            missing = [d for d in named if d not in self.blobs]
+            if missing:
+                self.problems.append(f"manifest {path} names blobs never pushed: {missing}")
+                await self._send(stream, "400 Bad Request", b'{"errors":[{"code":"BLOB_UNKNOWN"}]}')
+                return True
+            self.manifests[(parts[1], parts[2], parts[4])] = body
+            await self._send(stream, "201 Created", b"")
+            return True
+        return False
 
     async def _send(self, stream: trio.SocketStream, status: str, body: bytes = b"", headers: dict[str, str] | None = None) -> None:
         lines = [f"HTTP/1.1 {status}", f"Content-Length: {len(body)}", "Connection: close", *(f"{k}: {v}" for k, v in (headers or {}).items())]
         await stream.send_all(("\r\n".join(lines) + "\r\n\r\n").encode() + body)
+
+    async def _send_head(self, stream: trio.SocketStream, status: str, length: int) -> None:
+        await stream.send_all(f"HTTP/1.1 {status}\r\nContent-Length: {length}\r\nConnection: close\r\n\r\n".encode())
 
     async def _route(self, stream: trio.SocketStream, method: str, path: str, headers: dict[str, str]) -> None:
         parts = path.strip("/").split("/")
@@ -137,6 +212,12 @@ class StandIn:
                 await self._send(stream, "404 Not Found", b'{"errors":[{"code":"MANIFEST_UNKNOWN","message":"manifest unknown"}]}')
             else:
                 await self._send(stream, "200 OK", manifest, {"Content-Type": MANIFEST_V2})
+            return
+        if method == "HEAD" and len(parts) == 5 and parts[0] == "v2" and parts[3] == "blobs":
+            if parts[4] in self.blobs:
+                await self._send_head(stream, "200 OK", len(self.blobs[parts[4]]))
+            else:
+                await self._send_head(stream, "404 Not Found", 0)
             return
         if len(parts) == 5 and parts[0] == "v2" and parts[3] == "blobs":
             if parts[4] in self.blobs:
