@@ -2,10 +2,10 @@
 ``python -m trioshed serve``: no 5xx, responses as documented (schema, content type, status).
 
 Quick profile here (3 examples per operation, seed 1, ~10 s); ``make fuzz`` runs the same with
-``TRIOSHED_FUZZ_EXAMPLES`` (100 there) and a random seed. The Ollama routes trioshed does not
-serve (``/api/push``, ``/api/create``, ``/api/blobs``) answer 501 by design and are left out, and
-so is ``/api/pull``, which would reach out to the internet (it is tested against loopback
-stand-ins in ``test_pull*.py``), and ``/api/events``, a stream that never ends.
+``TRIOSHED_FUZZ_EXAMPLES`` (100 there) and a random seed. The routes that write the store
+(``/api/push``, ``/api/create``, ``/api/blobs``, ``/api/pull``) are left out: pull and push
+would reach out to the internet, and their bad input is tested against loopback stand-ins in
+``test_pull*.py`` and ``test_create*.py``; so is ``/api/events``, a stream that never ends.
 """
 
 from __future__ import annotations

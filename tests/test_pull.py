@@ -309,10 +309,15 @@ async def test_pulled_models_are_served_and_deleted_by_the_stores(tmp_path: Path
     assert [s.name for s in stores.list()] == ["local:latest", "n:latest"]
     assert template_blob.exists()  # still named by n's manifest
     assert not (folder / "pulled/blobs" / f"sha256-{hashlib.sha256(gguf).hexdigest()}").exists()
-    assert stores.copy("n", "n-copy") == "n-copy:latest"  # a models.toml entry naming n's blob
+    assert stores.copy("n", "n-copy") == "n-copy:latest"  # a second manifest, sharing n's blobs
+    assert not (folder / "models.toml").exists()
+    copied = folder / "pulled/manifests/registry.ollama.ai/library/n-copy/latest"
+    assert copied.read_bytes() == (folder / "pulled/manifests/registry.ollama.ai/library/n/latest").read_bytes()
     stores.delete("n")
     assert [s.name for s in stores.list()] == ["local:latest", "n-copy:latest"]
-    assert [p.name for p in (folder / "pulled/blobs").iterdir()] == [f"sha256-{hashlib.sha256(gguf + b'x').hexdigest()}"]
+    named = {x["digest"].replace(":", "-") for x in [*json.loads(copied.read_bytes())["layers"], json.loads(copied.read_bytes())["config"]]}
+    assert {p.name for p in (folder / "pulled/blobs").iterdir()} == named
+    assert f"sha256-{hashlib.sha256(gguf + b'x').hexdigest()}" in named
 
 
 async def test_only_ollama_stores_means_nowhere_to_pull(tmp_path: Path) -> None:

@@ -83,6 +83,7 @@ _ERROR_STATUSES = {
     "500": "The model failed to load (llama-server's own message) or an internal error.",
     "502": "llama-server answered with an error.",
     "503": "Queue full, the model is in its load back-off, trioshed is shutting down, or (GET /api/events) too many pages follow the stream (Retry-After).",
+    "501": "Something trioshed does not do: quantizing, or a file that is not GGUF.",
     "507": "The model cannot fit even with every other model unloaded, or only by evicting pinned models.",
 }
 
@@ -177,6 +178,24 @@ def _schemas(ollama_names: bool) -> Schema:
             "anyOf": [{"required": ["model"]}, {"required": ["name"]}],
         },
         "CopyRequest": _obj({"source": _MODEL, "destination": _MODEL}, ("source", "destination")),
+        "CreateRequest": _obj(
+            {
+                "model": {"type": "string", "pattern": OLLAMA_NAME_PATTERN, "description": "the new model's name"},
+                "from": {"type": "string", "description": "a model to start from (its layers are shared)"},
+                "files": {"type": "object", "additionalProperties": {"type": "string", "pattern": "^sha256:[0-9a-f]{64}$"},
+                          "description": "file name -> digest of an uploaded blob (POST /api/blobs/:digest): the GGUF model, a projector"},
+                "adapters": {"type": "object", "additionalProperties": {"type": "string", "pattern": "^sha256:[0-9a-f]{64}$"},
+                             "description": "file name -> digest of an uploaded GGUF LoRA adapter"},
+                "template": _STR, "system": _STR,
+                "license": {"anyOf": [_STR, {"type": "array", "items": _STR}]},
+                "parameters": {"type": "object", "description": "default options (num_ctx, temperature, stop, ...)"},
+                "messages": {"type": "array", "items": _obj({"role": {"type": "string", "enum": ["system", "user", "assistant"]}, "content": _STR})},
+                "quantize": {"type": "string", "description": "not done by trioshed: 400 for a quantized model, 501 for an F16/F32 one"},
+                "modelfile": {"type": "string", "description": "the older request: a Modelfile's text (FROM a model name or @sha256:<hex>)"},
+                "stream": {"type": "boolean", "default": True},
+            },
+            ("model",),
+        ),
         "PullRequest": _obj(
             {
                 "model": {"type": "string", "pattern": OLLAMA_NAME_PATTERN, "examples": ["llama3.2:1b", "hf.co/bartowski/Llama-3.2-1B-Instruct-GGUF:Q4_K_M"],
@@ -352,17 +371,9 @@ def _get_op(summary: str, content_type: str, schema: Schema, *, auth: bool = Tru
     return op
 
 
-def _not_implemented(summary: str) -> Schema:
-    return {
-        "summary": summary,
-        "responses": {"501": {"description": "not supported: add a model by dropping a GGUF into the store, or point TRIOSHED_MODELS at an Ollama store",
-                              "content": {"application/json": {"schema": _ref("Error")}}}, **_errors("401")},
-    }  # fmt: skip
-
-
 def _paths() -> Schema:
     ollama = ("400", "401", "404", "413", "500", "502", "503", "507")
-    digest = {"name": "digest", "in": "path", "required": True, "schema": {"type": "string", "description": "sha256:<hex> (any value: the route answers 501)"}}
+    digest = {"name": "digest", "in": "path", "required": True, "schema": {"type": "string", "pattern": "^sha256:[0-9a-f]{64}$", "description": "sha256:<64 hex digits>"}}
     return {
         "/": {
             "get": {
@@ -412,12 +423,38 @@ def _paths() -> Schema:
                 },
             }
         },
-        "/api/push": {"post": _not_implemented("Not supported (501)")},
-        "/api/create": {"post": _not_implemented("Not supported (501)")},
+        "/api/push": {
+            "post": {
+                "summary": "Send a pulled or created model to an Ollama-protocol registry (its name says where)",
+                "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("PullRequest")}}},
+                "responses": {
+                    "200": {"description": "progress lines (`retrieving manifest`, `pushing <12 hex>`, `pushing manifest`, `success`); with `stream` false, the last line",
+                            "content": {"application/json": {"schema": _ref("PullProgress")}, NDJSON: {"schema": {"anyOf": [_ref("PullProgress"), _ref("Error")]}}}},
+                    **_errors("400", "401", "404", "413", "500", "502"),
+                },
+            }
+        },
+        "/api/create": {
+            "post": {
+                "summary": "Create a model from uploaded files, another model or a Modelfile's text, in trioshed's store (its pulled/ folder)",
+                "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("CreateRequest")}}},
+                "responses": {
+                    "200": {"description": "progress lines (`using existing layer …`, `creating new layer …`, `writing manifest`, `success`); with `stream` false, the last line",
+                            "content": {"application/json": {"schema": _ref("PullProgress")}, NDJSON: {"schema": {"anyOf": [_ref("PullProgress"), _ref("Error")]}}}},
+                    **_errors("400", "401", "403", "404", "413", "500", "501"),
+                    "507": {"description": "Not enough disk space for the new layers.", "content": {"application/json": {"schema": _ref("Error")}}},
+                },
+            }
+        },
         "/api/blobs/{digest}": {
             "parameters": [digest],
-            "head": _not_implemented("Not supported (501)"),
-            "post": _not_implemented("Not supported (501)"),
+            "head": {"summary": "Whether a blob is in trioshed's store", "responses": {"200": {"description": "present"}, "404": {"description": "absent"}, **_errors("400", "401")}},
+            "post": {
+                "summary": "Upload a blob (streamed, its sha256 checked before it is kept)",
+                "requestBody": {"required": True, "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}},
+                "responses": {"201": {"description": "stored"}, "200": {"description": "already present"}, **_errors("400", "401", "403", "413", "500"),
+                              "507": {"description": "Not enough disk space for the blob.", "content": {"application/json": {"schema": _ref("Error")}}}},
+            },
         },
         "/v1/chat/completions": {"post": _json_op("Chat completions (OpenAI)", "OpenAIChatRequest", _ref("OpenAIResponse"), stream=SSE, openai=True)},
         "/v1/responses": {"post": _json_op("Responses (OpenAI; stateless: nothing is stored)", "OpenAIResponsesRequest", _ref("OpenAIResponseObject"), stream=SSE, openai=True)},
