@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -204,3 +206,70 @@ async def test_push_to_the_stand_in_then_pull_into_an_empty_store(
                     assert hashlib.sha256(path.read_bytes()).hexdigest() == layer["digest"][7:]
                 answer = await in_thread(client.generate, model="me/mine:v1", prompt="hello", options=FAST)
                 assert answer.done
+
+
+MODELFILE = '''# a variant, with every instruction
+FROM ./weights/tiny.gguf
+parameter num_ctx 768
+PARAMETER stop "<|im_end|>"
+PARAMETER stop </s>
+SYSTEM """You are
+a pirate."""
+ADAPTER ./lora.gguf
+MESSAGE user Hello
+MESSAGE assistant "Ahoy"
+LICENSE """MIT"""
+REQUIRES 0.6.0
+'''
+
+
+async def trioshed_cli(env: dict[str, str], *args: str) -> tuple[int, str]:
+    done = await trio.run_process([sys.executable, "-m", "trioshed", *args], env=env, capture_stdout=True, capture_stderr=True, check=False)
+    return done.returncode, done.stderr.decode()
+
+
+async def test_trioshed_create_uploads_the_modelfiles_files(model_store: Path, tiny_model: Path, tmp_path: Path) -> None:
+    client_side = tmp_path / "elsewhere"  # the client's files: the server never reads them
+    (client_side / "weights").mkdir(parents=True)
+    (client_side / "weights" / "tiny.gguf").write_bytes(await trio.to_thread.run_sync(tiny_model.read_bytes))
+    write_tiny_lora(client_side / "lora.gguf")
+    (client_side / "Modelfile").write_text(MODELFILE)
+    (client_side / "Bad").write_text("FROM ./weights/tiny.gguf\nPARAMETER num_ctx many\n")
+    with trio.fail_after(120):
+        async with open_test_server(model_store) as server:
+            env = {**os.environ, "TRIOSHED_HOST": server.base_url.removeprefix("http://")}
+            code, err = await trioshed_cli(env, "create", "cli-made", "-f", str(client_side / "Modelfile"))
+            assert code == 0, err
+            assert "copying file sha256:" in err and "100%" in err and err.endswith("writing manifest\nsuccess\n")
+            shown = await show(server.base_url, "cli-made")
+            assert shown["system"] == "You are\na pirate." and shown["license"] == "MIT"
+            assert "num_ctx                        768" in shown["parameters"] and shown["parameters"].count("stop") == 2
+            manifest = manifest_of(model_store, "cli-made")
+            kinds = [x["mediaType"].rsplit(".", 1)[-1] for x in manifest["layers"]]
+            assert kinds == ["model", "adapter", "system", "params", "messages", "license"]
+            config = json.loads((model_store / "pulled" / "blobs" / manifest["config"]["digest"].replace(":", "-")).read_bytes())
+            assert config["requires"] == "0.6.0" and config["model_family"] == "llama"
+            answer = await in_thread(ollama.Client(host=server.base_url).generate, model="cli-made", prompt="hi", options=FAST)
+            assert answer.done
+
+            # again: nothing is uploaded twice, every layer exists already, the manifest is the same
+            code, err = await trioshed_cli(env, "create", "cli-made", "-f", str(client_side / "Modelfile"))
+            assert code == 0 and "copying file" not in err and "creating new layer" not in err, err
+            assert manifest_of(model_store, "cli-made") == manifest
+
+            # /api/show's Modelfile creates the same model again, through the command too
+            (client_side / "Shown").write_text(shown["modelfile"])
+            code, err = await trioshed_cli(env, "create", "cli-again", "-f", str(client_side / "Shown"))
+            assert code == 0, err
+            assert manifest_of(model_store, "cli-again") == manifest
+
+            before = tree_snapshot(model_store)
+            code, err = await trioshed_cli(env, "create", "cli-bad", "-f", str(client_side / "Bad"))
+            assert code == 1 and "line 2" in err and "num_ctx" in err
+            code, err = await trioshed_cli(env, "create", "cli-bad", "-f", str(client_side / "nothere"))
+            assert code == 1 and "cannot read" in err
+            assert tree_snapshot(model_store) == before
+
+            code, err = await trioshed_cli(env, "cp", "cli-made", "cli-copy")
+            assert code == 0, err
+            assert manifest_of(model_store, "cli-copy") == manifest

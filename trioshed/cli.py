@@ -1,15 +1,19 @@
-"""``trioshed serve | pull | run | ps | list | show | stop``.
+"""``trioshed serve | pull | create | push | cp | run | ps | list | show | stop``.
 
 ``serve`` runs the server; the others are small clients of a running one (``TRIOSHED_HOST``).
 ``pull`` without a running server pulls into the store itself (the same code the server runs).
+``create`` reads a Modelfile here and uploads its local files as blobs, so it works against a
+server on another machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import os
+import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -187,6 +191,137 @@ def _pull_here(args: argparse.Namespace, settings: Settings, view: PullView) -> 
     return 0
 
 
+def _stream_progress(client: httpx.Client, path: str, body: dict[str, object], view: PullView) -> int:
+    """POST ``body`` to a route that streams Ollama's progress lines, shown as a pull is."""
+    with client.stream("POST", path, json={**body, "stream": True}) as response:
+        if response.status_code != 200:
+            response.read()
+            print(f"Error: {_error_of(response)}", file=sys.stderr)
+            return 1
+        for line in response.iter_lines():
+            if not line.strip():
+                continue
+            chunk = json.loads(line)
+            if "error" in chunk:
+                print(f"{view.close()}Error: {chunk['error']}", file=sys.stderr)
+                return 1
+            print(view.feed(chunk), end="", file=sys.stderr, flush=True)
+    print(view.close(), end="", file=sys.stderr)
+    return 0
+
+
+def _upload(client: httpx.Client, path: Path, view: PullView) -> str:
+    """``path`` as a blob of the server (HEAD first: a blob it has is not sent); its digest."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    digest = f"sha256:{h.hexdigest()}"
+    if client.head(f"/api/blobs/{digest}").status_code == 200:
+        return digest
+    total = path.stat().st_size
+    status = f"copying file {digest}"
+
+    def chunks():  # type: ignore[no-untyped-def]
+        sent = 0
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                sent += len(chunk)
+                print(view.feed({"status": status, "digest": digest, "total": total, "completed": sent}), end="", file=sys.stderr, flush=True)
+                yield chunk
+
+    response = client.post(f"/api/blobs/{digest}", content=chunks(), headers={"Content-Length": str(total), "Content-Type": "application/octet-stream"})
+    if response.status_code not in (200, 201):
+        raise _CliError(f"uploading {path.name}: {_error_of(response)}")
+    return digest
+
+
+class _CliError(Exception):
+    pass
+
+
+def _cmd_create(args: argparse.Namespace, settings: Settings) -> int:
+    """``ollama create NAME -f Modelfile``: the Modelfile parsed here, ``FROM``/``ADAPTER`` files
+    (a GGUF, or a folder of them) uploaded as blobs, then ``/api/create`` with the fields."""
+    from trioshed.errors import TrioshedError
+    from trioshed.models.create import modelfile_fields
+    from trioshed.models.modelfile import parse
+
+    source = Path(args.file).expanduser()
+    try:
+        text = source.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        print(f"Error: cannot read {source}: {getattr(exc, 'strerror', None) or exc}", file=sys.stderr)
+        return 1
+    view = PullView(tty=sys.stderr.isatty())
+    try:
+        fields = modelfile_fields(parse(text))
+        with _client(settings) as client:
+            files: dict[str, str] = {}
+            adapters: dict[str, str] = {}
+            froms = [fields.pop("from"), *fields.pop("_more_from", [])]
+            for value in froms:
+                local = _local_files(source.parent, value)
+                if local is None:
+                    if "from" in fields or files:
+                        raise _CliError(f"FROM {value}: only the first FROM may name a model")
+                    fields["from"] = value
+                    continue
+                print(view.feed({"status": "gathering model components"}), end="", file=sys.stderr)
+                for path in local:
+                    files[path.name] = _upload(client, path, view)
+            for value in fields.pop("_adapters", []):
+                local = _local_files(source.parent, value)
+                if local is None:
+                    raise _CliError(f"ADAPTER {value}: no such file")
+                for path in local:
+                    adapters[path.name] = _upload(client, path, view)
+            if files:
+                fields["files"] = files
+            if adapters:
+                fields["adapters"] = adapters
+            return _stream_progress(client, "/api/create", {"model": args.model, **fields}, view)
+    except (TrioshedError, _CliError) as exc:
+        print(f"{view.close()}Error: {getattr(exc, 'message', exc)}", file=sys.stderr)
+        return 1
+
+
+def _local_files(base: Path, value: str) -> list[Path] | None:
+    """The local files a ``FROM``/``ADAPTER`` value names (a file, or a folder's ``*.gguf``);
+    None for a model name. A path that does not exist is an error, except a blob path of a
+    server on another machine (``…/sha256-<hex>``), which the server understands."""
+    text = value.strip()
+    looks_like_path = text.startswith((".", "/", "~")) or os.sep in text or text.lower().endswith(".gguf")
+    if not looks_like_path:
+        return None
+    path = (base / Path(text).expanduser()).resolve()
+    if path.is_dir():
+        found = sorted(path.glob("*.gguf"))
+        if not found:
+            raise _CliError(f"{value}: the folder has no .gguf file (trioshed serves GGUF models; convert with llama.cpp's convert_hf_to_gguf.py)")
+        return found
+    if path.is_file():
+        return [path]
+    if re.search(r"sha256-[0-9a-f]{64}$", text):
+        return None  # the server's own blob, named as /api/show writes it
+    raise _CliError(f"{value}: no such file or folder")
+
+
+def _cmd_push(args: argparse.Namespace, settings: Settings) -> int:
+    with _client(settings) as client:
+        return _stream_progress(client, "/api/push", {"model": args.model, "insecure": args.insecure}, PullView(tty=sys.stderr.isatty()))
+
+
+def _cmd_cp(args: argparse.Namespace, settings: Settings) -> int:
+    with _client(settings) as client:
+        response = client.post("/api/copy", json={"source": args.source, "destination": args.destination})
+    if response.status_code != 200:
+        print(f"Error: {_error_of(response)}", file=sys.stderr)
+        return 1
+    print(f"copied '{args.source}' to '{args.destination}'", file=sys.stderr)
+    return 0
+
+
 def _cmd_get(path: str, key: str, columns: list[str]):  # type: ignore[no-untyped-def]
     def run(args: argparse.Namespace, settings: Settings) -> int:
         with _client(settings) as client:
@@ -244,6 +379,15 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("pull", help="download a model (llama3.2:1b, user/model:tag, hf.co/USER/REPO:QUANT)")
     p.add_argument("model")
     p.add_argument("--insecure", action="store_true", help="skip TLS checks; allow plain HTTP to the name's registry")
+    p = sub.add_parser("create", help="create a model from a Modelfile (FROM a GGUF file or folder, a model; PARAMETER, SYSTEM, ...)")
+    p.add_argument("model")
+    p.add_argument("-f", "--file", default="Modelfile", help="the Modelfile (default: ./Modelfile)")
+    p = sub.add_parser("push", help="send a pulled or created model to a registry (host/ns/model:tag)")
+    p.add_argument("model")
+    p.add_argument("--insecure", action="store_true", help="skip TLS checks; allow plain HTTP to the name's registry")
+    p = sub.add_parser("cp", help="copy a model to another name")
+    p.add_argument("source")
+    p.add_argument("destination")
     p = sub.add_parser("run", help="generate from a prompt")
     p.add_argument("model")
     p.add_argument("prompt", nargs="+")
@@ -271,6 +415,9 @@ def main(argv: list[str] | None = None) -> int:
     commands = {
         "serve": _cmd_serve,
         "pull": _cmd_pull,
+        "create": _cmd_create,
+        "push": _cmd_push,
+        "cp": _cmd_cp,
         "run": _cmd_run,
         "ps": _cmd_get("/api/ps", "models", ["name", "size", "size_vram", "expires_at"]),
         "list": _cmd_get("/api/tags", "models", ["name", "size", "modified_at"]),
