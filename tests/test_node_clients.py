@@ -89,6 +89,11 @@ async def test_javascript_clients(node_clients: Path, model_store: Path, tmp_pat
     assert out["ps"]["ok"] == ["short:latest"]
     assert out["copy"]["ok"] == "success" and out["delete"]["ok"] == "success"
     assert out["pull"]["ok"] == "success"  # pulled from the registry stand-in
+    assert out["create"]["ok"]["last"] == ["writing manifest", "success"]
+    assert out["create"]["ok"]["system"] == "Be brief." and "512" in out["create"]["ok"]["parameters"]
+    assert out["create_bad"]["status"] == 400 and "num_ctx" in out["create_bad"]["error"]
+    assert out["push"]["ok"] == "success" and ("me", "node-made", "latest") in registry.manifests  # pushed to the stand-in
+    assert out["create_delete"]["ok"] == "success"
     # ollama-ai-provider-v2: non-streamed generate validates the answer, which needs "context"
     assert "error" not in out["vercel_generate"], out["vercel_generate"]
     assert out["vercel_generate"]["ok"]["outputTokens"] == 8

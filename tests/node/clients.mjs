@@ -41,6 +41,16 @@ await record("ps", async () => (await client.ps()).models.map((m) => m.name));
 await record("copy", async () => (await client.copy({ source: model, destination: "node-copy" })).status);
 await record("delete", async () => (await client.delete({ model: "node-copy" })).status);
 await record("pull", async () => (await client.pull({ model: "llama3.2", stream: false })).status);
+await record("create", async () => {
+  const progress = [];
+  for await (const part of await client.create({ model: "me/node-made", from: model, system: "Be brief.",
+    parameters: { num_ctx: 512, stop: ["</s>"] }, stream: true })) progress.push(part.status);
+  const shown = await client.show({ model: "me/node-made" });
+  return { last: progress.slice(-2), system: shown.system, parameters: shown.parameters };
+});
+await record("create_bad", async () => (await client.create({ model: "node-bad", from: model, parameters: { num_ctx: "big" } })).status);
+await record("push", async () => (await client.push({ model: "me/node-made", stream: false })).status);
+await record("create_delete", async () => (await client.delete({ model: "me/node-made" })).status);
 
 const provider = createOllama({ baseURL: `${base}/api` });
 await record("vercel_generate", async () => {
