@@ -20,7 +20,7 @@ from tests.conftest import session_llama_servers
 from trioshed.models import push as push_module
 from trioshed.testing.registry import open_stand_in, tree_snapshot
 from trioshed.testing.server import open_test_server
-from trioshed.testing.tiny import write_tiny_lora
+from trioshed.testing.tiny import write_tiny_lora, write_tiny_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_leaked_runner")]
 
@@ -145,6 +145,7 @@ BAD: list[tuple[dict[str, Any], int, str]] = [
     ({"model": "x", "files": {"../m.gguf": "sha256:" + "0" * 64}}, 400, "not a path"),
     ({"model": "x", "files": {"m.gguf": "sha256:" + "0" * 64}}, 400, "upload it first"),
     ({"model": "x"}, 400, "neither 'from' or 'files' was specified"),
+    ({"model": "tiny", "from": "tiny", "system": "hidden"}, 409, "folder store"),
     ({"model": "x", "from": "tiny", "parameters": {"num_ctx": "big"}}, 400, "num_ctx"),
     ({"model": "x", "from": "tiny", "quantize": "q4_K_M"}, 501, "does not quantize"),  # tiny is F32
     ({"model": "x", "from": "tiny", "messages": [{"role": "wizard", "content": "hi"}]}, 400, "message role"),
@@ -273,3 +274,31 @@ async def test_trioshed_create_uploads_the_modelfiles_files(model_store: Path, t
             code, err = await trioshed_cli(env, "cp", "cli-made", "cli-copy")
             assert code == 0, err
             assert manifest_of(model_store, "cli-copy") == manifest
+
+
+async def test_a_replaced_model_serves_its_running_request_then_the_new_one(model_store: Path, tmp_path: Path) -> None:
+    old = write_tiny_model(tmp_path / "old.gguf", seed=3)
+    new = write_tiny_model(tmp_path / "new.gguf", seed=4)
+    with trio.fail_after(120):
+        async with open_test_server(model_store) as server:
+            client = ollama.Client(host=server.base_url)
+            old_digest = await in_thread(client.create_blob, old)
+            new_digest = await in_thread(client.create_blob, new)
+            await in_thread(client.create, model="swap", files={"m.gguf": old_digest}, parameters={"num_ctx": 1024})
+            async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
+                body = {"model": "swap", "prompt": "hi", "options": {"num_predict": 64, "temperature": 0, "seed": 1}}
+                async with http.stream("POST", "/api/generate", json=body) as running:
+                    lines = running.aiter_lines()
+                    first = json.loads(await lines.__anext__())
+                    assert first["done"] is False
+                    # replaced while it streams: the old blob goes (no manifest names it), the runner keeps it open
+                    await in_thread(client.create, model="swap", files={"m.gguf": new_digest}, parameters={"num_ctx": 2048})
+                    assert not (model_store / "pulled" / "blobs" / f"sha256-{old_digest[7:]}").exists()
+                    rest = [json.loads(line) async for line in lines if line.strip()]
+                assert rest[-1]["done"] is True and rest[-1]["eval_count"] == 64  # served whole by the old runner
+            answer = await in_thread(client.generate, model="swap", prompt="hi", options=FAST)
+            assert answer.done
+            new_path = str(model_store / "pulled" / "blobs" / f"sha256-{new_digest[7:]}")
+            assert any(arg(a, "--model") == new_path for a in runner_args())
+            shown = await show(server.base_url, "swap")
+            assert "2048" in shown["parameters"]

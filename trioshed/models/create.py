@@ -27,19 +27,27 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import trio
 
-from trioshed.errors import BadRequest, Forbidden, NotSupported, TrioshedError
+from trioshed.errors import (
+    BadRequest,
+    Conflict,
+    Forbidden,
+    ModelNotFound,
+    NotSupported,
+    TrioshedError,
+)
 from trioshed.models import modelfile as mf
 from trioshed.models import ollama_store as o
 from trioshed.models.blobs import blob_path, digest_hex, import_file, write_blob, write_manifest
 from trioshed.models.gguf_meta import GGUFError, read_metadata
 from trioshed.models.pull_plan import CONFIG_V1, MANIFEST_V2, manifest_path_parts
+from trioshed.models.store import ModelStore
 from trioshed.models.stores import Stores, manifest_blobs, prune_blobs
 
 log = logging.getLogger(__name__)
@@ -254,10 +262,9 @@ def _human_params(n: int) -> str:
 class Creator:
     """Creates models in the Ollama-layout store at ``root`` (a folder store's ``pulled/``)."""
 
-    def __init__(self, stores: Stores, *, on_replaced: Callable[[str], None] | None = None) -> None:
+    def __init__(self, stores: Stores) -> None:
         self.stores = stores
         self._lock = trio.Lock()  # one create writes at a time (the prune sees every manifest)
-        self._on_replaced = on_replaced
 
     def _root(self) -> Path:
         root = self.stores.pull_root
@@ -275,6 +282,7 @@ class Creator:
 
     def _prepare(self, request: Request) -> Prepared:
         root = self._root()
+        self._check_not_shadowed(request.name)
         layers: list[_Layer] = []
         imports: list[tuple[str, Path]] = []
         texts: dict[str, list[bytes]] = {}
@@ -378,6 +386,21 @@ class Creator:
             config["requires"] = request.requires
         text_layers = [(media, data) for media in _ORDER for data in texts.get(media, [])]
         return Prepared(request, layers, text_layers, config, imports)
+
+    def _check_not_shadowed(self, name: o.OllamaName) -> None:
+        """409 for a name a folder store serves (its GGUF file or a ``models.toml`` entry): the
+        created model would be hidden behind it."""
+        if name.host.lower() != o.DEFAULT_HOST or name.namespace.lower() != o.DEFAULT_NAMESPACE:
+            return
+        for backend in self.stores.backends():
+            if not isinstance(backend, ModelStore):
+                continue
+            try:
+                backend.resolve(name.display())
+            except (ModelNotFound, BadRequest):
+                continue
+            raise Conflict(f"'{name.display()}' is a model of the folder store {backend.root.name}/ (a GGUF file or a "
+                           "models.toml entry), which would hide the created one: choose another name or delete it first")  # fmt: skip
 
     async def run(self, prepared: Prepared) -> AsyncIterator[dict[str, Any]]:
         """Progress lines while the layers and the manifest are written; on an error the blobs this
