@@ -252,6 +252,13 @@ async def test_trioshed_create_uploads_the_modelfiles_files(model_store: Path, t
             assert config["requires"] == "0.6.0" and config["model_family"] == "llama"
             answer = await in_thread(ollama.Client(host=server.base_url).generate, model="cli-made", prompt="hi", options=FAST)
             assert answer.done
+            # the MESSAGE lines come before a chat's own messages (more prompt than the same chat without them)
+            chat = {"messages": [{"role": "user", "content": "hi"}], "options": FAST, "stream": False}
+            async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
+                made = (await http.post("/api/chat", json={**chat, "model": "cli-made"})).json()
+                system = [{"role": "system", "content": "You are\na pirate."}, *chat["messages"]]  # type: ignore[misc]
+                plain = (await http.post("/api/chat", json={**chat, "messages": system, "model": "tiny"})).json()
+            assert made["prompt_eval_count"] >= plain["prompt_eval_count"] + len("Hello") + len("Ahoy")
 
             # again: nothing is uploaded twice, every layer exists already, the manifest is the same
             code, err = await trioshed_cli(env, "create", "cli-made", "-f", str(client_side / "Modelfile"))

@@ -173,3 +173,18 @@ async def test_blob_refusals_keep_nothing(tmp_path: Path) -> None:
     assert hashlib.sha256(data).hexdigest() == digest[7:] and files(tmp_path) == [f"sha256-{digest[7:]}"]
     assert await receive_blob(tmp_path, digest, _chunks(data), length=len(data)) is False
     assert files(tmp_path) == [f"sha256-{digest[7:]}"]
+
+
+def test_a_models_messages_come_before_the_requests_after_its_system_prompt() -> None:
+    from trioshed.api.protocols.ollama import with_model_system
+
+    preamble = (("user", "Hello"), ("assistant", "Ahoy"))
+    asked = {"messages": [{"role": "user", "content": "u"}]}
+    assert with_model_system("chat", asked, "S", preamble)["messages"] == [
+        {"role": "system", "content": "S"}, {"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Ahoy"},
+        {"role": "user", "content": "u"},
+    ]  # fmt: skip
+    own = {"messages": [{"role": "system", "content": "mine"}, {"role": "user", "content": "u"}]}
+    assert with_model_system("chat", own, "S", preamble)["messages"][:2] == [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Ahoy"}]
+    assert with_model_system("chat", asked, "", ()) == asked
+    assert with_model_system("generate", {"prompt": "p"}, "", preamble) == {"prompt": "p"}

@@ -23,6 +23,7 @@ from trioshed.api.protocols.ollama_stream import OllamaStream, ndjson
 from trioshed.api.protocols.options import split_options
 from trioshed.api.upstream import leased_stream, open_upstream, post_upstream, truncated
 from trioshed.errors import TrioshedError
+from trioshed.models.ollama_store import OllamaManifest
 from trioshed.scheduler import Lease
 from trioshed.trace import current as current_trace
 
@@ -82,7 +83,8 @@ async def _serve(kind: ollama.Kind) -> Response:
             content_type="application/json",
         )
 
-    body = ollama.with_model_system(kind, body, model.system)
+    preamble = model.origin.messages if isinstance(model.origin, OllamaManifest) else ()
+    body = ollama.with_model_system(kind, body, model.system, preamble)
     templated = await has_chat_template(model)
     if kind == "generate":
         # A model without a chat template gets the prompt as it is (Ollama's default template

@@ -282,21 +282,24 @@ def load_response(
 
 
 
-def with_model_system(kind: Kind, body: dict[str, Any], system: str) -> dict[str, Any]:
+def with_model_system(
+    kind: Kind, body: dict[str, Any], system: str, preamble: tuple[tuple[str, str], ...] = ()
+) -> dict[str, Any]:
     """``body`` with the model's default system prompt (an Ollama store's ``system`` layer) where
     the request brings none, as Ollama does: ``system`` for generate, a leading system message
-    for chat."""
-    if not system:
-        return body
+    for chat. A chat also gets the model's own messages (its ``messages`` layer, a Modelfile's
+    ``MESSAGE`` lines) before the request's, after that system message, as Ollama sends them."""
     if kind == "generate":
-        return body if body.get("system") else {**body, "system": system}
+        return body if not system or body.get("system") else {**body, "system": system}
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         return body
     first = messages[0]
-    if isinstance(first, dict) and first.get("role") == "system":
-        return body
-    return {**body, "messages": [{"role": "system", "content": system}, *messages]}
+    head: list[dict[str, Any]] = []
+    if system and not (isinstance(first, dict) and first.get("role") == "system"):
+        head.append({"role": "system", "content": system})
+    head += [{"role": role, "content": content} for role, content in preamble]
+    return {**body, "messages": [*head, *messages]} if head else body
 
 
 def transcript_upstream(body: dict[str, Any]) -> Upstream:
