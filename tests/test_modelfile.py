@@ -11,7 +11,7 @@ import pytest
 from trioshed.errors import BadRequest, InsufficientStorage, PayloadTooLarge
 from trioshed.models import modelfile as mf
 from trioshed.models.blobs import receive_blob
-from trioshed.models.create import modelfile_fields, parse_request, server_modelfile_fields
+from trioshed.models.create import parse_request
 
 HEX = "ab" * 32
 
@@ -36,7 +36,7 @@ def test_every_instruction_comments_and_quoting() -> None:
         ("from", 3), ("parameter", 4), ("parameter", 5), ("parameter", 6), ("template", 7), ("system", 9),
         ("adapter", 10), ("message", 11), ("message", 12), ("license", 14), ("requires", 15),
     ]  # fmt: skip
-    fields = modelfile_fields(commands)
+    fields = mf.request_fields(commands)
     assert fields["from"] == "llama3.2"
     assert fields["parameters"] == {"temperature": 0.7, "stop": ["<|eot|>", "two words"]}
     assert fields["template"] == "{{ if .System }}{{ .System }}\n{{ end }}{{ .Prompt }}"
@@ -75,7 +75,7 @@ def test_rendered_modelfiles_parse_back_to_the_same_fields() -> None:
         parameters=(("num_ctx", 2048), ("stop", ("a", 'b "q"')), ("temperature", 0.5)),
         messages=[{"role": "user", "content": "hi"}], licenses=["MIT", "Apache"], requires="0.6.0",
     )  # fmt: skip
-    fields = server_modelfile_fields(text)
+    fields = mf.server_fields(text)
     assert fields["from"] == "/s/blobs/sha256-" + HEX
     assert fields["adapters"] == {f"sha256-{'cd' * 32}.gguf": f"sha256:{'cd' * 32}"}
     assert fields["template"] == '{{ .Prompt }} with """ inside' and fields["system"] == "line one\nline two"

@@ -244,8 +244,7 @@ def _cmd_create(args: argparse.Namespace, settings: Settings) -> int:
     """``ollama create NAME -f Modelfile``: the Modelfile parsed here, ``FROM``/``ADAPTER`` files
     (a GGUF, or a folder of them) uploaded as blobs, then ``/api/create`` with the fields."""
     from trioshed.errors import TrioshedError
-    from trioshed.models.create import modelfile_fields
-    from trioshed.models.modelfile import parse
+    from trioshed.models.modelfile import parse, request_fields
 
     source = Path(args.file).expanduser()
     try:
@@ -255,7 +254,7 @@ def _cmd_create(args: argparse.Namespace, settings: Settings) -> int:
         return 1
     view = PullView(tty=sys.stderr.isatty())
     try:
-        fields = modelfile_fields(parse(text))
+        fields = request_fields(parse(text))
         with _client(settings) as client:
             files: dict[str, str] = {}
             adapters: dict[str, str] = {}

@@ -88,6 +88,9 @@ _ERROR_STATUSES = {
 }
 
 
+_DIGEST: Schema = {"type": "string", "pattern": "^sha256:[0-9a-f]{64}$"}
+
+
 def _schemas(ollama_names: bool) -> Schema:
     message = _obj(
         {
@@ -178,24 +181,15 @@ def _schemas(ollama_names: bool) -> Schema:
             "anyOf": [{"required": ["model"]}, {"required": ["name"]}],
         },
         "CopyRequest": _obj({"source": _MODEL, "destination": _MODEL}, ("source", "destination")),
-        "CreateRequest": _obj(
-            {
-                "model": {"type": "string", "pattern": OLLAMA_NAME_PATTERN, "description": "the new model's name"},
-                "from": {"type": "string", "description": "a model to start from (its layers are shared)"},
-                "files": {"type": "object", "additionalProperties": {"type": "string", "pattern": "^sha256:[0-9a-f]{64}$"},
-                          "description": "file name -> digest of an uploaded blob (POST /api/blobs/:digest): the GGUF model, a projector"},
-                "adapters": {"type": "object", "additionalProperties": {"type": "string", "pattern": "^sha256:[0-9a-f]{64}$"},
-                             "description": "file name -> digest of an uploaded GGUF LoRA adapter"},
-                "template": _STR, "system": _STR,
-                "license": {"anyOf": [_STR, {"type": "array", "items": _STR}]},
-                "parameters": {"type": "object", "description": "default options (num_ctx, temperature, stop, ...)"},
-                "messages": {"type": "array", "items": _obj({"role": {"type": "string", "enum": ["system", "user", "assistant"]}, "content": _STR})},
-                "quantize": {"type": "string", "description": "not done by trioshed: 400 for a quantized model, 501 for an F16/F32 one"},
-                "modelfile": {"type": "string", "description": "the older request: a Modelfile's text (FROM a model name or @sha256:<hex>)"},
-                "stream": {"type": "boolean", "default": True},
-            },
-            ("model",),
-        ),
+        "CreateRequest": _obj({
+            "model": {"type": "string", "pattern": OLLAMA_NAME_PATTERN}, "from": {"type": "string", "description": "a model to start from"},
+            "files": {"type": "object", "additionalProperties": _DIGEST, "description": "file name -> digest of an uploaded blob (the GGUF model, a projector)"},
+            "adapters": {"type": "object", "additionalProperties": _DIGEST, "description": "file name -> digest of an uploaded GGUF LoRA"},
+            "template": _STR, "system": _STR, "license": {"anyOf": [_STR, {"type": "array", "items": _STR}]}, "stream": {"type": "boolean", "default": True},
+            "parameters": {"type": "object"}, "messages": {"type": "array", "items": _obj({"role": {"type": "string", "enum": ["system", "user", "assistant"]}, "content": _STR})},
+            "quantize": {"type": "string", "description": "not done: 400 for a quantized model, 501 for an F16/F32 one"},
+            "modelfile": {"type": "string", "description": "the older request: a Modelfile's text (FROM a model or @sha256:<hex>)"},
+        }, ("model",)),
         "PullRequest": _obj(
             {
                 "model": {"type": "string", "pattern": OLLAMA_NAME_PATTERN, "examples": ["llama3.2:1b", "hf.co/bartowski/Llama-3.2-1B-Instruct-GGUF:Q4_K_M"],
@@ -371,9 +365,21 @@ def _get_op(summary: str, content_type: str, schema: Schema, *, auth: bool = Tru
     return op
 
 
+_NO_ROOM: Schema = {"507": {"description": "Not enough disk space.", "content": {"application/json": {"schema": _ref("Error")}}}}
+
+
+def _progress_op(summary: str, request: str, lines: str, errors: tuple[str, ...]) -> Schema:
+    """A route that streams Ollama's progress lines (push, create)."""
+    progress = _ref("PullProgress")
+    return {"summary": summary, "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}},
+            "responses": {"200": {"description": f"progress lines ({lines}); with `stream` false, the last line",
+                                  "content": {"application/json": {"schema": progress}, NDJSON: {"schema": {"anyOf": [progress, _ref("Error")]}}}},
+                          **_errors(*errors), **_NO_ROOM}}  # fmt: skip
+
+
 def _paths() -> Schema:
     ollama = ("400", "401", "404", "413", "500", "502", "503", "507")
-    digest = {"name": "digest", "in": "path", "required": True, "schema": {"type": "string", "pattern": "^sha256:[0-9a-f]{64}$", "description": "sha256:<64 hex digits>"}}
+    digest = {"name": "digest", "in": "path", "required": True, "schema": _DIGEST}
     return {
         "/": {
             "get": {
@@ -423,38 +429,17 @@ def _paths() -> Schema:
                 },
             }
         },
-        "/api/push": {
-            "post": {
-                "summary": "Send a pulled or created model to an Ollama-protocol registry (its name says where)",
-                "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("PullRequest")}}},
-                "responses": {
-                    "200": {"description": "progress lines (`retrieving manifest`, `pushing <12 hex>`, `pushing manifest`, `success`); with `stream` false, the last line",
-                            "content": {"application/json": {"schema": _ref("PullProgress")}, NDJSON: {"schema": {"anyOf": [_ref("PullProgress"), _ref("Error")]}}}},
-                    **_errors("400", "401", "404", "413", "500", "502"),
-                },
-            }
-        },
-        "/api/create": {
-            "post": {
-                "summary": "Create a model from uploaded files, another model or a Modelfile's text, in trioshed's store (its pulled/ folder)",
-                "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("CreateRequest")}}},
-                "responses": {
-                    "200": {"description": "progress lines (`using existing layer …`, `creating new layer …`, `writing manifest`, `success`); with `stream` false, the last line",
-                            "content": {"application/json": {"schema": _ref("PullProgress")}, NDJSON: {"schema": {"anyOf": [_ref("PullProgress"), _ref("Error")]}}}},
-                    **_errors("400", "401", "403", "404", "413", "500", "501"),
-                    "507": {"description": "Not enough disk space for the new layers.", "content": {"application/json": {"schema": _ref("Error")}}},
-                },
-            }
-        },
+        "/api/push": {"post": _progress_op("Send a pulled or created model to an Ollama-protocol registry (its name says where)", "PullRequest",
+                                           "`retrieving manifest`, `pushing <12 hex>`, `pushing manifest`, `success`", ("400", "401", "404", "413", "500", "502"))},
+        "/api/create": {"post": _progress_op("Create a model from uploaded files, another model or a Modelfile's text, in trioshed's store (its pulled/ folder)",
+                                             "CreateRequest", "`using existing layer …`, `creating new layer …`, `writing manifest`, `success`",
+                                             ("400", "401", "403", "404", "409", "413", "500", "501"))},
         "/api/blobs/{digest}": {
             "parameters": [digest],
             "head": {"summary": "Whether a blob is in trioshed's store", "responses": {"200": {"description": "present"}, "404": {"description": "absent"}, **_errors("400", "401")}},
-            "post": {
-                "summary": "Upload a blob (streamed, its sha256 checked before it is kept)",
-                "requestBody": {"required": True, "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}},
-                "responses": {"201": {"description": "stored"}, "200": {"description": "already present"}, **_errors("400", "401", "403", "413", "500"),
-                              "507": {"description": "Not enough disk space for the blob.", "content": {"application/json": {"schema": _ref("Error")}}}},
-            },
+            "post": {"summary": "Upload a blob (streamed, its sha256 checked before it is kept)",
+                     "requestBody": {"required": True, "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}},
+                     "responses": {"201": {"description": "stored"}, "200": {"description": "already present"}, **_errors("400", "401", "403", "413", "500"), **_NO_ROOM}},
         },
         "/v1/chat/completions": {"post": _json_op("Chat completions (OpenAI)", "OpenAIChatRequest", _ref("OpenAIResponse"), stream=SSE, openai=True)},
         "/v1/responses": {"post": _json_op("Responses (OpenAI; stateless: nothing is stored)", "OpenAIResponsesRequest", _ref("OpenAIResponseObject"), stream=SSE, openai=True)},

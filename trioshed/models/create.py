@@ -57,7 +57,6 @@ MEDIA_MESSAGES = "application/vnd.ollama.image.messages"
 _ORDER = (o.MEDIA_MODEL, o.MEDIA_PROJECTOR, o.MEDIA_ADAPTER, o.MEDIA_TEMPLATE, o.MEDIA_SYSTEM, o.MEDIA_PARAMS,
           MEDIA_MESSAGES, o.MEDIA_LICENSE)  # fmt: skip
 _FILE_NAME = re.compile(r"^[^/\\\0]{1,255}$")
-_BLOB_IN_PATH = re.compile(r"(?:^@?|[/\\])sha256[-:]([0-9a-f]{64})$")
 _FIELDS = {"model", "name", "stream", "quantize", "quantization", "from", "files", "adapters", "template", "license",
            "system", "parameters", "messages", "modelfile", "path", "insecure", "requires"}  # fmt: skip
 
@@ -133,10 +132,10 @@ def parse_request(body: dict[str, Any]) -> Request:
         raise BadRequest('"path" is not supported: send the Modelfile\'s text as "modelfile", or use the fields ("from", "files", ...)')
     fields = dict(body)
     if text is not None:  # the older request: the Modelfile's text; the JSON fields given win
-        fields = {**server_modelfile_fields(text), **{k: v for k, v in body.items() if k != "modelfile" and v is not None}}
+        fields = {**mf.server_fields(text), **{k: v for k, v in body.items() if k != "modelfile" and v is not None}}
     base = _text(fields, "from")
     if base is not None:
-        match = _BLOB_IN_PATH.search(base.strip())
+        match = mf.BLOB_IN_PATH.search(base.strip())
         if match:  # FROM @sha256:... or a path /api/show wrote: that blob, by its digest only
             fields["files"] = {**(fields.get("files") or {}), f"sha256-{match.group(1)}.gguf": f"sha256:{match.group(1)}"}
             base = None
@@ -195,60 +194,6 @@ def _looks_like_path(text: str) -> bool:
     return t.startswith((".", "/", "~", "\\")) or "\\" in t or t.lower().endswith((".gguf", ".safetensors", ".bin")) or (
         len(t) > 1 and t[1] == ":"
     )
-
-
-def modelfile_fields(commands: list[mf.Command]) -> dict[str, Any]:
-    """A Modelfile's instructions as ``/api/create``'s JSON fields (``FROM``/``ADAPTER`` values as
-    written: a path is the client's to upload)."""
-    out: dict[str, Any] = {}
-    froms = [c for c in commands if c.name == "from"]
-    out["from"] = froms[0].args
-    extra = [c.args for c in froms[1:]]
-    if extra:
-        out["_more_from"] = extra
-    adapters = [c.args for c in commands if c.name == "adapter"]
-    if adapters:
-        out["_adapters"] = adapters
-    for name in ("template", "system"):
-        values = [c.args for c in commands if c.name == name]
-        if values:
-            out[name] = values[-1]
-    licenses = [c.args for c in commands if c.name == "license"]
-    if licenses:
-        out["license"] = licenses
-    params = mf.parameters_of(commands)
-    if params:
-        out["parameters"] = params
-    messages = [{"role": c.key, "content": c.args} for c in commands if c.name == "message"]
-    if messages:
-        out["messages"] = messages
-    requires = [c.args for c in commands if c.name == "requires"]
-    if requires:
-        out["requires"] = requires[-1]
-    return out
-
-
-def server_modelfile_fields(text: str) -> dict[str, Any]:
-    """The ``modelfile`` field's text on the server: only digests and model names are usable."""
-    fields = modelfile_fields(mf.parse(text))
-    files: dict[str, str] = {}
-    for value in fields.pop("_more_from", []):
-        match = _BLOB_IN_PATH.search(value.strip())
-        if not match:
-            raise BadRequest(f"FROM {value[:80]!r}: a second FROM must name an uploaded blob (@sha256:<hex>)")
-        files[f"sha256-{match.group(1)}.gguf"] = f"sha256:{match.group(1)}"
-    adapters: dict[str, str] = {}
-    for value in fields.pop("_adapters", []):
-        match = _BLOB_IN_PATH.search(value.strip())
-        if not match:
-            raise BadRequest(f"ADAPTER {value[:80]!r} is a file path, which the server does not read: upload it "
-                             "(POST /api/blobs/sha256:<hex>) and name it as ADAPTER @sha256:<hex>, or use 'trioshed create -f'")  # fmt: skip
-        adapters[f"sha256-{match.group(1)}.gguf"] = f"sha256:{match.group(1)}"
-    if files:
-        fields["files"] = files
-    if adapters:
-        fields["adapters"] = adapters
-    return fields
 
 
 def _human_params(n: int) -> str:

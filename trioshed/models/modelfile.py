@@ -179,6 +179,67 @@ def parameters_of(commands: list[Command]) -> dict[str, object]:
     return out
 
 
+# -- as a create request ---------------------------------------------------------------------
+
+#: A ``FROM``/``ADAPTER`` value that names a blob: ``@sha256:<hex>``, or a path ending in
+#: ``sha256-<hex>`` (what ``/api/show`` writes): only the digest is used, never the path.
+BLOB_IN_PATH = re.compile(r"(?:^@?|[/\\])sha256[-:]([0-9a-f]{64})$")
+
+
+def request_fields(commands: list[Command]) -> dict[str, Any]:
+    """A Modelfile's instructions as ``/api/create``'s JSON fields (``FROM``/``ADAPTER`` values as
+    written: a path is the client's to upload)."""
+    out: dict[str, Any] = {}
+    froms = [c for c in commands if c.name == "from"]
+    out["from"] = froms[0].args
+    extra = [c.args for c in froms[1:]]
+    if extra:
+        out["_more_from"] = extra
+    adapters = [c.args for c in commands if c.name == "adapter"]
+    if adapters:
+        out["_adapters"] = adapters
+    for name in ("template", "system"):
+        values = [c.args for c in commands if c.name == name]
+        if values:
+            out[name] = values[-1]
+    licenses = [c.args for c in commands if c.name == "license"]
+    if licenses:
+        out["license"] = licenses
+    params = parameters_of(commands)
+    if params:
+        out["parameters"] = params
+    messages = [{"role": c.key, "content": c.args} for c in commands if c.name == "message"]
+    if messages:
+        out["messages"] = messages
+    requires = [c.args for c in commands if c.name == "requires"]
+    if requires:
+        out["requires"] = requires[-1]
+    return out
+
+
+def server_fields(text: str) -> dict[str, Any]:
+    """The ``modelfile`` field's text on the server: only digests and model names are usable."""
+    fields = request_fields(parse(text))
+    files: dict[str, str] = {}
+    for value in fields.pop("_more_from", []):
+        match = BLOB_IN_PATH.search(value.strip())
+        if not match:
+            raise BadRequest(f"FROM {value[:80]!r}: a second FROM must name an uploaded blob (@sha256:<hex>)")
+        files[f"sha256-{match.group(1)}.gguf"] = f"sha256:{match.group(1)}"
+    adapters: dict[str, str] = {}
+    for value in fields.pop("_adapters", []):
+        match = BLOB_IN_PATH.search(value.strip())
+        if not match:
+            raise BadRequest(f"ADAPTER {value[:80]!r} is a file path, which the server does not read: upload it "
+                             "(POST /api/blobs/sha256:<hex>) and name it as ADAPTER @sha256:<hex>, or use 'trioshed create -f'")  # fmt: skip
+        adapters[f"sha256-{match.group(1)}.gguf"] = f"sha256:{match.group(1)}"
+    if files:
+        fields["files"] = files
+    if adapters:
+        fields["adapters"] = adapters
+    return fields
+
+
 # -- templates --------------------------------------------------------------------------------
 
 _GO_ACTION = re.compile(r"\{\{(-?)(.*?)(-?)\}\}", re.DOTALL)
