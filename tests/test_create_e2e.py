@@ -6,7 +6,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,10 @@ import pytest
 import trio
 
 from tests.conftest import session_llama_servers
+from trioshed.errors import InsufficientStorage
 from trioshed.models import push as push_module
+from trioshed.models.create import Creator
+from trioshed.models.stores import Stores
 from trioshed.testing.registry import open_stand_in, tree_snapshot
 from trioshed.testing.server import open_test_server
 from trioshed.testing.tiny import write_tiny_lora, write_tiny_model
@@ -309,3 +314,35 @@ async def test_a_replaced_model_serves_its_running_request_then_the_new_one(mode
             assert any(arg(a, "--model") == new_path for a in runner_args())
             shown = await show(server.base_url, "swap")
             assert "2048" in shown["parameters"]
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A real 1 MiB tmpfs (root only: mounting needs CAP_SYS_ADMIN), unmounted after the test."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip()})")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+async def test_a_create_that_fills_the_disk_is_507_and_keeps_nothing(small_tmpfs: Path, tmp_path: Path) -> None:
+    store = small_tmpfs / "store"
+    other = tmp_path / "other"
+    write_tiny_model(other / "big.gguf", n_embd=256, n_layer=2)  # about 2 MiB: more than the tmpfs holds
+    (store / "pulled" / "blobs").mkdir(parents=True)
+    (store / "pulled" / "manifests").mkdir()
+    stores = Stores(f"{store}{os.pathsep}{other}")
+    creator = Creator(stores)
+    before = tree_snapshot(small_tmpfs)
+    prepared = await creator.prepare({"model": "bigger", "from": "big", "system": "hi"})
+    with pytest.raises(InsufficientStorage):
+        async for _ in creator.run(prepared):
+            pass
+    assert tree_snapshot(small_tmpfs) == before

@@ -24,6 +24,7 @@ client (``trioshed create`` uploads it), and on the server only a ``…/sha256-<
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import re
@@ -38,13 +39,21 @@ from trioshed.errors import (
     BadRequest,
     Conflict,
     Forbidden,
+    InsufficientStorage,
     ModelNotFound,
     NotSupported,
     TrioshedError,
 )
 from trioshed.models import modelfile as mf
 from trioshed.models import ollama_store as o
-from trioshed.models.blobs import blob_path, digest_hex, import_file, write_blob, write_manifest
+from trioshed.models.blobs import (
+    blob_path,
+    digest_hex,
+    free_space,
+    import_file,
+    write_blob,
+    write_manifest,
+)
 from trioshed.models.gguf_meta import GGUFError, read_metadata
 from trioshed.models.pull_plan import CONFIG_V1, MANIFEST_V2, manifest_path_parts
 from trioshed.models.store import ModelStore
@@ -383,9 +392,13 @@ class Creator:
                 }
                 yield {"status": "writing manifest"}
                 await trio.to_thread.run_sync(self._write, root, prepared.request.name, json.dumps(manifest).encode())
-            except BaseException:
+            except BaseException as exc:
                 with trio.CancelScope(shield=True):
                     await trio.to_thread.run_sync(_remove_blobs, root, created)
+                if isinstance(exc, OSError):
+                    if exc.errno == errno.ENOSPC:
+                        raise InsufficientStorage(sum(x.size for x in prepared.layers), free_space(root), str(root)) from None
+                    raise TrioshedError(f"cannot write the model into the store: {exc.strerror}; check the folder's permissions") from None
                 raise
         yield {"status": "success"}
 
