@@ -50,6 +50,11 @@ def arg(argv: list[str], flag: str) -> str | None:
     return argv[argv.index(flag) + 1] if flag in argv else None
 
 
+def per_slot_contexts(model_path: str) -> set[int]:
+    """The context per slot of every runner of ``model_path`` (its command line)."""
+    return {int(arg(a, "--ctx-size") or 0) // int(arg(a, "--parallel") or 1) for a in runner_args() if arg(a, "--model") == model_path}
+
+
 async def show(base_url: str, name: str) -> dict[str, Any]:
     """``/api/show`` as sent (the client's ShowResponse leaves ``system`` out)."""
     async with httpx.AsyncClient(base_url=base_url) as http:
@@ -100,8 +105,8 @@ async def test_blobs_create_show_copy_delete_with_the_ollama_client(model_store:
             base = await in_thread(client.generate, model="tiny", prompt="hello", options=FAST)
             mine = await in_thread(client.generate, model="mine", prompt="hello", options=FAST)
             assert mine.prompt_eval_count > base.prompt_eval_count  # the system prompt is part of the prompt
-            ctxs = {arg(a, "--ctx-size") for a in runner_args() if arg(a, "--model") == str(model_store / "pulled" / "blobs" / f"sha256-{digest[7:]}")}
-            assert ctxs and all(c is not None and int(c) % 1024 == 0 and int(c) < 4096 for c in ctxs), ctxs
+            blob = str(model_store / "pulled" / "blobs" / f"sha256-{digest[7:]}")
+            assert per_slot_contexts(blob) == {1024}  # --ctx-size is num_ctx times --parallel
 
             # from_ an existing model: num_ctx and a system prompt
             assert (await in_thread(client.create, model="tiny-long", from_="tiny", system="Be brief.", parameters={"num_ctx": 512})).status == "success"
@@ -109,6 +114,7 @@ async def test_blobs_create_show_copy_delete_with_the_ollama_client(model_store:
             assert shown["system"] == "Be brief." and "512" in shown["parameters"]
             long = await in_thread(client.generate, model="tiny-long", prompt="hello", options=FAST)
             assert long.prompt_eval_count > base.prompt_eval_count
+            assert 512 in per_slot_contexts(blob)  # tiny's file, brought into the store: the same blob
 
             # an adapter variant: --lora on the runner's command line, and a different answer
             assert (await in_thread(client.create, model="mine-lora", from_="mine", adapters={"lora.gguf": lora_digest})).status == "success"
