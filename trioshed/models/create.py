@@ -61,7 +61,7 @@ from trioshed.models.stores import Stores, manifest_blobs, prune_blobs
 
 log = logging.getLogger(__name__)
 
-MEDIA_MESSAGES = "application/vnd.ollama.image.messages"
+MEDIA_MESSAGES = o.MEDIA_MESSAGES
 #: The order layers are written in: the same request always gives the same manifest.
 _ORDER = (o.MEDIA_MODEL, o.MEDIA_PROJECTOR, o.MEDIA_ADAPTER, o.MEDIA_TEMPLATE, o.MEDIA_SYSTEM, o.MEDIA_PARAMS,
           MEDIA_MESSAGES, o.MEDIA_LICENSE)  # fmt: skip
