@@ -352,3 +352,25 @@ async def test_a_create_that_fills_the_disk_is_507_and_keeps_nothing(small_tmpfs
         async for _ in creator.run(prepared):
             pass
     assert tree_snapshot(small_tmpfs) == before
+
+
+async def test_the_store_writing_routes_pass_the_gate(model_store: Path, tiny_model: Path) -> None:
+    data = await trio.to_thread.run_sync(tiny_model.read_bytes)
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    async with open_test_server(model_store, api_key="sekrit") as server:
+        before = tree_snapshot(model_store)
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
+            for method, path, body in (("POST", f"/api/blobs/{digest}", data), ("HEAD", f"/api/blobs/{digest}", None),
+                                       ("POST", "/api/create", b'{"model": "m", "from": "tiny"}'),
+                                       ("POST", "/api/push", b'{"model": "me/m"}'),
+                                       ("POST", "/api/copy", b'{"source": "tiny", "destination": "t2"}')):  # fmt: skip
+                answer = await http.request(method, path, content=body)
+                assert answer.status_code == 401, (method, path)
+                # a page elsewhere cannot drive them either, key or not
+                answer = await http.request(method, path, content=body, headers={"Origin": "https://evil.example", "Authorization": "Bearer sekrit"})
+                assert answer.status_code == 403, (method, path)
+            assert tree_snapshot(model_store) == before
+            key = {"Authorization": "Bearer sekrit"}
+            assert (await http.post(f"/api/blobs/{digest}", content=data, headers=key)).status_code == 201
+            made = await http.post("/api/create", json={"model": "m", "files": {"t.gguf": digest}, "stream": False}, headers=key)
+            assert made.status_code == 200 and made.json() == {"status": "success"}
