@@ -19,8 +19,9 @@ import pytest
 import trio
 
 from tests.conftest import session_llama_servers
-from trioshed.errors import InsufficientStorage
+from trioshed.errors import BadRequest, InsufficientStorage, NotSupported
 from trioshed.models import push as push_module
+from trioshed.models.blobs import receive_blob
 from trioshed.models.create import Creator
 from trioshed.models.stores import Stores
 from trioshed.testing.registry import open_stand_in, tree_snapshot
@@ -374,3 +375,33 @@ async def test_the_store_writing_routes_pass_the_gate(model_store: Path, tiny_mo
             assert (await http.post(f"/api/blobs/{digest}", content=data, headers=key)).status_code == 201
             made = await http.post("/api/create", json={"model": "m", "files": {"t.gguf": digest}, "stream": False}, headers=key)
             assert made.status_code == 200 and made.json() == {"status": "success"}
+
+
+async def test_quantize_is_answered_as_ollama_answers_when_it_cannot(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    quantized = write_tiny_model(tmp_path / "q8.gguf", weight_type="Q8_0")
+    full = write_tiny_model(tmp_path / "f16.gguf", weight_type="F16")
+    creator = Creator(Stores(store))
+    digests = {}
+    for path in (quantized, full):
+        data = await trio.to_thread.run_sync(path.read_bytes)
+        digests[path.name] = "sha256:" + hashlib.sha256(data).hexdigest()
+        await receive_blob(store / "pulled", digests[path.name], _one(data), length=len(data))
+    with pytest.raises(BadRequest, match="quantization is only supported for F16 and F32 models"):
+        await creator.prepare({"model": "m", "files": {"q8.gguf": digests["q8.gguf"]}, "quantize": "q4_K_M"})
+    with pytest.raises(NotSupported, match="llama-quantize"):
+        await creator.prepare({"model": "m", "files": {"f16.gguf": digests["f16.gguf"]}, "quantize": "q4_K_M"})
+
+
+class _one:
+    def __init__(self, data: bytes) -> None:
+        self.data: bytes | None = data
+
+    def __aiter__(self) -> _one:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self.data is None:
+            raise StopAsyncIteration
+        data, self.data = self.data, None
+        return data
