@@ -183,7 +183,8 @@ class Settings:
     load_timeout: float = 300.0
     sched_spread: bool = False
     gpu_overhead: int = 0
-    context_length: int = 4096
+    context_length: int = 0  # 0: automatic, per request (trioshed.core.context)
+    context_max: int = 0  # caps the automatic context (0: the model's trained context)
     num_thread: int = 0
     kv_cache_type: str = "f16"
     flash_attention: bool = False
@@ -240,7 +241,9 @@ class Settings:
         return settings
 
     def validate(self) -> None:
-        for name in ("num_parallel", "max_queue", "context_length"):
+        if self.context_length < 0 or self.context_max < 0:
+            raise ValueError("TRIOSHED_CONTEXT_LENGTH and TRIOSHED_CONTEXT_MAX must be 0 (automatic) or more")
+        for name in ("num_parallel", "max_queue"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TRIOSHED_{name.upper()} must be at least 1")
         if self.max_loaded_models < 0:
@@ -304,7 +307,8 @@ _PARSERS: dict[str, Callable[[str], object]] = {
     "load_timeout": lambda v: _positive_timeout(parse_duration(v)),
     "sched_spread": _bool,
     "gpu_overhead": parse_bytes,
-    "context_length": _at_least(1),
+    "context_length": _at_least(0, " (0 = automatic)"),
+    "context_max": _at_least(0, " (0 = the model's trained context)"),
     "num_thread": _at_least(0, " (0 = llama-server's choice)"),
     "kv_cache_type": _kv_cache_type,
     "flash_attention": _bool,

@@ -21,6 +21,7 @@ from trioshed.api.limits import check_body_fields, check_unicode
 from trioshed.api.protocols.options import split_options
 from trioshed.api.state import AppState
 from trioshed.config import parse_duration
+from trioshed.core.context import tokens_upper_bound
 from trioshed.core.model import ModelSpec, RunnerOptions
 from trioshed.errors import BadRequest
 from trioshed.models.capabilities import capabilities
@@ -109,10 +110,68 @@ def prepare(body: Mapping[str, Any], name: str, *, embedding: bool = False) -> P
         raise BadRequest("options must be an object")
     defaults = dict(model.defaults)
     _, runner_overrides = split_options({**defaults, **(overrides or {})})
-    options = st.runner_options(model, runner_overrides)
+    options = st.runner_options(model, runner_overrides, need=request_need(body))
     if embedding:
         options = replace(options, embedding=True)
     return Prepared(model, options, keep_alive, defaults)
+
+
+#: Tokens counted for one image or audio clip sent inline (base64 or a data: URI): what the
+#: projectors seen produce for one image at most sizes (gemma3: 256, qwen2.5-vl: up to ~1,300).
+MEDIA_TOKENS = 1024
+
+_OUTPUT_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+
+
+def request_need(body: Mapping[str, Any]) -> int:
+    """An upper bound on the tokens ``body`` takes in a runner's context: the UTF-8 bytes of its
+    text (a tokenizer makes at most one token per byte), :data:`MEDIA_TOKENS` per inline image,
+    a few tokens per message for the template's markers, and its output budget (``max_tokens``,
+    ``options.num_predict``...). It sizes the automatic context; it never refuses a request."""
+    text, media = _text_bytes({k: v for k, v in body.items() if k not in ("model", "options")})
+    messages = body.get("messages")
+    n_messages = len(messages) if isinstance(messages, list) else 1
+    output = 0
+    for name in _OUTPUT_FIELDS:
+        value = body.get(name)
+        if isinstance(value, int) and not isinstance(value, bool):
+            output = max(output, value)
+    options = body.get("options")
+    if isinstance(options, dict):
+        value = options.get("num_predict")
+        if isinstance(value, int) and not isinstance(value, bool):
+            output = max(output, value)
+    return tokens_upper_bound(text, n_messages, output=output) + MEDIA_TOKENS * media
+
+
+def _text_bytes(value: Any) -> tuple[int, int]:
+    """UTF-8 bytes of every string in ``value`` (keys too: tool schemas render them), and how
+    many inline media it holds (Ollama's ``images``, data: URIs, base64 ``data`` fields)."""
+    if isinstance(value, str):
+        if value.startswith("data:"):
+            return 0, 1
+        return len(value.encode("utf-8", "surrogatepass")), 0
+    if isinstance(value, dict):
+        text = media = 0
+        for k, v in value.items():
+            if k == "images" and isinstance(v, list):
+                media += len(v)
+                continue
+            if k == "data" and isinstance(v, str) and value.get("type") == "base64":
+                media += 1
+                continue
+            t, m = _text_bytes(v)
+            text, media = text + len(str(k)) + t, media + m
+        return text, media
+    if isinstance(value, list):
+        text = media = 0
+        for item in value:
+            t, m = _text_bytes(item)
+            text, media = text + t, media + m
+        return text, media
+    if value is None or isinstance(value, bool):
+        return 0, 0
+    return len(str(value)), 0
 
 
 async def has_chat_template(spec: ModelSpec) -> bool:

@@ -12,6 +12,7 @@ import trio
 from trioshed.activity import RecentRequests
 from trioshed.api.limits import check_runner_options
 from trioshed.config import Settings
+from trioshed.core.context import FLOOR, automatic_context, clamp
 from trioshed.core.model import MiB, ModelSpec, RunnerOptions
 from trioshed.errors import BadRequest
 from trioshed.logtail import LogTail
@@ -64,11 +65,16 @@ class AppState:
             self._creator = Creator(self.store)
         return self._creator
 
-    def runner_options(self, model: ModelSpec, overrides: dict[str, Any]) -> RunnerOptions:
-        """The runner options for a request: settings, then the model's defaults, then the request."""
+    def runner_options(self, model: ModelSpec, overrides: dict[str, Any], need: int = 0) -> RunnerOptions:
+        """The runner options for a request: settings, then the model's defaults, then the request.
+
+        ``num_ctx`` set by none of them is automatic: the bucket of ``need`` (an upper bound on
+        the request's tokens, prompt and output; ``trioshed.core.context``). Either way it is
+        clamped to the model's trained context, and ``num_batch`` to ``num_ctx``.
+        """
         s = self.settings
         options = RunnerOptions(
-            num_ctx=s.context_length,
+            num_ctx=s.context_length or FLOOR,
             num_parallel=model.num_parallel or s.num_parallel,
             num_thread=s.num_thread,
             kv_cache_type=s.kv_cache_type,
@@ -91,9 +97,33 @@ class AppState:
             options = replace(options, **merged)  # type: ignore[arg-type]
         except TypeError as exc:
             raise BadRequest(f"invalid runner option: {exc}") from None
+        trained = self.trained_context(model)
+        if not s.context_length and "num_ctx" not in merged:
+            options = replace(options, num_ctx=automatic_context(need, trained, s.context_max))
         if options.num_ctx < 4:
             options = replace(options, num_ctx=4)
-        return options
+        return clamp(options, trained)
+
+    def trained_context(self, spec: ModelSpec) -> int:
+        """The model's trained context (0: unknown, its header unreadable: the estimator and
+        the load report that). The header is read once per file (cached), ~40 ms for gemma3.
+
+        ``models.toml`` args that scale RoPE themselves (``--rope-scaling``, ``--rope-scale``,
+        ``--yarn-orig-ctx``) are the user's word: ``--rope-scale N`` multiplies the trained
+        context by N, the others lift the limit (0)."""
+        try:
+            meta = cached_metadata(spec.path) or read_metadata(spec.path)
+        except (OSError, ValueError):
+            return 0
+        args = spec.args
+        if "--rope-scale" in args:
+            try:
+                return int(meta.context_length * float(args[args.index("--rope-scale") + 1]))
+            except (IndexError, ValueError):
+                return 0
+        if "--rope-scaling" in args or "--yarn-orig-ctx" in args:
+            return 0
+        return meta.trained_context
 
     async def metadata(self, spec: ModelSpec) -> GGUFMetadata:
         """The GGUF header, read in a worker thread the first time (gemma3: ~40 ms), then cached."""

@@ -31,6 +31,7 @@ from typing import Any
 import gguf
 import numpy as np
 
+from trioshed.core.context import trained_context
 from trioshed.errors import ModelUnreadable
 
 __all__ = ["SMALL_ARRAY", "ArrayInfo", "GGUFError", "GGUFMetadata", "TensorInfo", "read_metadata", "unreadable"]
@@ -165,6 +166,20 @@ class GGUFMetadata:
     @property
     def context_length(self) -> int:
         return int(self.arch_get("context_length", 0))
+
+    @property
+    def trained_context(self) -> int:
+        """The context the model was trained for: ``context_length``, or longer where the GGUF
+        declares RoPE scaling (``trioshed.core.context.trained_context``)."""
+        try:
+            factor = float(self.arch_get("rope.scaling.factor", 0.0) or 0.0)
+            original = int(self.arch_get("rope.scaling.original_context_length", 0) or 0)
+        except (TypeError, ValueError):
+            factor, original = 0.0, 0
+        return trained_context(
+            self.context_length, scaling_type=str(self.arch_get("rope.scaling.type", "") or ""),
+            factor=factor, original=original,
+        )  # fmt: skip
 
     @property
     def block_count(self) -> int:

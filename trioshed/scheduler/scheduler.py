@@ -696,6 +696,10 @@ class Scheduler(RunnerLifetimes):
         self._runners[runner.id] = runner
         self._counters["loads"] += 1
         self._note("load", req.model)
+        log.info(
+            "loading %s: context %d tokens per slot x %d slot(s), batch %d", req.model.name,
+            req.options.num_ctx, req.options.num_parallel, req.options.num_batch,
+        )  # fmt: skip
         self._nursery.start_soon(self._runner_life, runner, name=f"runner {req.model.name}")
         return runner
 
