@@ -23,6 +23,7 @@ load_timeout = 90
 sched_spread = true
 gpu_overhead = "512MiB"
 context_length = 8192
+context_max = 65536
 num_thread = 2
 kv_cache_type = "q8_0"
 flash_attention = true
@@ -63,7 +64,7 @@ def test_every_setting_can_be_given_in_the_file(tmp_path: Path) -> None:
     assert s.keys_file == tmp_path / "keys.toml"  # relative to the file
     assert (s.host, s.port, s.models) == ("0.0.0.0", 8080, tmp_path / "store")  # relative to the file
     assert (s.keep_alive, s.max_loaded_models, s.num_parallel, s.max_queue, s.load_timeout) == (600, 2, 4, 64, 90)
-    assert (s.sched_spread, s.gpu_overhead, s.context_length, s.num_thread) == (True, 512 * 2**20, 8192, 2)
+    assert (s.sched_spread, s.gpu_overhead, s.context_length, s.num_thread, s.context_max) == (True, 512 * 2**20, 8192, 2, 65536)
     assert (s.kv_cache_type, s.flash_attention, s.llama_server, s.api_key) == ("q8_0", True, "/opt/llama/llama-server", "secret")
     assert s.devices is not None and s.devices[0].total == 24 * 2**30
     assert s.origins == ("https://a.example", "https://b.example")

@@ -4,6 +4,7 @@
 
     TrioshedError (500)                  base: .status, .message, .headers
     ├── BadRequest (400)                 malformed JSON, wrong option types, unsafe model names
+    │   └── ContextTooLong               the prompt does not fit the context: each protocol's words
     ├── Unauthorized (401)               TRIOSHED_API_KEY set and the bearer token is missing/wrong
     ├── Forbidden (403)                  a change to a read-only store (an Ollama store), a store
     │                                    symlink pointing outside it (TRIOSHED_ALLOW_SYMLINKS)
@@ -58,6 +59,26 @@ class TrioshedError(Exception):
 
 class BadRequest(TrioshedError):
     status = 400
+
+
+class ContextTooLong(BadRequest):
+    """The prompt takes ``prompt_tokens``, more than the ``n_ctx`` tokens of context it may use
+    (the model's trained context, or less where ``num_ctx`` says so). Each protocol words it its
+    own way (``trioshed.api.protocols.errors``); this message is Ollama's."""
+
+    def __init__(self, prompt_tokens: int, n_ctx: int) -> None:
+        super().__init__(f"the input length exceeds the context length ({prompt_tokens} tokens > {n_ctx} maximum)")
+        self.prompt_tokens = prompt_tokens
+        self.n_ctx = n_ctx
+
+    def openai_message(self) -> str:
+        return (
+            f"This model's maximum context length is {self.n_ctx} tokens. However, your messages resulted in "
+            f"{self.prompt_tokens} tokens. Please reduce the length of the messages."
+        )
+
+    def anthropic_message(self) -> str:
+        return f"prompt is too long: {self.prompt_tokens} tokens > {self.n_ctx} maximum"
 
 
 class Unauthorized(TrioshedError):

@@ -26,6 +26,7 @@ from typing import Any
 
 from quart import Blueprint, Response
 
+from trioshed.api.context import ensure_fits
 from trioshed.api.preamble import (
     Prepared,
     has_chat_template,
@@ -41,6 +42,7 @@ from trioshed.api.protocols.anthropic import (
     messages_upstream,
 )
 from trioshed.api.protocols.anthropic_stream import MessageStream, encode_events, error_event
+from trioshed.api.protocols.errors import message_for
 from trioshed.api.protocols.options import split_options
 from trioshed.api.upstream import leased_stream, open_upstream, post_upstream, truncated
 from trioshed.core.model import ModelSpec
@@ -97,9 +99,11 @@ async def messages() -> Response:
     await require_capabilities(model, name, messages_needs(body), action="chat")  # after the body's own checks
     if up.stream:
         return await leased_stream(st.scheduler, model, prepared.options, prepared.keep_alive,
-                                   lambda lease: _relay(lease, up, name), "text/event-stream")  # fmt: skip
+                                   lambda lease: _relay(lease, up, name), "text/event-stream",
+                                   before=lambda lease: ensure_fits(lease, up.upstream.path, up.upstream.body, prepared.need))  # fmt: skip
     translator = _translator(up, name)
     async with st.scheduler.acquire(model, prepared.options, prepared.keep_alive) as lease:
+        await ensure_fits(lease, up.upstream.path, up.upstream.body, prepared.need)
         async with open_upstream(lease, up.upstream.path, up.upstream.body) as batches:
             async for lines in batches:
                 translator.feed_lines(lines)
@@ -128,7 +132,7 @@ async def _relay(lease: Lease, up: MessagesUpstream, name: str) -> AsyncIterator
             raise await truncated(lease)
         yield encode_events(translator.finish())
     except TrioshedError as exc:
-        yield error_event(exc.status, exc.message)
+        yield error_event(exc.status, message_for("/v1/messages", exc))
 
 
 @bp.post("/v1/messages/count_tokens")

@@ -16,6 +16,7 @@ from typing import Any
 import trio
 from quart import Blueprint, Response
 
+from trioshed.api.context import ensure_fits
 from trioshed.api.preamble import (
     has_chat_template,
     prepare,
@@ -23,7 +24,7 @@ from trioshed.api.preamble import (
     require_capabilities,
     state,
 )
-from trioshed.api.protocols.errors import openai_error_event
+from trioshed.api.protocols.errors import context_error, message_for, openai_error_event
 from trioshed.api.protocols.openai_chat import (
     FINISHED,
     CompletionAsChat,
@@ -78,7 +79,7 @@ async def _relay(
         if out := held + rest:
             yield out
     except TrioshedError as exc:
-        yield held + openai_error_event(exc.status, exc.message)
+        yield held + openai_error_event(exc.status, message_for("/v1/chat/completions", exc))
 
 
 @dataclass
@@ -91,6 +92,7 @@ class OpenAIRequest:
     #: The body as the client sent it, when it can go upstream unchanged (no trioshed extras;
     #: llama-server ignores ``model`` and names its alias, which the relay renames).
     raw: bytes | None = None
+    need: int = 0  # at most how many tokens it takes (trioshed.api.preamble.request_need)
 
 
 async def openai_request(*, embedding: bool = False) -> OpenAIRequest:
@@ -105,7 +107,7 @@ async def openai_request(*, embedding: bool = False) -> OpenAIRequest:
         raw = None
     body.pop("keep_alive", None)
     body.pop("options", None)
-    return OpenAIRequest(body, name, req.model, req.options, req.keep_alive, raw)
+    return OpenAIRequest(body, name, req.model, req.options, req.keep_alive, raw, req.need)
 
 
 async def _proxy(
@@ -118,9 +120,13 @@ async def _proxy(
     body, name, model, options, keep_alive = req.body, req.name, req.model, req.options, req.keep_alive
     streaming = bool(body.get("stream", False))
     upstream: dict[str, Any] | bytes = req.raw if req.raw is not None else {**body, "model": model.name}
+    fits = lambda lease: ensure_fits(lease, path, upstream, req.need)  # noqa: E731
     if not streaming:
         async with st.scheduler.acquire(model, options, keep_alive) as lease:
+            await fits(lease)
             status, raw = await post_upstream_raw(lease, path, upstream)
+        if status == 400 and (too_long := context_error(raw)) is not None:
+            raise too_long
         try:
             data = json.loads(raw)
         except ValueError:
@@ -140,7 +146,7 @@ async def _proxy(
         relay = lambda lease: _relay_as_chat(lease, upstream, name)  # noqa: E731
     else:
         relay = lambda lease: _relay(lease, path, upstream, name, legacy)  # noqa: E731
-    return await leased_stream(st.scheduler, model, options, keep_alive, relay, "text/event-stream")
+    return await leased_stream(st.scheduler, model, options, keep_alive, relay, "text/event-stream", before=fits)
 
 
 @bp.post("/v1/chat/completions")
@@ -171,7 +177,7 @@ async def _relay_as_chat(lease: Lease, body: dict[str, Any], model: str) -> Asyn
             async for lines in batches:
                 yield translator.feed_lines(lines)
     except TrioshedError as exc:
-        yield openai_error_event(exc.status, exc.message)
+        yield openai_error_event(exc.status, message_for("/v1/chat/completions", exc))
 
 
 @bp.post("/v1/completions")

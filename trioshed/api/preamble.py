@@ -94,6 +94,9 @@ class Prepared:
     #: The model's default options (models.toml / an Ollama store's params): sampling defaults
     #: go under the request's own.
     defaults: dict[str, Any]
+    #: At most how many tokens the request takes (:func:`request_need`): sizes the automatic
+    #: context, and says whether the prompt must be counted before the answer starts.
+    need: int = 0
 
 
 def prepare(body: Mapping[str, Any], name: str, *, embedding: bool = False) -> Prepared:
@@ -110,10 +113,11 @@ def prepare(body: Mapping[str, Any], name: str, *, embedding: bool = False) -> P
         raise BadRequest("options must be an object")
     defaults = dict(model.defaults)
     _, runner_overrides = split_options({**defaults, **(overrides or {})})
-    options = st.runner_options(model, runner_overrides, need=request_need(body))
+    need = request_need(body)
+    options = st.runner_options(model, runner_overrides, need=need)
     if embedding:
         options = replace(options, embedding=True)
-    return Prepared(model, options, keep_alive, defaults)
+    return Prepared(model, options, keep_alive, defaults, need)
 
 
 #: Tokens counted for one image or audio clip sent inline (base64 or a data: URI): what the

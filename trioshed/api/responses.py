@@ -14,8 +14,9 @@ from typing import Any
 
 from quart import Blueprint, Response
 
+from trioshed.api.context import ensure_fits
 from trioshed.api.preamble import has_chat_template, prepare, read_body, require_capabilities, state
-from trioshed.api.protocols.errors import openai_error
+from trioshed.api.protocols.errors import context_error, message_for, openai_error
 from trioshed.api.protocols.llama import parse_sse_line, upstream_error_message
 from trioshed.api.protocols.openai_chat import chat_needs, transcript_completion_body
 from trioshed.api.protocols.openai_responses import Response as Frame
@@ -50,8 +51,12 @@ async def responses() -> Response:
     st = state()
     frame = Frame(body, name, int(time.time()))
     if body.get("stream") is not True:
+        whole = {**chat, "model": req.model.name, "stream": False}
         async with st.scheduler.acquire(req.model, req.options, req.keep_alive) as lease:
-            status, raw = await post_upstream_raw(lease, path, {**chat, "model": req.model.name, "stream": False})
+            await ensure_fits(lease, path, whole, req.need)
+            status, raw = await post_upstream_raw(lease, path, whole)
+        if status == 400 and (too_long := context_error(raw)) is not None:
+            raise too_long
         if status != 200:
             code = client_status(status, raw)
             return _json(openai_error(code, upstream_message(raw, status)), code)
@@ -64,6 +69,7 @@ async def responses() -> Response:
     return await leased_stream(
         st.scheduler, req.model, req.options, req.keep_alive,
         lambda lease: _relay(lease, path, upstream, stream), "text/event-stream",
+        before=lambda lease: ensure_fits(lease, path, upstream, req.need),
     )  # fmt: skip
 
 
@@ -88,4 +94,4 @@ async def _relay(lease: Lease, path: str, body: dict[str, Any], stream: Response
             raise await truncated(lease)
         yield stream.finish(int(time.time()))
     except TrioshedError as exc:
-        yield stream.failed("server_error", exc.message)
+        yield stream.failed("server_error", message_for("/v1/responses", exc))

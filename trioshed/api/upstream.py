@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import (
     AbstractContextManager,
     AsyncExitStack,
@@ -25,6 +25,7 @@ import trio.lowlevel
 from quart import Response
 
 from trioshed.api.drain import bounded
+from trioshed.api.protocols.errors import context_error
 from trioshed.core.model import ModelSpec, RunnerOptions
 from trioshed.errors import RunnerCrashed, RunnerStalled, TrioshedError, UpstreamError
 from trioshed.runner.client import ConnectionFailed, UpstreamPool
@@ -126,7 +127,7 @@ async def open_upstream_bytes(lease: Lease, path: str, body: dict[str, Any] | by
                     response = await step(lease, functools.partial(stack.enter_async_context, pool.request("POST", path, payload)))
                     if response.status != 200:
                         raw = await step(lease, response.read)
-                        raise UpstreamError(upstream_message(raw, response.status), status=client_status(response.status, raw))
+                        raise upstream_error(raw, response.status)
                     pieces = await stack.enter_async_context(aclosing(response.batches()))
                     first = await _first_piece(lease, pieces)
                 handed_on = True
@@ -203,7 +204,7 @@ async def post_upstream(lease: Lease, path: str, body: dict[str, Any]) -> dict[s
     """POST ``body`` to the runner and return its JSON answer (errors as in :func:`open_upstream`)."""
     status, raw = await post_upstream_raw(lease, path, body)
     if status != 200:
-        raise UpstreamError(upstream_message(raw, status), status=client_status(status, raw))
+        raise upstream_error(raw, status)
     try:
         data = json.loads(raw)
     except ValueError:
@@ -211,6 +212,15 @@ async def post_upstream(lease: Lease, path: str, body: dict[str, Any]) -> dict[s
     if not isinstance(data, dict):
         raise UpstreamError("llama-server answered with something other than a JSON object")
     return data
+
+
+def upstream_error(raw: bytes, status: int) -> TrioshedError:
+    """The error for llama-server's non-200 answer ``raw``: a prompt too long for the context in
+    each protocol's words (ContextTooLong), else UpstreamError with llama-server's message."""
+    too_long = context_error(raw) if status == 400 else None
+    if too_long is not None:
+        return too_long
+    return UpstreamError(upstream_message(raw, status), status=client_status(status, raw))
 
 
 def client_status(status: int, raw: bytes) -> int:
@@ -277,14 +287,18 @@ async def leased_stream(
     keep_alive: float | None,
     body: Callable[[Lease], AsyncIterator[bytes]],
     content_type: str,
+    before: Callable[[Lease], Awaitable[None]] | None = None,
 ) -> Response:
     """Wait for a lease, then answer with the streamed ``body(lease)`` that owns it.
 
-    The status is decided before this returns (queue full, cannot fit, load failed raise here);
+    The status is decided before this returns (queue full, cannot fit, load failed raise here,
+    and what ``before`` raises with the lease held);
     the lease goes back when the body ends, fails or is closed, or is never started.
     """
     lease = await scheduler.wait_for_lease(model, options, keep_alive)
     try:
+        if before is not None:
+            await before(lease)  # e.g. a prompt too long for the context: a 400, not a 200
         response = Response(LeasedBody(lease, body(lease)), content_type=content_type)
         response.headers["Cache-Control"] = "no-cache"
         response.timeout = None  # Quart's RESPONSE_TIMEOUT would cut long token streams

@@ -22,6 +22,9 @@ from dataclasses import replace
 
 from trioshed.core.model import RunnerOptions
 
+#: llama.cpp pads a context to a multiple of this many cells.
+CTX_PAD = 256
+
 #: The smallest automatic context: what every runner got before sizes were automatic, and what
 #: Ollama gives on machines with less than 24 GiB of GPU memory.
 FLOOR = 4096
@@ -75,3 +78,14 @@ def tokens_upper_bound(text_bytes: int, messages: int = 1, template_bytes: int =
     tokens than UTF-8 bytes (byte fallback is one token per byte, at worst), a template adds at
     most its own text and a few markers per message; plus the output budget asked for."""
     return max(0, text_bytes) + max(0, template_bytes) + PER_MESSAGE * max(1, messages) + max(0, output)
+
+
+def slot_context(options: RunnerOptions) -> int:
+    """The context of one of a runner's slots as llama.cpp sizes it: ``num_ctx x num_parallel``
+    cells padded to 256, shared out per slot (``trioshed.core.estimate`` counts the same)."""
+    n_ctx = _pad(options.kv_cells)
+    return _pad(n_ctx // options.num_parallel) if options.num_parallel > 1 else n_ctx
+
+
+def _pad(n: int, to: int = CTX_PAD) -> int:
+    return -(-n // to) * to

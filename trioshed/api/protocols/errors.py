@@ -15,10 +15,11 @@ first wins). The app's error handlers and the drain's 503 both answer through :f
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from typing import Any
 
-from trioshed.errors import ModelNotFound, TrioshedError
+from trioshed.errors import ContextTooLong, ModelNotFound, TrioshedError
 
 #: OpenAI's error ``type`` by status, as Ollama's OpenAI layer answers (anything else: api_error).
 _OPENAI_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -43,7 +44,43 @@ def ollama_error(status: int, message: str, code: str | None = None) -> dict[str
 
 def openai_error(status: int, message: str, code: str | None = None) -> dict[str, Any]:
     """OpenAI's error body: what the ``openai`` client reads its message from."""
-    return {"error": {"message": message, "type": _OPENAI_ERROR_TYPES.get(status, "api_error"), "param": None, "code": code}}
+    param = "messages" if code == CONTEXT_LENGTH_EXCEEDED else None
+    return {"error": {"message": message, "type": _OPENAI_ERROR_TYPES.get(status, "api_error"), "param": param, "code": code}}
+
+
+_WORDS = re.compile(rb"request \((\d+) tokens\) exceeds the available context size \((\d+) tokens\)")
+
+
+def context_error(raw: bytes) -> ContextTooLong | None:
+    """llama-server's "request (N tokens) exceeds the available context size (M tokens)" answer
+    (``exceed_context_size_error``, with ``n_prompt_tokens`` and ``n_ctx``) as ContextTooLong."""
+    if b"exceed" not in raw:
+        return None
+    try:
+        error = json.loads(raw).get("error")
+        if isinstance(error, dict) and error.get("type") == "exceed_context_size_error":
+            return ContextTooLong(int(error["n_prompt_tokens"]), int(error["n_ctx"]))
+    except (ValueError, AttributeError, KeyError, TypeError):
+        pass
+    found = _WORDS.search(raw)
+    return ContextTooLong(int(found[1]), int(found[2])) if found else None
+
+
+#: OpenAI's ``code`` for a prompt longer than the model's context.
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+
+
+def context_message(path: str, exc: ContextTooLong) -> tuple[str, str | None]:
+    """The words and ``code`` each protocol uses for a prompt too long for the context:
+    OpenAI's ``context_length_exceeded`` ("This model's maximum context length is M tokens..."),
+    Anthropic's "prompt is too long: N tokens > M maximum", Ollama's "the input length exceeds
+    the context length"."""
+    shape = shape_for(path)
+    if shape is openai_error:
+        return exc.openai_message(), CONTEXT_LENGTH_EXCEEDED
+    if shape is anthropic_error:
+        return exc.anthropic_message(), None
+    return exc.message, None
 
 
 def anthropic_error(status: int, message: str, code: str | None = None) -> dict[str, Any]:
@@ -81,6 +118,11 @@ def error_body(path: str, status: int, message: str, code: str | None = None) ->
     return shape_for(path)(status, message, code)
 
 
+def message_for(path: str, exc: TrioshedError) -> str:
+    """``exc``'s message in the words of ``path``'s protocol (a stream's last event)."""
+    return context_message(path, exc)[0] if isinstance(exc, ContextTooLong) else exc.message
+
+
 def openai_error_event(status: int, message: str) -> bytes:
     """The last SSE event of an OpenAI stream that failed after it started."""
     return b"data: " + json.dumps({"error": {"message": message, "type": "server_error", "code": status}}).encode() + b"\n\n"
@@ -93,6 +135,8 @@ def error_parts(path: str, exc: BaseException) -> tuple[int, dict[str, str], byt
     if isinstance(exc, TrioshedError):
         code = "model_not_found" if isinstance(exc, ModelNotFound) else None
         status, message, headers = exc.status, exc.message, dict(exc.headers or {})
+        if isinstance(exc, ContextTooLong):
+            message, code = context_message(path, exc)
         if status == 413:
             headers["Connection"] = "close"  # a keep-alive client would hang otherwise
     else:

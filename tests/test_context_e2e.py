@@ -1,0 +1,114 @@
+"""The runner's context end to end: clamped to the model's trained context, sized per request,
+and a prompt too long for it answered in each protocol's words before any answer starts.
+
+Real llama-server children (a tiny model trained on 256 tokens), the official ``ollama``,
+``openai`` and ``anthropic`` clients in worker threads, real clock with ``fail_after`` guards.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import ollama
+import openai
+import pytest
+import trio
+
+from trioshed.testing.server import open_test_server
+from trioshed.testing.tiny import write_tiny_model
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_leaked_runner")]
+
+TRAINED = 256
+LONG = "hello world " * 300  # far more than 256 tokens in any vocabulary
+SHORT = "hi"
+
+
+async def in_thread(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    return await trio.to_thread.run_sync(lambda: fn(*args, **kwargs))
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Path:
+    folder = tmp_path / "models"
+    folder.mkdir()
+    write_tiny_model(folder / "short.gguf", context_length=TRAINED)
+    return folder
+
+
+async def test_context_is_clamped_and_too_long_gets_each_protocols_error(store: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="trioshed.scheduler.scheduler")
+    with trio.fail_after(180):
+        async with open_test_server(store) as server:
+            base = server.base_url
+            oa = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+            an = anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0)
+            ol = ollama.Client(host=base)
+
+            # A short request: served, by a runner at the trained context (not 4096).
+            ok = await in_thread(oa.chat.completions.create, model="short", max_tokens=2,
+                                 messages=[{"role": "user", "content": SHORT}])  # fmt: skip
+            assert ok.choices[0].message is not None
+            ps = (await in_thread(ol.ps)).models
+            assert [m.context_length for m in ps] == [TRAINED]
+            shown = await in_thread(ol.show, "short")
+            assert shown.modelinfo is not None and shown.modelinfo["trioshed.estimate.num_ctx"] == TRAINED
+            assert any("context 256 tokens per slot" in r.getMessage() for r in caplog.records)
+            # A request asking for more than the model was trained on is clamped, not reloaded.
+            await in_thread(ol.generate, model="short", prompt=SHORT, options={"num_ctx": 8192, "num_predict": 1})
+            assert [m.context_length for m in (await in_thread(ol.ps)).models] == [TRAINED]
+
+            # Too long: OpenAI's context_length_exceeded, streamed or not.
+            for stream in (False, True):
+                with pytest.raises(openai.BadRequestError) as oe:
+                    await in_thread(oa.chat.completions.create, model="short", max_tokens=2, stream=stream,
+                                    messages=[{"role": "user", "content": LONG}])  # fmt: skip
+                err = oe.value.body
+                assert isinstance(err, dict) and err["code"] == "context_length_exceeded", err
+                assert f"maximum context length is {TRAINED} tokens" in err["message"]
+                assert "llama-server" not in err["message"]
+            with pytest.raises(openai.BadRequestError) as oe:
+                await in_thread(oa.completions.create, model="short", max_tokens=2, prompt=LONG)
+            assert isinstance(oe.value.body, dict) and oe.value.body["code"] == "context_length_exceeded"
+
+            # Anthropic's invalid_request_error, "prompt is too long: N tokens > M maximum".
+            def streamed() -> None:
+                with an.messages.stream(model="short", max_tokens=2, messages=[{"role": "user", "content": LONG}]) as s:
+                    list(s)
+
+            for call in (
+                lambda: an.messages.create(model="short", max_tokens=2, messages=[{"role": "user", "content": LONG}]),
+                streamed,
+            ):
+                with pytest.raises(anthropic.BadRequestError) as ae:
+                    await in_thread(call)
+                body = ae.value.body
+                assert isinstance(body, dict) and body["error"]["type"] == "invalid_request_error"
+                assert body["error"]["message"].startswith("prompt is too long: ")
+                assert body["error"]["message"].endswith(f" tokens > {TRAINED} maximum")
+
+            # Ollama's words, on chat and generate, streamed or not.
+            for call in (
+                lambda: ol.chat(model="short", messages=[{"role": "user", "content": LONG}], options={"num_predict": 2}),
+                lambda: list(ol.chat(model="short", messages=[{"role": "user", "content": LONG}], stream=True)),
+                lambda: ol.generate(model="short", prompt=LONG, options={"num_predict": 2}),
+                lambda: list(ol.generate(model="short", prompt=LONG, stream=True)),
+            ):
+                with pytest.raises(ollama.ResponseError) as oe2:
+                    await in_thread(call)
+                assert oe2.value.status_code == 400
+                assert oe2.value.error.startswith("the input length exceeds the context length (")
+                assert "llama-server" not in oe2.value.error
+
+            # A request whose byte count exceeds the context but whose tokens fit is served.
+            fits = "hi " * 60
+            async with httpx.AsyncClient(base_url=base, timeout=60) as http:
+                r = await http.post("/api/generate", json={"model": "short", "prompt": fits, "stream": False,
+                                                           "options": {"num_predict": 1}})  # fmt: skip
+                assert r.status_code == 200, r.text
+            stats = server.scheduler.statistics()
+            assert len(stats.runners) == 1 and stats.runners[0].context_length == TRAINED  # never reloaded

@@ -1,0 +1,81 @@
+"""A prompt too long for its context, found before the answer starts (each protocol's 400).
+
+The automatic context (``trioshed.core.context``) is sized from an upper bound on a request's
+tokens, so a request whose bound fits its runner's context needs no count at all. One whose bound
+does not (a prompt near or past the model's trained context, or a ``num_ctx`` set smaller) is
+counted exactly by the runner it leased (``/apply-template`` then ``/tokenize``: ~20 ms for
+80 KB of text on gemma3 270M) before any answer is sent, so that even a streamed request gets
+its protocol's 400 rather than a 200 that ends in an error event. Where llama-server itself finds
+the prompt too long (``exceed_context_size_error``), :func:`context_error` turns its answer into
+the same error;
+its own words ("llama-server answered…") never reach a client
+(:func:`trioshed.api.protocols.errors.context_error`).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from trioshed.api.upstream import post_upstream
+from trioshed.core.context import slot_context
+from trioshed.errors import ContextTooLong, TrioshedError
+from trioshed.scheduler import Lease
+
+_CHAT_PATHS = ("/v1/chat/completions", "/chat/completions")
+_PROMPT_PATHS = ("/completion", "/completions", "/v1/completions")
+
+
+async def prompt_tokens(lease: Lease, path: str, body: dict[str, Any] | bytes) -> int | None:
+    """The exact number of tokens the runner will see for ``body`` on ``path`` (None: a shape
+    not counted here, e.g. a prompt of token ids or media, which llama-server then checks)."""
+    if isinstance(body, bytes):
+        try:
+            body = json.loads(body)
+        except ValueError:
+            return None
+        if not isinstance(body, dict):
+            return None
+    if path in _CHAT_PATHS:
+        if _has_media(body.get("messages")):
+            return None
+        rendered = await post_upstream(lease, "/apply-template", {k: v for k, v in body.items() if k != "stream"})
+        text = rendered.get("prompt")
+    elif path in _PROMPT_PATHS:
+        text = body.get("prompt")
+    else:
+        return None
+    if not isinstance(text, str):
+        return None
+    tokens = await post_upstream(lease, "/tokenize", {"content": text, "add_special": True, "parse_special": True})
+    ids = tokens.get("tokens")
+    return len(ids) if isinstance(ids, list) else None
+
+
+async def ensure_fits(lease: Lease, path: str, body: dict[str, Any] | bytes, need: int) -> None:
+    """Raise ContextTooLong when ``body``'s prompt does not fit the leased runner's slot; a
+    request whose upper bound ``need`` fits is not counted. A count that fails for another
+    reason is left to llama-server (whose own error is translated the same way)."""
+    n_ctx = slot_context(lease.options)
+    if need <= n_ctx:
+        return
+    try:
+        n = await prompt_tokens(lease, path, body)
+    except TrioshedError as exc:
+        if isinstance(exc, ContextTooLong):
+            raise
+        return
+    if n is not None and n >= n_ctx:
+        raise ContextTooLong(n, n_ctx)
+
+
+def _has_media(messages: Any) -> bool:
+    if not isinstance(messages, list):
+        return False
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list) and any(
+            isinstance(p, dict) and p.get("type") not in (None, "text") for p in content
+        ):
+            return True
+    return False
