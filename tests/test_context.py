@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 from trioshed.api.preamble import MEDIA_TOKENS, request_need
-from trioshed.core.context import FLOOR, automatic_context, bucket, clamp, tokens_upper_bound, trained_context
+from trioshed.core.context import (
+    FLOOR,
+    automatic_context,
+    bucket,
+    clamp,
+    tokens_upper_bound,
+    trained_context,
+)
 from trioshed.core.model import RunnerOptions
 
 
