@@ -132,3 +132,42 @@ def test_runner_options_set_by_settings_or_models_toml(tmp_path) -> None:  # typ
     state, store = _state(tmp_path / "x", Settings(), toml)
     assert state.runner_options(store.resolve("small"), {}).num_ctx == 512
     assert state.runner_options(store.resolve("roped"), {}).num_ctx == 2048  # 512 x 4
+
+
+def test_llama_servers_context_error_becomes_context_too_long() -> None:
+    import json
+
+    from trioshed.api.protocols.errors import context_error
+
+    raw = json.dumps({"error": {"code": 400, "message": "request (5939 tokens) exceeds the available context size (4096 tokens), try increasing it",
+                                "type": "exceed_context_size_error", "n_prompt_tokens": 5939, "n_ctx": 4096}}).encode()  # fmt: skip
+    err = context_error(raw)
+    assert err is not None and (err.prompt_tokens, err.n_ctx) == (5939, 4096)
+    words = b'{"error": "request (700 tokens) exceeds the available context size (512 tokens), try increasing it"}'
+    err = context_error(words)
+    assert err is not None and (err.prompt_tokens, err.n_ctx) == (700, 512)
+    assert context_error(b'{"error": {"message": "bad sampler", "type": "invalid_request_error"}}') is None
+    assert context_error(b"not json, exceeds nothing") is None
+
+
+def test_each_protocol_words_a_prompt_too_long() -> None:
+    import json
+
+    from trioshed.api.protocols.errors import error_parts, message_for
+    from trioshed.errors import ContextTooLong
+
+    exc = ContextTooLong(40_123, 32_768)
+    status, _, body = error_parts("/v1/chat/completions", exc)
+    openai = json.loads(body)["error"]
+    assert status == 400 and openai["code"] == "context_length_exceeded" and openai["type"] == "invalid_request_error"
+    assert openai["param"] == "messages"
+    assert openai["message"] == ("This model's maximum context length is 32768 tokens. However, your messages "
+                                 "resulted in 40123 tokens. Please reduce the length of the messages.")  # fmt: skip
+    status, _, body = error_parts("/v1/messages", exc)
+    assert status == 400 and json.loads(body) == {
+        "type": "error", "error": {"type": "invalid_request_error", "message": "prompt is too long: 40123 tokens > 32768 maximum"},
+    }  # fmt: skip
+    status, _, body = error_parts("/api/chat", exc)
+    assert status == 400 and json.loads(body) == {"error": "the input length exceeds the context length (40123 tokens > 32768 maximum)"}
+    assert message_for("/v1/messages", exc).startswith("prompt is too long")
+    assert message_for("/v1/responses", exc).startswith("This model's maximum context length")

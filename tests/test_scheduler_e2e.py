@@ -38,7 +38,7 @@ async def test_eviction_under_memory_pressure_across_three_models(tmp_path: Path
     for name, seed in (("one", 1), ("two", 2), ("three", 3)):
         add_tiny(store, name, seed=seed)
     estimated = max(
-        estimate_model(ModelStore(store).resolve(n), RunnerOptions(num_ctx=4096, num_thread=1)).total
+        estimate_model(ModelStore(store).resolve(n), RunnerOptions(num_ctx=2048, num_thread=1)).total  # trained: 2048
         for n in ("one", "two", "three")
     )
     # Once loaded, a runner counts with what llama.cpp reported (measured), not the estimate:

@@ -626,8 +626,23 @@ def _plan_one(
         sim.touched.add(target.id)
         return "dispatched"
     if same_model:
-        # An incompatible runner of this model (other options, adapters): reload it once its
-        # leases end. One runner per model file at a time, as in the reference.
+        # An incompatible runner of this model (other options, adapters, a larger context):
+        # reload it once its leases end. One runner per model file at a time, as in the
+        # reference. A swap like any other: held while the runner serves the requests that fit
+        # it (earlier ones always, later ones until this one is due; see the docstring).
+        live = [r for r in same_model if not r.evicting and r.state is RunnerState.READY]
+        if queue is not None and live:
+            until = {r.id: queue.holding(r, req) for r in live}
+            if any(t is not None for t in until.values()):
+                actions.held.append(req.id)
+                if queue.due(req):
+                    for r in live:
+                        queue.close(r, req)
+                        actions.closed[r.id] = queue.closed[r.id]
+                else:
+                    since = req.held_since if req.held_since is not None else now
+                    actions.wake_at = min(actions.wake_at, since + queue.bound, *(t for t in until.values() if t is not None))
+                return "wait"
         for r in same_model:
             if not r.evicting and r.state is RunnerState.READY:
                 why = "options changed" if same_files(r.model, req.model) else "model file changed"

@@ -327,8 +327,17 @@ class Scheduler(RunnerLifetimes):
         raise error
 
     def _nothing_ahead(self, req: _Request) -> bool:
-        """No request for ``req``'s model waits, nor any still in the channel (of unknown model)."""
-        return req.model.path not in self._waiting_by_path and not self._pending_send.statistics().current_buffer_used
+        """No request for ``req``'s model waits that a runner of it could serve (one waiting for a
+        reload, e.g. a larger context, does not hold back a request that fits the runner now; the
+        runner's ``closed_from`` still bounds how long the swap waits), nor any request still in
+        the channel (of unknown model)."""
+        if self._pending_send.statistics().current_buffer_used:
+            return False
+        waiting = self._waiting_by_path.get(req.model.path)
+        if not waiting:
+            return True
+        runners = [r for r in self._runners.values() if r.model.path == req.model.path]
+        return not any(sched.can_serve(r.view(), w.model, w.options) for w in waiting.values() for r in runners)
 
     def _queued_count(self) -> int:
         return len(self._waiting) + self._pending_send.statistics().current_buffer_used
