@@ -176,4 +176,4 @@ async def test_ps_lists_runners_by_expiry(tmp_path: Path) -> None:
                 assert (await generate(http, name, keep_alive=keep_alive)).status_code == 200
             ps = (await http.get("/api/ps")).json()["models"]
             assert [m["name"] for m in ps] == ["sooner:latest", "later:latest", "never:latest"]
-            assert all(m["context_length"] == 4096 and len(m["digest"]) == 64 for m in ps)
+            assert all(m["context_length"] == 2048 and len(m["digest"]) == 64 for m in ps)
