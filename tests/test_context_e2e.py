@@ -112,3 +112,31 @@ async def test_context_is_clamped_and_too_long_gets_each_protocols_error(store: 
                 assert r.status_code == 200, r.text
             stats = server.scheduler.statistics()
             assert len(stats.runners) == 1 and stats.runners[0].context_length == TRAINED  # never reloaded
+
+
+async def test_a_loaded_runner_counts_before_the_context_grows(tmp_path: Path) -> None:
+    folder = tmp_path / "models"
+    folder.mkdir()
+    write_tiny_model(folder / "wide.gguf", context_length=16384)
+    record: list[tuple[str, str]] = []
+    with trio.fail_after(180):
+        async with open_test_server(folder, record=record) as server, httpx.AsyncClient(base_url=server.base_url, timeout=120) as http:
+            async def tokens(text: str) -> int:
+                r = await http.post("/tokenize", json={"model": "wide", "content": text})
+                assert r.status_code == 200, r.text
+                return len(r.json()["tokens"])
+
+            async def generate(text: str) -> httpx.Response:
+                return await http.post("/api/generate", json={"model": "wide", "prompt": text, "stream": False,
+                                                              "raw": True, "options": {"num_predict": 1}})  # fmt: skip
+
+            assert (await generate(SHORT)).status_code == 200
+            assert [r.context_length for r in server.scheduler.statistics().runners] == [4096]
+            # Counted on the loaded runner (its bound would load the model at 16384): refused
+            # in Ollama's words, and nothing loads.
+            huge = "hello world " * 12000
+            r = await generate(huge)
+            assert r.status_code == 400 and r.json()["error"].startswith("the input length exceeds the context length (")
+            assert r.json()["error"].endswith(" tokens > 16384 maximum)")
+            assert [e for e in record if e[0] == "load"] == [("load", "wide")]  # refused without a load
+            assert (await tokens(huge)) > 16384  # (the pass-through's own lease may load it larger)

@@ -26,7 +26,7 @@ from typing import Any
 
 from quart import Blueprint, Response
 
-from trioshed.api.context import ensure_fits
+from trioshed.api.context import ensure_fits, fit_loaded
 from trioshed.api.preamble import (
     Prepared,
     has_chat_template,
@@ -97,13 +97,14 @@ async def messages() -> Response:
         body["system"] = model.system  # the store's SYSTEM, as the Ollama routes give it
     up = _with_defaults(messages_upstream(body, chat_template=templated, thinking_capable=can_think), prepared.defaults)
     await require_capabilities(model, name, messages_needs(body), action="chat")  # after the body's own checks
+    options, need = await fit_loaded(st.scheduler, prepared, up.upstream.path, up.upstream.body)
     if up.stream:
-        return await leased_stream(st.scheduler, model, prepared.options, prepared.keep_alive,
+        return await leased_stream(st.scheduler, model, options, prepared.keep_alive,
                                    lambda lease: _relay(lease, up, name), "text/event-stream",
-                                   before=lambda lease: ensure_fits(lease, up.upstream.path, up.upstream.body, prepared.need))  # fmt: skip
+                                   before=lambda lease: ensure_fits(lease, up.upstream.path, up.upstream.body, need))  # fmt: skip
     translator = _translator(up, name)
-    async with st.scheduler.acquire(model, prepared.options, prepared.keep_alive) as lease:
-        await ensure_fits(lease, up.upstream.path, up.upstream.body, prepared.need)
+    async with st.scheduler.acquire(model, options, prepared.keep_alive) as lease:
+        await ensure_fits(lease, up.upstream.path, up.upstream.body, need)
         async with open_upstream(lease, up.upstream.path, up.upstream.body) as batches:
             async for lines in batches:
                 translator.feed_lines(lines)

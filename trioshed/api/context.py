@@ -15,12 +15,15 @@ its own words ("llama-server answered…") never reach a client
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
+from trioshed.api.preamble import Prepared
 from trioshed.api.upstream import post_upstream
-from trioshed.core.context import slot_context
+from trioshed.core.context import PER_MESSAGE, bucket, slot_context
+from trioshed.core.model import RunnerOptions
 from trioshed.errors import ContextTooLong, TrioshedError
-from trioshed.scheduler import Lease
+from trioshed.scheduler import Lease, Scheduler
 
 _CHAT_PATHS = ("/v1/chat/completions", "/chat/completions")
 _PROMPT_PATHS = ("/completion", "/completions", "/v1/completions")
@@ -79,3 +82,45 @@ def _has_media(messages: Any) -> bool:
         ):
             return True
     return False
+
+
+async def fit_loaded(
+    scheduler: Scheduler, prepared: Prepared, path: str, body: dict[str, Any] | bytes
+) -> tuple[RunnerOptions, int]:
+    """The options to lease ``prepared`` by, counting its prompt on the model's loaded runner
+    when its automatic context would otherwise reload it at a larger size: a prompt the runner
+    holds (with its output budget) is served there, one longer than the model takes is refused
+    (ContextTooLong) without a load, and one between grows the context to the bucket of its
+    exact count, not of the byte bound. Without a loaded runner, or with ``num_ctx`` set, the
+    options are returned as they are (a load counts later, :func:`ensure_fits`). Also returned:
+    the ``need`` to give :func:`ensure_fits` (0 once counted here)."""
+    options = prepared.options
+    loaded = scheduler.loaded_options(prepared.model) if prepared.automatic else None
+    if loaded is None or loaded.num_ctx >= options.num_ctx:
+        return options, prepared.need
+    on_loaded = replace(options, num_ctx=loaded.num_ctx)
+    if not can_serve_options(loaded, on_loaded):
+        return options, prepared.need
+    async with scheduler.acquire(prepared.model, on_loaded, prepared.keep_alive) as lease:
+        try:
+            n = await prompt_tokens(lease, path, body)
+        except ContextTooLong:
+            raise
+        except TrioshedError:
+            return options, prepared.need
+    if n is None:
+        return options, prepared.need
+    if n >= slot_context(options):
+        raise ContextTooLong(n, slot_context(options))
+    if n + prepared.output < slot_context(on_loaded):
+        return on_loaded, 0
+    return replace(options, num_ctx=min(options.num_ctx, bucket(n + prepared.output + PER_MESSAGE))), 0
+
+
+def can_serve_options(have: RunnerOptions, want: RunnerOptions) -> bool:
+    """Whether a runner with ``have`` serves a request with ``want`` (as the scheduler decides)."""
+    if have.embedding and not want.embedding:
+        want = replace(want, embedding=True)
+    if want.num_gpu < 0:
+        want = replace(want, num_gpu=have.num_gpu)
+    return have == want

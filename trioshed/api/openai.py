@@ -16,8 +16,9 @@ from typing import Any
 import trio
 from quart import Blueprint, Response
 
-from trioshed.api.context import ensure_fits
+from trioshed.api.context import ensure_fits, fit_loaded
 from trioshed.api.preamble import (
+    Prepared,
     has_chat_template,
     prepare,
     read_body_raw,
@@ -92,7 +93,7 @@ class OpenAIRequest:
     #: The body as the client sent it, when it can go upstream unchanged (no trioshed extras;
     #: llama-server ignores ``model`` and names its alias, which the relay renames).
     raw: bytes | None = None
-    need: int = 0  # at most how many tokens it takes (trioshed.api.preamble.request_need)
+    prepared: Prepared | None = None  # the preamble's answer (its need, output budget...)
 
 
 async def openai_request(*, embedding: bool = False) -> OpenAIRequest:
@@ -107,7 +108,7 @@ async def openai_request(*, embedding: bool = False) -> OpenAIRequest:
         raw = None
     body.pop("keep_alive", None)
     body.pop("options", None)
-    return OpenAIRequest(body, name, req.model, req.options, req.keep_alive, raw, req.need)
+    return OpenAIRequest(body, name, req.model, req.options, req.keep_alive, raw, req)
 
 
 async def _proxy(
@@ -120,7 +121,10 @@ async def _proxy(
     body, name, model, options, keep_alive = req.body, req.name, req.model, req.options, req.keep_alive
     streaming = bool(body.get("stream", False))
     upstream: dict[str, Any] | bytes = req.raw if req.raw is not None else {**body, "model": model.name}
-    fits = lambda lease: ensure_fits(lease, path, upstream, req.need)  # noqa: E731
+    need = 0
+    if req.prepared is not None:
+        options, need = await fit_loaded(st.scheduler, req.prepared, path, upstream)
+    fits = lambda lease: ensure_fits(lease, path, upstream, need)  # noqa: E731
     if not streaming:
         async with st.scheduler.acquire(model, options, keep_alive) as lease:
             await fits(lease)

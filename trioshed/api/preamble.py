@@ -97,6 +97,10 @@ class Prepared:
     #: At most how many tokens the request takes (:func:`request_need`): sizes the automatic
     #: context, and says whether the prompt must be counted before the answer starts.
     need: int = 0
+    #: Its output budget (:func:`output_budget`), and whether ``num_ctx`` is automatic (set by
+    #: neither the settings, the model's entry nor the request).
+    output: int = 0
+    automatic: bool = False
 
 
 def prepare(body: Mapping[str, Any], name: str, *, embedding: bool = False) -> Prepared:
@@ -117,7 +121,8 @@ def prepare(body: Mapping[str, Any], name: str, *, embedding: bool = False) -> P
     options = st.runner_options(model, runner_overrides, need=need)
     if embedding:
         options = replace(options, embedding=True)
-    return Prepared(model, options, keep_alive, defaults, need)
+    automatic = not st.settings.context_length and "num_ctx" not in runner_overrides
+    return Prepared(model, options, keep_alive, defaults, need, output_budget(body), automatic)
 
 
 #: Tokens counted for one image or audio clip sent inline (base64 or a data: URI): what the
@@ -135,6 +140,11 @@ def request_need(body: Mapping[str, Any]) -> int:
     text, media = _text_bytes({k: v for k, v in body.items() if k not in ("model", "options")})
     messages = body.get("messages")
     n_messages = len(messages) if isinstance(messages, list) else 1
+    return tokens_upper_bound(text, n_messages, output=output_budget(body)) + MEDIA_TOKENS * media
+
+
+def output_budget(body: Mapping[str, Any]) -> int:
+    """The most tokens the request asks to generate (0: not said)."""
     output = 0
     for name in _OUTPUT_FIELDS:
         value = body.get(name)
@@ -145,7 +155,7 @@ def request_need(body: Mapping[str, Any]) -> int:
         value = options.get("num_predict")
         if isinstance(value, int) and not isinstance(value, bool):
             output = max(output, value)
-    return tokens_upper_bound(text, n_messages, output=output) + MEDIA_TOKENS * media
+    return output
 
 
 def _text_bytes(value: Any) -> tuple[int, int]:

@@ -357,6 +357,13 @@ class Scheduler(RunnerLifetimes):
         """The model each runner was started from (a models.toml reload compares them)."""
         return [r.model for r in self._runners.values()]
 
+    def loaded_options(self, model: ModelSpec) -> RunnerOptions | None:
+        """The options of a ready runner of ``model``'s files, not leaving (None: none is up)."""
+        for r in self._runners.values():
+            if r.state is RunnerState.READY and not r.stopping and not r.evicting and sched.same_files(r.model, model):
+                return r.options
+        return None
+
     def close_queue(self) -> None:
         """Shutdown: fail every queued request with ShuttingDown (503); leases held go on."""
         self._closing = True
