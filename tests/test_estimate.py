@@ -85,6 +85,11 @@ GEMMA_SETTINGS = [
     Setting(2048, 1, "f16", False),
     Setting(8192, 4, "q8_0", True),
     Setting(8192, 1, "f16", True),
+    # the automatic context's buckets, up to the trained 32768
+    Setting(4096, 1, "f16", False),
+    Setting(16384, 1, "f16", False),
+    Setting(32768, 1, "f16", False),
+    Setting(32768, 1, "f16", True),
 ]
 
 VULKAN_HEADING = "# Memory estimate vs llama.cpp (Vulkan, every layer on `Vulkan0`)"
@@ -106,6 +111,7 @@ VULKAN_CASES = [(name, s) for name in ("tiny-gqa", "tiny-q8-tied") for s in VULK
 GEMMA_VULKAN_SETTINGS = [
     Setting(2048, 1, "f16", False),
     Setting(8192, 4, "q8_0", True),
+    Setting(32768, 1, "f16", False),  # the trained context: the automatic context's largest bucket
 ]
 
 
