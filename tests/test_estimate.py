@@ -111,7 +111,6 @@ VULKAN_CASES = [(name, s) for name in ("tiny-gqa", "tiny-q8-tied") for s in VULK
 GEMMA_VULKAN_SETTINGS = [
     Setting(2048, 1, "f16", False),
     Setting(8192, 4, "q8_0", True),
-    Setting(32768, 1, "f16", False),  # the trained context: the automatic context's largest bucket
 ]
 
 
