@@ -38,6 +38,25 @@ async def test_client_commands(model_store: Path) -> None:
             assert missing.returncode == 1 and b"model 'nope' not found" in missing.stderr
 
 
+async def test_the_usage_command(model_store: Path, tmp_path: Path) -> None:
+    keys = tmp_path / "keys.toml"
+    keys.write_text('[[key]]\nname = "ann"\nkey = "ann-secret-1"\ntokens_per_day = 1000000\n')
+    with trio.fail_after(120):
+        async with open_test_server(model_store, api_key="boss-secret-1", keys_file=keys, usage_db=tmp_path / "u.db") as server:
+            env = {"TRIOSHED_HOST": server.base_url.removeprefix("http://"), "TRIOSHED_API_KEY": "ann-secret-1"}
+            ran = await cli("run", "tiny", "hello", env=env)
+            assert ran.returncode == 0
+            table = (await cli("usage", env=env)).stdout.decode().splitlines()
+            assert table[0].split("\t")[:4] == ["KEY", "MODEL", "START", "REQUESTS"]
+            assert table[1].split("\t")[:2] == ["ann", "tiny:latest"] and table[1].split("\t")[3] == "1"
+            prompt, completion = int(table[1].split("\t")[4]), int(table[1].split("\t")[6])
+            assert table[3:] == ["KEY\tBUDGET\tLIMIT\tLEFT", f"ann\ttokens_per_day\t1000000\t{1000000 - prompt - completion}"]
+            csv = (await cli("usage", "--csv", "--by", "hour", env=env)).stdout.decode().splitlines()
+            assert csv[0] == "key,model,start,requests,prompt_tokens,cached_tokens,completion_tokens,errors,seconds"
+            refused = await cli("usage", "--key", "default", env=env)
+            assert refused.returncode == 1 and b"may read its own usage only" in refused.stderr
+
+
 async def test_serve_without_a_runner_binary_exits_1_with_advice(tmp_path: Path) -> None:
     with trio.fail_after(60):
         result = await cli("serve", "--models", str(tmp_path), env={"TRIOSHED_LLAMA_SERVER": "/nonexistent/llama-server"})

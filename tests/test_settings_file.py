@@ -48,6 +48,8 @@ kv_save_timeout = "3s"
 cache_ram = "256MiB"
 vulkan_software = true
 fast_routes = false
+usage_db = "usage/usage.db"
+usage = false
 """
 
 
@@ -62,6 +64,7 @@ def test_every_setting_can_be_given_in_the_file(tmp_path: Path) -> None:
     (tmp_path / "keys.toml").write_text('[[key]]\nname = "alice"\nkey = "alice-secret"\n')
     s = Settings.from_env({}, file=path)
     assert s.keys_file == tmp_path / "keys.toml"  # relative to the file
+    assert (s.usage_db, s.usage) == (tmp_path / "usage" / "usage.db", False)
     assert (s.host, s.port, s.models) == ("0.0.0.0", 8080, tmp_path / "store")  # relative to the file
     assert (s.keep_alive, s.max_loaded_models, s.num_parallel, s.max_queue, s.load_timeout) == (600, 2, 4, 64, 90)
     assert (s.sched_spread, s.gpu_overhead, s.context_length, s.num_thread, s.context_max) == (True, 512 * 2**20, 8192, 2, 65536)

@@ -122,3 +122,43 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+#: What a key with ``role = "user"`` may call: (method, path pattern; ``*`` = any rest of the
+#: path). Every other route, and every route added later unless it is listed here, needs an
+#: admin key: pull, push, create, copy, delete, blobs, pin, /metrics, /upstream, unloading.
+USER_ROUTES: tuple[tuple[str, str], ...] = (
+    # reading: what the server is and which of the key's models it has (lists are filtered)
+    ("GET", "/"), ("GET", "/api/version"), ("GET", "/api/tags"), ("GET", "/api/ps"),
+    ("GET", "/v1/models"), ("GET", "/v1/models/*"), ("GET", "/openapi.json"),
+    ("GET", "/api/events"),  # the status page's stream: the key's models, no log tail
+    ("GET", "/api/usage"),  # the key's own usage (everyone's: admin)
+    # using models
+    ("POST", "/api/generate"), ("POST", "/api/chat"), ("POST", "/api/show"),
+    ("POST", "/api/embed"), ("POST", "/api/embeddings"), ("POST", "/v1/embeddings"),
+    ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/v1/responses"),
+    ("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens"),
+    ("POST", "/api/rerank"), ("POST", "/v1/rerank"), ("POST", "/v2/rerank"), ("POST", "/rerank"),
+    ("POST", "/v1/tokenize"), ("POST", "/v1/detokenize"), ("POST", "/tokenize"), ("POST", "/detokenize"),
+    ("POST", "/infill"), ("POST", "/apply-template"),
+)  # fmt: skip
+
+#: User routes that spend tokens: a key over its token budget is refused there (429).
+SPENDING_ROUTES = frozenset(
+    p for m, p in USER_ROUTES
+    if m == "POST" and p not in ("/api/show", "/v1/messages/count_tokens", "/apply-template") and "tokenize" not in p
+)  # fmt: skip
+
+
+def route_role(method: str, path: str) -> str:
+    """``"user"`` when a user key may call ``method path`` (``HEAD`` as ``GET``), else ``"admin"``."""
+    method = "GET" if method == "HEAD" else method
+    for m, pattern in USER_ROUTES:
+        if m != method:
+            continue
+        if pattern.endswith("/*"):
+            if path.startswith(pattern[:-1]) and len(path) > len(pattern) - 1:
+                return "user"
+        elif path == pattern:
+            return "user"
+    return "admin"

@@ -341,6 +341,41 @@ def _cmd_show(args: argparse.Namespace, settings: Settings) -> int:
     return 0 if response.status_code == 200 else 1
 
 
+_USAGE_COLUMNS = ("key", "model", "start", "requests", "prompt_tokens", "cached_tokens", "completion_tokens", "errors", "seconds")
+
+
+def _cmd_usage(args: argparse.Namespace, settings: Settings) -> int:
+    """Usage per key, model and day (or hour) from ``GET /api/usage``: a table, or its CSV."""
+    params = {k: v for k, v in (("key", args.key), ("model", args.model), ("since", args.since),
+                                ("until", args.until), ("by", args.by)) if v}  # fmt: skip
+    if args.csv:
+        params["format"] = "csv"
+    with _client(settings) as client:
+        response = client.get("/api/usage", params=params)
+    if response.status_code != 200:
+        try:
+            error = response.json().get("error")
+        except ValueError:
+            error = response.text[:200]
+        print(f"trioshed: {error}", file=sys.stderr)
+        return 1
+    if args.csv:
+        print(response.text, end="")
+        return 0
+    body = response.json()
+    print("\t".join(c.upper() for c in _USAGE_COLUMNS))
+    for row in body.get("usage", []):
+        print("\t".join(str(row.get(c, "")) for c in _USAGE_COLUMNS))
+    budgets = [k for k in body.get("keys", []) if k.get("budgets")]
+    if budgets:
+        print()
+        print("KEY\tBUDGET\tLIMIT\tLEFT")
+        for k in budgets:
+            for name, b in k["budgets"].items():
+                print(f"{k['key']}\t{name}\t{b['limit']}\t{b['left']}")
+    return 0
+
+
 def _cmd_stop(args: argparse.Namespace, settings: Settings) -> int:
     with _client(settings) as client:
         response = client.post("/api/generate", json={"model": args.model, "keep_alive": 0})
@@ -396,6 +431,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("model")
     p = sub.add_parser("stop", help="unload a model")
     p.add_argument("model")
+    p = sub.add_parser("usage", help="tokens and requests per API key, model and day (TRIOSHED_API_KEY: the key asking)")
+    p.add_argument("--key", help="one key's usage (a user key: its own only)")
+    p.add_argument("--model", help="one model's usage")
+    p.add_argument("--since", help="from this time: YYYY-MM-DD, RFC 3339 or Unix seconds")
+    p.add_argument("--until", help="until this time (excluded)")
+    p.add_argument("--by", choices=("day", "hour"), default="day")
+    p.add_argument("--csv", action="store_true", help="CSV instead of a table")
     args = parser.parse_args(argv)
     serving = args.command == "serve"
     logging.basicConfig(
@@ -422,6 +464,7 @@ def main(argv: list[str] | None = None) -> int:
         "list": _cmd_get("/api/tags", "models", ["name", "size", "modified_at"]),
         "show": _cmd_show,
         "stop": _cmd_stop,
+        "usage": _cmd_usage,
     }
     try:
         return commands[args.command](args, settings)

@@ -193,6 +193,10 @@ class Settings:
     origins: tuple[str, ...] = ()
     api_key: str | None = None
     keys_file: Path | None = None  # more API keys, with names, weights and limits (trioshed.keys)
+    #: Usage per key and model (trioshed.usage): the SQLite file (None: usage.db beside the
+    #: models folder), and whether usage is recorded at all.
+    usage_db: Path | None = None
+    usage: bool = True
     runner_verbose: bool = True
     rpc_servers: tuple[RpcServer, ...] = ()
     rpc_allow_public: bool = False
@@ -250,6 +254,11 @@ class Settings:
             raise ValueError("TRIOSHED_MAX_LOADED_MODELS must be 0 (automatic) or more")
         if self.keys_file is not None:
             keyring(self.api_key, self.keys_file)  # a bad keys file stops serve at start-up
+
+    @property
+    def usage_path(self) -> Path:
+        """Where usage is recorded: TRIOSHED_USAGE_DB, else ``usage.db`` beside the models folder."""
+        return self.usage_db if self.usage_db is not None else self.models.parent / "usage.db"
 
     def with_(self, **changes: object) -> Settings:
         return replace(self, **changes)  # type: ignore[arg-type]
@@ -317,6 +326,8 @@ _PARSERS: dict[str, Callable[[str], object]] = {
     "origins": lambda v: tuple(o.strip() for o in v.split(",") if o.strip()),
     "api_key": str,
     "keys_file": lambda v: Path(v).expanduser(),
+    "usage_db": lambda v: Path(v).expanduser(),
+    "usage": _bool,
     "rpc_servers": parse_rpc_servers,
     "rpc_allow_public": _bool,
     "rpc_probe_interval": lambda v: _positive_timeout(parse_duration(v)),
@@ -360,7 +371,7 @@ def load_settings_file(path: Path) -> dict[str, object]:
         try:
             raw = _file_value(key, value)
             relative = not Path(raw).expanduser().is_absolute()
-            if relative and (key in ("models", "kv_cache_dir", "keys_file") or (key == "llama_server" and "/" in raw)):
+            if relative and (key in ("models", "kv_cache_dir", "keys_file", "usage_db") or (key == "llama_server" and "/" in raw)):
                 raw = str(Path(path).parent / raw)  # a bare llama_server name is looked up on PATH
             kwargs.update(_parse_setting(key, raw))
         except ValueError as exc:

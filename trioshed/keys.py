@@ -11,15 +11,24 @@ the keys file ``TRIOSHED_KEYS_FILE`` (TOML)::
     max_concurrent = 8            # requests queued or running at once (0 = no limit)
     max_queued = 32               # requests waiting for a runner at once (0 = no limit)
     requests_per_minute = 600     # (0 = no limit)
+    role = "user"                 # "user" (default): generate, chat, embed, rerank, show, list;
+                                  # "admin": also pull, push, create, copy, delete, load, unload,
+                                  # pin, everyone's usage, /metrics, the log tail
+    models = ["gemma3*", "qwen3:8b"]  # the models it may use (glob patterns; default: all)
+    tokens_per_minute = 20000     # token budgets, prompt + completion (0 = no limit) ...
+    tokens_per_day = 2000000
+    prompt_tokens_per_day = 0     # ... or separately: prompt_/completion_tokens_per_minute/_day
 
-With no key configured every request is one tenant (``ANONYMOUS``), as before. A key is found
+``TRIOSHED_API_KEY`` is an admin key. With no key configured every request is one tenant (``ANONYMOUS``), as before. A key is found
 by comparing the presented token with *every* key in constant time (no early exit).
 """
 
 from __future__ import annotations
 
+import fnmatch
 import hmac
 import math
+import re
 from collections import deque
 from collections.abc import Sequence
 from contextvars import ContextVar
@@ -29,6 +38,14 @@ from pathlib import Path
 from trioshed._util import read_toml
 
 _LIMITS = ("max_concurrent", "max_queued", "requests_per_minute")
+#: Token budgets, enforced from recorded usage (trioshed.usage.ledger): (field, which tokens, window)
+BUDGETS: tuple[tuple[str, str, str], ...] = tuple(
+    (f"{kind}tokens_per_{window}", kind.rstrip("_") or "total", window)
+    for kind in ("", "prompt_", "completion_") for window in ("minute", "day")
+)  # fmt: skip
+_BUDGET_FIELDS = tuple(b[0] for b in BUDGETS)
+ROLES = ("user", "admin")
+_GLOB = re.compile(r"[A-Za-z0-9._:/@*?\[\]!+-]+")
 
 
 @dataclass(frozen=True)
@@ -39,9 +56,33 @@ class ApiKey:
     max_concurrent: int = 0  # 0: no limit
     max_queued: int = 0
     requests_per_minute: int = 0
+    role: str = "user"
+    models: tuple[str, ...] = ()  # glob patterns of the models it may use; () = every model
+    tokens_per_minute: int = 0  # 0: no budget
+    tokens_per_day: int = 0
+    prompt_tokens_per_minute: int = 0
+    prompt_tokens_per_day: int = 0
+    completion_tokens_per_minute: int = 0
+    completion_tokens_per_day: int = 0
+
+    @property
+    def admin(self) -> bool:
+        return self.role == "admin"
+
+    def may_use(self, model: str) -> bool:
+        """Whether this key may use (and see) the model named ``model``: one of its patterns
+        matches the name, or the name without its ``:latest`` tag."""
+        if not self.models:
+            return True
+        names = (model, model.removesuffix(":latest")) if model.endswith(":latest") else (model,)
+        return any(fnmatch.fnmatchcase(n, p) for p in self.models for n in names)
+
+    def budgets(self) -> tuple[tuple[str, str, str, int], ...]:
+        """(field, which tokens, window, limit) of each budget this key has."""
+        return tuple((f, kind, w, getattr(self, f)) for f, kind, w in BUDGETS if getattr(self, f))
 
 
-ANONYMOUS = ApiKey("", "")  # no keys configured: everyone is one tenant
+ANONYMOUS = ApiKey("", "", role="admin")  # no keys configured: everyone is one tenant
 
 #: The key of the request this task serves (set by the HTTP edge's guard; the scheduler reads it).
 current_key: ContextVar[ApiKey] = ContextVar("trioshed_api_key", default=ANONYMOUS)
@@ -83,40 +124,100 @@ class KeyRing:
         return bearer or header
 
 
+def check_glob(pattern: object) -> str:
+    """A model pattern of the keys file: a name with ``*``, ``?`` and ``[...]``; ValueError else."""
+    if not isinstance(pattern, str) or not pattern or not _GLOB.fullmatch(pattern):
+        raise ValueError(f"bad model pattern {pattern!r}: use model names with *, ? or [...]")
+    depth = 0
+    for c in pattern:  # brackets must pair up and not nest ("[" alone would match itself silently)
+        if c == "[":
+            if depth:
+                raise ValueError(f"bad model pattern {pattern!r}: '[' inside [...]")
+            depth = 1
+        elif c == "]":
+            if not depth:
+                raise ValueError(f"bad model pattern {pattern!r}: ']' without '['")
+            depth = 0
+    if depth:
+        raise ValueError(f"bad model pattern {pattern!r}: '[' without ']'")
+    if "[]" in pattern or "[!]" in pattern:
+        raise ValueError(f"bad model pattern {pattern!r}: empty [...]")
+    return pattern
+
+
+def _line_numbers(text: str) -> tuple[list[int], dict[tuple[int, str], int]]:
+    """Where each ``[[key]]`` table starts (1-based lines), and each field's line in table i."""
+    starts: list[int] = []
+    fields: dict[tuple[int, str], int] = {}
+    for number, line in enumerate(text.splitlines(), start=1):
+        stripped = line.strip()
+        if re.match(r"\[\[\s*key\s*\]\]", stripped):
+            starts.append(number)
+        elif starts and (m := re.match(r"([A-Za-z0-9_\-\"']+)\s*=", stripped)):
+            fields.setdefault((len(starts), m.group(1).strip("\"'")), number)
+    return starts, fields
+
+
 def load_keys_file(path: Path) -> tuple[ApiKey, ...]:
-    """``[[key]]`` tables (see the module's docstring); ValueError naming the file and entry."""
+    """``[[key]]`` tables (see the module's docstring); ValueError naming the file, the line and
+    the entry."""
     data = read_toml(path, "keys file")
     unknown = set(data) - {"key"}
     if unknown:
         raise ValueError(f"keys file {path}: unknown table {', '.join(sorted(unknown))}; write [[key]] entries")
+    try:
+        starts, lines = _line_numbers(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError):
+        starts, lines = [], {}
     keys = []
-    for i, entry in enumerate(data.get("key", []), start=1):
-        where = f"keys file {path}: key #{i}"
+    entries = data.get("key", [])
+    if not isinstance(entries, list):
+        raise ValueError(f"keys file {path}: write [[key]] tables")
+    for i, entry in enumerate(entries, start=1):
+        start = starts[i - 1] if i <= len(starts) else None
+
+        def where(field: str | None = None, i: int = i, start: int | None = start) -> str:
+            line = lines.get((i, field), start) if field else start
+            return f"keys file {path}" + (f" line {line}" if line else "") + f": key #{i}"
+
         if not isinstance(entry, dict):
-            raise ValueError(f"{where}: write [[key]] tables")
-        extra = set(entry) - {"name", "key", "weight", *_LIMITS}
+            raise ValueError(f"{where()}: write [[key]] tables")
+        extra = set(entry) - {"name", "key", "weight", "role", "models", *_LIMITS, *_BUDGET_FIELDS}
         if extra:
-            raise ValueError(f"{where}: unknown field {', '.join(sorted(extra))}")
+            first = sorted(extra)[0]
+            raise ValueError(f"{where(first)}: unknown field {', '.join(sorted(extra))}")
         name, secret = entry.get("name"), entry.get("key")
         if not isinstance(name, str) or not name or not name.replace("-", "").replace("_", "").isalnum():
-            raise ValueError(f"{where}: name must be letters, digits, '-' or '_'")
+            raise ValueError(f"{where('name')}: name must be letters, digits, '-' or '_'")
         if not isinstance(secret, str) or len(secret) < 8:
-            raise ValueError(f"{where} ({name}): key must be a string of at least 8 characters")
+            raise ValueError(f"{where('key')} ({name}): key must be a string of at least 8 characters")
         weight = entry.get("weight", 1)
         if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 < weight < math.inf:
-            raise ValueError(f"{where} ({name}): weight must be a positive number")
-        limits = {}
-        for limit in _LIMITS:
+            raise ValueError(f"{where('weight')} ({name}): weight must be a positive number")
+        limits: dict[str, int] = {}
+        for limit in (*_LIMITS, *_BUDGET_FIELDS):
             value = entry.get(limit, 0)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{where} ({name}): {limit} must be a whole number, 0 for no limit")
+                raise ValueError(f"{where(limit)} ({name}): {limit} must be a whole number, 0 for no limit")
             limits[limit] = value
-        keys.append(ApiKey(name, secret, float(weight), **limits))
+        role = entry.get("role", "user")
+        if role not in ROLES:
+            raise ValueError(f"{where('role')} ({name}): role must be \"user\" or \"admin\", not {role!r}")
+        models = entry.get("models", [])
+        if isinstance(models, str):
+            models = [models]
+        if not isinstance(models, list) or ("models" in entry and not models):
+            raise ValueError(f"{where('models')} ({name}): models must be a list of model names or patterns")
+        try:
+            patterns = tuple(check_glob(m) for m in models)
+        except ValueError as exc:
+            raise ValueError(f"{where('models')} ({name}): {exc}") from None
+        keys.append(ApiKey(name, secret, float(weight), role=role, models=patterns, **limits))
     return tuple(keys)
 
 
 def keyring(api_key: str | None, keys_file: Path | None) -> KeyRing:
-    keys = [ApiKey("default", api_key)] if api_key else []
+    keys = [ApiKey("default", api_key, role="admin")] if api_key else []
     if keys_file is not None:
         keys += load_keys_file(keys_file)
     return KeyRing(keys)

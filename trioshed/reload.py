@@ -62,10 +62,23 @@ async def reload_models(state: AppState) -> ReloadReport:
     return report
 
 
+def reload_keys(state: AppState) -> None:
+    """Re-read the keys file: a bad one is logged, naming the line, and the old keys stay."""
+    if state.reload_keys is None or state.settings.keys_file is None:
+        return
+    try:
+        state.reload_keys()
+    except ValueError as exc:
+        log.error("keys file not reloaded, the keys in force stay: %s", exc)
+        return
+    log.info("keys file %s reloaded", state.settings.keys_file)
+
+
 async def reload_on_sighup(state: AppState) -> None:
     """Until cancelled: each SIGHUP reloads (one at a time; a burst coalesces into the next)."""
     with trio.open_signal_receiver(signal.SIGHUP) as signals:
         async for _ in signals:
+            reload_keys(state)
             try:
                 await reload_models(state)
             except TrioshedError as exc:

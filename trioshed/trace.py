@@ -11,6 +11,7 @@ token.
 
 from __future__ import annotations
 
+import json
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
@@ -34,32 +35,63 @@ class RequestTrace:
     prompt_seconds: float | None = None  # llama-server's prompt processing time, where reported
     eval_seconds: float | None = None  # its generation time, where reported
     restore_seconds: float | None = None  # a saved conversation restored before the request (warm returns)
+    cached_tokens: int | None = None  # of the prompt, tokens llama-server took from its cache
+
+    @property
+    def gen_seconds(self) -> float:
+        """Prompt processing and generation, as llama-server timed them (0 where not reported)."""
+        return (self.prompt_seconds or 0.0) + (self.eval_seconds or 0.0)
 
     def leased(self, model: str, queue_wait: float, load_wait: float) -> None:
         self.model = model
         self.queue_wait = queue_wait
         self.load_wait = load_wait
 
-    def counted(self, answer: Any) -> None:
-        """Token counts from a final Ollama chunk or an OpenAI answer, where present."""
+    def counted_anthropic(self, usage: Any) -> None:
+        """Token counts from an Anthropic ``usage`` (input tokens exclude the cached ones)."""
+        if isinstance(usage, dict):
+            cached = usage.get("cache_read_input_tokens") or 0
+            self.prompt_tokens = (usage.get("input_tokens") or 0) + cached
+            self.eval_tokens = usage.get("output_tokens") or 0
+            self.cached_tokens = cached
+
+    def counted_sse(self, data: bytes) -> None:
+        """Token counts from the last events of an OpenAI stream (its ``usage`` and ``timings``)."""
+        for line in data.split(b"\n"):
+            if line.startswith(b"data: {") and (b'"usage"' in line or b'"timings"' in line):
+                try:
+                    self.counted(json.loads(line[6:]))
+                except ValueError:
+                    continue
+
+    def counted(self, answer: Any, timings: Any = None) -> None:
+        """Token counts from a final Ollama chunk or an OpenAI answer, where present; cached
+        tokens and generation time from llama-server's ``timings`` (in the answer or given)."""
         if not isinstance(answer, dict):
             return
         usage = answer.get("usage")
-        if isinstance(usage, dict):
+        if isinstance(usage, dict) and "prompt_tokens" in usage:
             prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
-        else:
+            details = usage.get("prompt_tokens_details")
+            if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+                self.cached_tokens = details["cached_tokens"]
+        elif "prompt_eval_count" in answer or "eval_count" in answer:
             prompt, completion = answer.get("prompt_eval_count"), answer.get("eval_count")
+        else:
+            prompt = completion = None
         if isinstance(prompt, int):
             self.prompt_tokens = prompt
         if isinstance(completion, int):
             self.eval_tokens = completion
-        timings = answer.get("timings")  # llama-server's own, on its OpenAI-shaped answers
+        timings = timings if isinstance(timings, dict) else answer.get("timings")  # llama-server's own
         if isinstance(timings, dict):
             prompt_ms, eval_ms = timings.get("prompt_ms"), timings.get("predicted_ms")
             if isinstance(prompt_ms, int | float):
                 self.prompt_seconds = prompt_ms / 1000
             if isinstance(eval_ms, int | float):
                 self.eval_seconds = eval_ms / 1000
+            if isinstance(timings.get("cache_n"), int):
+                self.cached_tokens = timings["cache_n"]
         prompt_ns, eval_ns = answer.get("prompt_eval_duration"), answer.get("eval_duration")  # Ollama's
         if isinstance(prompt_ns, int) and prompt_ns > 0:
             self.prompt_seconds = prompt_ns / 1e9

@@ -114,8 +114,7 @@ async def messages() -> Response:
             raise await truncated(lease)
     message = translator.message()
     if (trace := current_trace.get()) is not None:
-        trace.counted({"prompt_eval_count": message["usage"]["input_tokens"] + message["usage"]["cache_read_input_tokens"],
-                       "eval_count": message["usage"]["output_tokens"]})  # fmt: skip
+        trace.counted_anthropic(message["usage"])
     return Response(json.dumps(message, ensure_ascii=False), content_type="application/json")
 
 
@@ -134,6 +133,9 @@ async def _relay(lease: Lease, up: MessagesUpstream, name: str) -> AsyncIterator
         yield encode_events(translator.finish())
     except TrioshedError as exc:
         yield error_event(exc.status, message_for("/v1/messages", exc))
+    finally:  # a stream the client left is counted too: what was generated so far
+        if (trace := current_trace.get()) is not None:
+            trace.counted_anthropic(translator.usage())
 
 
 @bp.post("/v1/messages/count_tokens")

@@ -33,6 +33,7 @@ from trioshed.api import (
     responses,
     tools,
     ui,
+    usage,
 )
 from trioshed.api.gate import Gate
 from trioshed.api.protocols.errors import error_body, error_parts
@@ -75,6 +76,7 @@ def create_app(state: AppState) -> QuartTrio:
     app.register_blueprint(events.bp)
     app.register_blueprint(pin.bp)
     app.register_blueprint(tools.bp)
+    app.register_blueprint(usage.bp)
     app.config["TRIOSHED_METRICS"] = metrics.Metrics(state.scheduler, warm=state.warm)
     observe.install(
         app, app.config["TRIOSHED_METRICS"], log_json=state.settings.log_format == "json", finished=state.request_finished

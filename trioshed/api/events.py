@@ -46,6 +46,7 @@ from trioshed.api.status import status
 from trioshed.api.store_view import REFRESH as MODELS_REFRESH
 from trioshed.api.store_view import store_models
 from trioshed.errors import EventStreamsBusy
+from trioshed.keys import ApiKey, current_key
 
 bp = Blueprint("events", __name__)
 
@@ -72,6 +73,48 @@ def state_message(st: AppState) -> dict[str, Any]:
     )
 
 
+def for_key(message: dict[str, Any], key: ApiKey) -> dict[str, Any]:
+    """A state message as ``key`` may see it: an admin sees all (and every key's usage), a user
+    key only its own models' runners, memory and queue, and its own usage."""
+    if key.admin or not key.models:
+        if not key.admin:
+            message = {**message, "usage": [u for u in message.get("usage", []) if u.get("key") == key.name]}
+        return message
+    out = dict(message)
+    out["runners"] = [r for r in message.get("runners", []) if key.may_use(str(r.get("model", "")))]
+    out["queue"] = [q for q in message.get("queue", []) if key.may_use(str(q.get("model", "")))]
+    out["devices"] = [
+        {**d, "runners": [m for m in d.get("runners", []) if key.may_use(str(m.get("model", "")))]}
+        if isinstance(d.get("runners"), list) else d
+        for d in message.get("devices", [])
+    ]  # fmt: skip
+    out["usage"] = [u for u in message.get("usage", []) if u.get("key") == key.name]
+    return out
+
+
+def sample_for_key(sample: dict[str, Any], key: ApiKey) -> dict[str, Any]:
+    """A timeline sample with only the models ``key`` may see."""
+    if not key.models:
+        return sample
+    keep = lambda d: {m: v for m, v in d.items() if key.may_use(m)}  # noqa: E731
+    return {**sample, "tokens": keep(sample.get("tokens", {})), "waiting": keep(sample.get("waiting", {})),
+            "memory": {dev: keep(labels) for dev, labels in sample.get("memory", {}).items()}}  # fmt: skip
+
+
+def usage_message(st: AppState, now: float) -> list[dict[str, Any]]:
+    """Per key: tokens spent today and each budget's tokens left (the status page, admin)."""
+    if st.usage is None:
+        return []
+    out = []
+    for k in st.keys:
+        prompt, completion = st.usage.ledger.today(k.name, now)
+        entry: dict[str, Any] = {"key": k.name, "role": k.role, "prompt_tokens_today": prompt, "completion_tokens_today": completion}
+        if k.budgets():
+            entry["budgets"] = {f: {"limit": getattr(k, f), "left": left} for f, left in st.usage.ledger.left(k, now).items()}
+        out.append(entry)
+    return out
+
+
 def _event(e: Any) -> dict[str, Any]:
     kind = {"unloaded": "unload", "crashed": "crash", "load failed": "load-failed"}.get(e.kind, e.kind)
     out = {"seq": e.seq, "time": e.time, "kind": kind, "model": e.model, "reason": e.reason}
@@ -95,12 +138,16 @@ async def _first(*waits: Callable[[], Awaitable[object]], seconds: float) -> Non
                 nursery.start_soon(one)
 
 
-async def stream(st: AppState, stopping: trio.Event | None) -> AsyncIterator[bytes]:
-    """The messages for one client, until it leaves or trioshed drains."""
+async def stream(st: AppState, stopping: trio.Event | None, key: ApiKey | None = None) -> AsyncIterator[bytes]:
+    """The messages for one client, until it leaves or trioshed drains; a user ``key`` sees
+    only its own models and no log."""
+    key = key or current_key.get()
     st.event_streams += 1  # counted here, not in the route: a stream never started never ends
     try:
         history, tail = st.scheduler.events, st.log_tail
-        models = sorted({spec.name for spec in await trio.to_thread.run_sync(st.store.list)})
+        models = sorted({spec.name for spec in await trio.to_thread.run_sync(st.store.list) if key.may_use(spec.name)})
+        if not key.admin:
+            tail = None  # the log tail names every model and key: admin only
         yield sse("hello", {"instance": INSTANCE, "version": __version__, "time": time.time(), "models": models})
         last_state: dict[str, Any] | None = None
         event_seq = 0
@@ -111,15 +158,17 @@ async def stream(st: AppState, stopping: trio.Event | None) -> AsyncIterator[byt
         last_models: list[dict[str, Any]] | None = None
         while stopping is None or not stopping.is_set():
             sent = False
-            current = state_message(st)
+            current = for_key({**state_message(st), "usage": usage_message(st, time.time())}, key)
             if last_state is None or {**current, "time": 0} != {**last_state, "time": 0}:
                 last_state = current
                 sent = True
                 yield sse("state", current)
-            events = history.after(event_seq)
+            new = history.after(event_seq)
+            events = [e for e in new if key.may_use(e.model or "")] if key.models else new
+            if new:
+                gap = event_seq > 0 and new[0].seq > event_seq + 1 and new[0].kind != "refused"
+                event_seq = new[-1].seq
             if events:
-                gap = event_seq > 0 and events[0].seq > event_seq + 1 and events[0].kind != "refused"
-                event_seq = events[-1].seq
                 sent = True
                 yield sse("events", {"events": [_event(e) for e in events], "gap": gap})
             if tail is not None:
@@ -132,15 +181,17 @@ async def stream(st: AppState, stopping: trio.Event | None) -> AsyncIterator[byt
             if samples:
                 sample_seq = max(sample.seq for sample in samples)
                 sent = True
-                yield sse("history", {"samples": [sample.as_json() for sample in samples]})
+                yield sse("history", {"samples": [sample_for_key(sample.as_json(), key) for sample in samples]})
             finished = st.recent.after(request_seq)
             if finished:
                 request_seq = finished[-1].seq
+            mine = finished if key.admin else [r for r in finished if r.key == key.name and key.may_use(r.model)]
+            if mine:
                 sent = True
-                yield sse("activity", {"requests": [r.as_json() for r in finished]})
+                yield sse("activity", {"requests": [r.as_json() for r in mine]})
             if trio.current_time() - models_at >= MODELS_REFRESH:
                 models_at = trio.current_time()
-                current_models = await store_models(st)
+                current_models = [m for m in await store_models(st) if key.may_use(str(m.get("name", "")))]
                 if current_models != last_models:
                     last_models = current_models
                     sent = True
@@ -166,7 +217,7 @@ async def events() -> Response:
     st = state()
     if st.event_streams >= MAX_STREAMS:
         raise EventStreamsBusy(MAX_STREAMS)
-    response = Response(stream(st, drain_started()), content_type="text/event-stream; charset=utf-8")
+    response = Response(stream(st, drain_started(), current_key.get()), content_type="text/event-stream; charset=utf-8")
     response.headers["Cache-Control"] = "no-cache"
     response.headers["X-Accel-Buffering"] = "no"  # nginx and friends: pass each message on at once
     response.timeout = None  # type: ignore[assignment]  # runs for as long as the page is open

@@ -136,6 +136,7 @@ class FastPath:
         try:
             if key is not None:
                 self.gate.admit(key)
+                self.gate.check_budget(key, path)
             response = await self.handlers[path]()
         except Exception as exc:
             if isinstance(exc, TrioshedError):

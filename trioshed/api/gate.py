@@ -13,7 +13,7 @@ from trioshed import access
 from trioshed.api import limits, ui
 from trioshed.api.state import AppState
 from trioshed.errors import Forbidden, PayloadTooLarge, TooManyRequests, Unauthorized
-from trioshed.keys import ApiKey, RequestRate, current_key, keyring
+from trioshed.keys import ApiKey, KeyRing, RequestRate, current_key, keyring
 from trioshed.trace import current as current_trace
 
 #: What a browser may send cross-origin (the official JS clients' headers included).
@@ -38,6 +38,9 @@ class Gate:
         self.hostname = socket.gethostname()
         self.keys = keyring(state.settings.api_key, state.settings.keys_file)  # TRIOSHED_API_KEY, TRIOSHED_KEYS_FILE
         self.rate = RequestRate()
+        self.state = state
+        state.reload_keys = self.reload_keys
+        state.keys = self.keys.keys
         self.max_body = state.settings.max_body
 
     def origin_ok(self, origin: str, host: str) -> bool:
@@ -82,6 +85,11 @@ class Gate:
             trace = current_trace.get()
             if trace is not None:
                 trace.key = key.name
+            if not key.admin and access.route_role(method, path) == "admin":
+                raise Forbidden(
+                    f"API key '{key.name}' may not use {method} {path[:200]}: it needs an admin key "
+                    '(role = "admin" in the keys file)'
+                )
         if not path.startswith(_UNREAD_BODIES):
             if content_length is not None and content_length > self.max_body:
                 raise PayloadTooLarge(
@@ -90,6 +98,7 @@ class Gate:
             limits.check_content_type(get("Content-Type"), method)
         if key is not None and count:
             self.admit(key)
+            self.check_budget(key, path)
         return key
 
     def admit(self, key: ApiKey) -> None:
@@ -97,6 +106,24 @@ class Gate:
         retry = self.rate.admit(key, time.monotonic())
         if retry is not None:
             raise TooManyRequests(key.name, "requests per minute", key.requests_per_minute, retry)
+
+    def check_budget(self, key: ApiKey, path: str) -> None:
+        """A key over one of its token budgets may not start a request that spends tokens (429,
+        naming the key and the budget); the ledger answers from what was spent."""
+        usage = self.state.usage
+        if usage is None or not key.budgets() or path not in access.SPENDING_ROUTES:
+            return
+        over = usage.ledger.refusal(key, time.time())
+        if over is not None:
+            budget, limit, retry = over
+            raise TooManyRequests(key.name, budget, limit, retry)
+
+    def reload_keys(self) -> KeyRing:
+        """Read the keys again (SIGHUP); ValueError, the old keys staying in force, when bad."""
+        ring = keyring(self.state.settings.api_key, self.state.settings.keys_file)
+        self.keys = ring
+        self.state.keys = ring.keys
+        return ring
 
     def cors(self, get: Callable[[str], str | None]) -> list[tuple[str, str]]:
         """The CORS headers for an allowed Origin (none without one)."""

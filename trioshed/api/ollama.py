@@ -52,11 +52,14 @@ async def _ollama_stream(lease: Lease, upstream: Upstream, stream: OllamaStream,
         if stream.kind == "generate":
             last["context"] = ollama.NO_CONTEXT
         if (trace := current_trace.get()) is not None:
-            trace.counted(last)
+            trace.counted(last, stream.timings)
         yield held + ndjson(last)
     except TrioshedError as exc:
         log.warning("stream for %s ended with an error: %s", lease.model.name, exc.message)
         yield held + ndjson(exc.to_json())
+    finally:
+        if not stream.finished and (trace := current_trace.get()) is not None:
+            trace.counted(stream.so_far(), stream.timings)  # a stream the client left: what it got
 
 
 def _ns(seconds: float) -> int:
@@ -115,7 +118,7 @@ async def _serve(kind: ollama.Kind) -> Response:
         if kind == "generate":
             result["context"] = ollama.NO_CONTEXT
         if (trace := current_trace.get()) is not None:
-            trace.counted(result)
+            trace.counted(result, translator.timings)
         return Response(json.dumps(result, ensure_ascii=False), content_type="application/json")
 
     return await leased_stream(

@@ -13,10 +13,11 @@ import trio
 from quart import Blueprint, Response, request
 
 from trioshed import __version__
-from trioshed.api.preamble import model_capabilities, read_body, state
+from trioshed.api.preamble import model_capabilities, read_body, resolve, state
 from trioshed.api.state import AppState
 from trioshed.core.estimate import effective_kv_type, estimate
 from trioshed.core.model import ModelSpec, RunnerOptions
+from trioshed.keys import current_key
 from trioshed.models import modelfile
 from trioshed.models.gguf_meta import read_metadata
 from trioshed.models.ollama_store import OllamaManifest
@@ -93,12 +94,13 @@ def _human_params(n: int) -> str:
 @bp.get("/api/tags")
 async def tags() -> Any:
     st = state()
+    key = current_key.get()  # a key sees only the models it may use
 
     def listing() -> list[dict[str, Any]]:  # one worker thread for the whole store's stats and reads
         return [
             {"name": spec.name, "model": spec.name, "modified_at": rfc3339(spec.modified), "size": spec.size,
              "digest": _digest_now(st, spec), "details": details_now(spec)}
-            for spec in st.store.list()
+            for spec in st.store.list() if key.may_use(spec.name)
         ]  # fmt: skip
 
     return {"models": await trio.to_thread.run_sync(listing)}
@@ -126,8 +128,9 @@ async def ps() -> Any:
             out["rpc_servers"] = list(r.placement.endpoints)
         return out
 
-    out = await trio.to_thread.run_sync(lambda: [entry(r) for r in stats.runners])
-    if not stats.remote:
+    key = current_key.get()
+    out = await trio.to_thread.run_sync(lambda: [entry(r) for r in stats.runners if key.may_use(r.model)])
+    if not stats.remote or not key.admin:  # which RPC server holds which model: admin only
         return {"models": out}
     servers = [
         {
@@ -203,7 +206,7 @@ def _runner_settings_now(
 async def show() -> Any:
     st = state()
     body = await read_body()
-    spec = st.store.resolve(body.get("model") or body.get("name") or "")
+    spec = resolve(body.get("model") or body.get("name") or "")
     meta = await st.metadata(spec)
     options = st.runner_options(spec, {})
     est = estimate(meta, options)

@@ -47,7 +47,8 @@ from trioshed.api.upstream import (
     post_upstream_raw,
 )
 from trioshed.core.model import ModelSpec, RunnerOptions
-from trioshed.errors import BadRequest, TrioshedError
+from trioshed.errors import BadRequest, ModelNotFound, TrioshedError
+from trioshed.keys import current_key
 from trioshed.scheduler import Lease
 from trioshed.trace import current as current_trace
 
@@ -79,6 +80,8 @@ async def _relay(
             rest = fields(rest)
         if out := held + rest:
             yield out
+        if held and (trace := current_trace.get()) is not None:
+            trace.counted_sse(held)  # the last events: usage (when asked) and llama-server's timings
     except TrioshedError as exc:
         yield held + openai_error_event(exc.status, message_for("/v1/chat/completions", exc))
 
@@ -204,11 +207,14 @@ def _model_object(spec: ModelSpec) -> dict[str, Any]:
 async def models() -> Any:
     st = state()
     specs = await trio.to_thread.run_sync(st.store.list)
-    return {"object": "list", "data": [_model_object(s) for s in specs]}
+    key = current_key.get()  # a key sees only the models it may use
+    return {"object": "list", "data": [_model_object(s) for s in specs if key.may_use(s.name)]}
 
 
 @bp.get("/v1/models/<path:model>")
 async def retrieve_model(model: str) -> Any:
     """One model (``openai`` ``models.retrieve``); names with a namespace (``user/m:tag``) too."""
     spec = await trio.to_thread.run_sync(state().store.resolve, model)
+    if not current_key.get().may_use(spec.name):
+        raise ModelNotFound(model)  # as for a model that does not exist
     return _model_object(spec)

@@ -394,6 +394,7 @@ def _paths() -> Schema:
         "/api/embed": {"post": _json_op("Embeddings for one input or several (Ollama)", "EmbedRequest", _ref("EmbedResponse"))},
         "/api/embeddings": {"post": _json_op("One embedding (Ollama's older route)", "EmbeddingsRequest", _ref("EmbeddingsResponse"))},
         "/api/tags": {"get": _get_op("Models in the store", "application/json", _ref("TagsResponse"))},
+        "/api/usage": {"get": _get_op("Requests and tokens per API key, model and day or hour (query: key, model, since, until, by, format)", "application/json", {"type": "object"})},
         "/api/ps": {"get": _get_op("Loaded models", "application/json", _ref("PsResponse"))},
         "/api/show": {"post": _json_op("A model's details, GGUF metadata and memory estimate", "ModelRequest", _ref("ShowResponse"), errors=("400", "401", "404", "413", "500"))},
         "/api/delete": {

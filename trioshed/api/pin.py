@@ -14,7 +14,8 @@ import trio
 from quart import Blueprint
 
 from trioshed.api.preamble import read_body, state
-from trioshed.errors import BadRequest
+from trioshed.errors import BadRequest, ModelNotFound
+from trioshed.keys import current_key
 
 bp = Blueprint("pin", __name__)
 
@@ -29,5 +30,7 @@ async def pin() -> Any:
     if not isinstance(pinned, bool):
         raise BadRequest('"pinned" must be true or false')
     spec = await trio.to_thread.run_sync(st.store.resolve, name)
+    if not current_key.get().may_use(spec.name):
+        raise ModelNotFound(name)
     loaded = st.scheduler.pin(spec, pinned)
     return {"model": spec.name, "pinned": pinned, "loaded": loaded}

@@ -23,7 +23,8 @@ from trioshed.api.state import AppState
 from trioshed.config import parse_duration
 from trioshed.core.context import tokens_upper_bound
 from trioshed.core.model import ModelSpec, RunnerOptions
-from trioshed.errors import BadRequest
+from trioshed.errors import BadRequest, Forbidden, ModelNotFound
+from trioshed.keys import current_key
 from trioshed.models.capabilities import capabilities
 from trioshed.models.gguf_meta import GGUFMetadata
 from trioshed.models.ollama_store import OllamaManifest
@@ -74,14 +75,39 @@ async def read_body_raw() -> tuple[bytes, dict[str, Any]]:
 
 
 def keep_alive_of(body: Mapping[str, Any]) -> float | None:
-    """The request's ``keep_alive`` in seconds (``None``: the default), else BadRequest."""
+    """The request's ``keep_alive`` in seconds (``None``: the default), else BadRequest.
+
+    A user key (not admin) may not unload a model (``keep_alive`` 0) nor keep it loaded for
+    ever (negative): 403; a longer time than the server's ``TRIOSHED_KEEP_ALIVE`` is cut to it."""
     value = body.get("keep_alive")
     if value is None:
         return None
     try:
-        return parse_duration(value)
+        seconds = parse_duration(value)
     except (ValueError, TypeError) as exc:
         raise BadRequest(f"invalid keep_alive: {exc}") from None
+    key = current_key.get()
+    if not key.admin:
+        if seconds <= 0:
+            what = "unload a model (keep_alive 0)" if seconds == 0 else "keep a model loaded for ever"
+            raise Forbidden(f"API key '{key.name}' may not {what}: it needs an admin key (role = \"admin\" in the keys file)")
+        seconds = min(seconds, state().settings.keep_alive)
+    return seconds
+
+
+def resolve(name: str) -> ModelSpec:
+    """The model ``name`` names, if the request's key may use it: a model the key may not use is
+    the same ModelNotFound as one that does not exist (the key never learns it is there)."""
+    spec = state().store.resolve(name)
+    if not current_key.get().may_use(spec.name):
+        raise ModelNotFound(name)
+    return spec
+
+
+def visible(names: Iterable[str]) -> list[str]:
+    """The names, of ``names``, the request's key may see."""
+    key = current_key.get()
+    return [n for n in names if key.may_use(n)]
 
 
 @dataclass(frozen=True)
@@ -110,7 +136,7 @@ def prepare(body: Mapping[str, Any], name: str, *, embedding: bool = False) -> P
     ``embedding``: a runner started with ``--embeddings``.
     """
     st = state()
-    model = st.store.resolve(name)
+    model = resolve(name)
     keep_alive = keep_alive_of(body)
     overrides = body.get("options")
     if overrides is not None and not isinstance(overrides, dict):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -15,6 +16,7 @@ from trioshed.config import Settings
 from trioshed.core.context import FLOOR, automatic_context, clamp
 from trioshed.core.model import MiB, ModelSpec, RunnerOptions
 from trioshed.errors import BadRequest
+from trioshed.keys import ApiKey
 from trioshed.logtail import LogTail
 from trioshed.models.create import Creator
 from trioshed.models.gguf_meta import GGUFMetadata, cached_metadata, read_metadata, unreadable
@@ -24,6 +26,7 @@ from trioshed.runner.slots import WarmReturns
 from trioshed.scheduler import Scheduler
 from trioshed.scheduler.events import Timeline
 from trioshed.trace import RequestTrace
+from trioshed.usage.recorder import UsageRecorder
 
 _RUNNER_FIELDS = {"num_ctx", "num_batch", "num_gpu", "main_gpu", "use_mmap", "num_thread"}
 
@@ -39,6 +42,11 @@ class AppState:
     event_streams: int = 0  # GET /api/events streams open now
     recent: RecentRequests = field(default_factory=RecentRequests)  # the status page's activity
     timeline: Timeline = field(default_factory=Timeline)  # the status page's last hour (serve() samples it)
+    #: usage per key and model, and the token budgets' ledger (serve() runs its writer)
+    usage: UsageRecorder | None = None
+    #: re-read the keys file (the gate installs it; SIGHUP calls it)
+    reload_keys: Callable[[], object] | None = None
+    keys: tuple[ApiKey, ...] = ()  # the API keys in force (the gate's, reloaded on SIGHUP)
     _puller: Puller | None = None
     _creator: Creator | None = None
     #: headers by the file's identity as the spec was resolved (path, size, mtime): the hot
@@ -53,7 +61,10 @@ class AppState:
         return self._puller
 
     def request_finished(self, trace: RequestTrace, duration: float) -> None:
-        """A request's answer ended: the status page's activity list and tokens per second."""
+        """A request's answer ended: usage per key (trioshed.usage: a list append here), the
+        status page's activity list and tokens per second."""
+        if self.usage is not None:
+            self.usage.record_trace(trace)
         if self.recent.add(trace, duration) is not None and trace.model and trace.eval_tokens:
             end = time.time()
             generating = trace.eval_seconds or max(0.0, duration - (trace.queue_wait or 0.0))

@@ -269,6 +269,10 @@ class MessageStream:
 
     # -- the end --------------------------------------------------------------------------------
 
+    def usage(self) -> dict[str, Any]:
+        """The usage so far (the whole answer's once it finished)."""
+        return self._usage()
+
     def _usage(self) -> dict[str, Any]:
         prompt = self._prompt or 0
         cached = min(self._cached, prompt)

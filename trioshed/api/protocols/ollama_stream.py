@@ -281,6 +281,16 @@ class OllamaStream:
             "eval_duration": round(float(t.get("predicted_ms") or 0.0) * 1_000_000),
         }
 
+    def so_far(self) -> dict[str, Any]:
+        """Token counts of what was generated so far, for a stream the client left."""
+        return {"prompt_eval_count": self._prompt_tokens or 0,
+                "eval_count": self._completion_tokens if self._completion_tokens is not None else self._pieces}  # fmt: skip
+
+    @property
+    def timings(self) -> Mapping[str, Any]:
+        """llama-server's last ``timings`` (``cache_n``, ``prompt_ms``, ``predicted_ms``...)."""
+        return self._timings
+
     def finish(
         self, *, load_duration_ns: int, total_duration_ns: int, done_reason: str | None = None
     ) -> dict[str, Any]:
