@@ -5,6 +5,7 @@ its models and cannot administer, a budget refuses once crossed."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -255,9 +256,37 @@ async def test_a_user_key_sees_only_its_models_and_cannot_administer(shared_stor
                 assert r.status_code == 200
                 assert [m["name"] for m in (await http.get("/api/ps", headers=BOSS)).json()["models"]] == ["secret:latest"]
                 assert (await http.get("/api/ps", headers=ANN)).json()["models"] == []
+                # the status page's stream: the user's own models, no log; the admin's: all, usage per key
+                logging.getLogger("trioshed.test").warning("a line of the log tail")
+                ann = await first_messages(http, ANN)
+                assert ann["hello"]["models"] == ["tiny:latest"] and "log" not in ann
+                assert ann["state"]["runners"] == [] and [m["name"] for m in ann["models"]["models"]] == ["tiny:latest"]
+                assert [u["key"] for u in ann["state"]["usage"]] == ["ann"]
+                boss = await first_messages(http, BOSS, "log")
+                assert boss["hello"]["models"] == ["secret:latest", "tiny:latest"]
+                assert [r["model"] for r in boss["state"]["runners"]] == ["secret:latest"]
+                assert {u["key"] for u in boss["state"]["usage"]} == {"boss", "ann"}
                 assert (await http.post("/api/generate", json={"model": "secret", "keep_alive": 0}, headers=BOSS)).status_code == 200
                 assert (await http.request("DELETE", "/api/delete", json={"model": "secret"}, headers=BOSS)).status_code == 200
                 assert names(await http.get("/api/tags", headers=BOSS)) == ["tiny:latest"]
+
+
+async def first_messages(http: httpx.AsyncClient, headers: dict[str, str], *more: str) -> dict[str, Any]:
+    """The status page stream's first message of each kind, until hello, state, models (and ``more``)."""
+    wanted, seen = {"hello", "state", "models", *more}, {}
+    with trio.fail_after(20):
+        async with http.stream("GET", "/api/events", headers=headers) as response:
+            buffer = ""
+            async for text in response.aiter_text():
+                buffer += text
+                while "\n\n" in buffer:
+                    block, buffer = buffer.split("\n\n", 1)
+                    if not block.startswith(":"):
+                        fields = dict(line.split(": ", 1) for line in block.split("\n"))
+                        seen.setdefault(fields["event"], json.loads(fields["data"]))
+                if wanted <= set(seen):
+                    return seen
+    raise AssertionError(f"the stream ended with {sorted(seen)}")
 
 
 async def _use_every_protocol(base: str) -> tuple[int, int, int]:
