@@ -228,3 +228,25 @@ async def test_status_page_in_chromium_shows_loads_and_evictions_live_and_surviv
             # nothing was fetched from anywhere else, and the page raised nothing (CSP included)
             assert all(u.startswith(served.url) for u in browser.requests()), browser.requests()
             assert problems(browser) == []
+
+
+async def test_status_page_shows_each_keys_tokens_today_and_budget_left_to_an_admin(chromium: str, model_store: Path, tmp_path: Path) -> None:
+    keys = tmp_path / "keys.toml"
+    keys.write_text('[[key]]\nname = "ops"\nkey = "ops-secret-1"\nrole = "admin"\n\n'
+                    '[[key]]\nname = "ann"\nkey = "ann-secret-1"\ntokens_per_day = 100000\n')  # fmt: skip
+    with trio.fail_after(180):
+        async with open_browser(chromium, tmp_path / "chromium.log") as browser:
+            async with serve_process(model_store, TRIOSHED_KEYS_FILE=str(keys), TRIOSHED_USAGE_DB=str(tmp_path / "u.db")) as served:
+                async with httpx.AsyncClient(base_url=served.url, timeout=60) as http:
+                    r = await http.post("/api/generate", headers={"Authorization": "Bearer ann-secret-1"},
+                                        json={"model": "tiny", "prompt": "hi", "options": {"num_predict": 3}, "stream": False})  # fmt: skip
+                    spent = r.json()["prompt_eval_count"] + r.json()["eval_count"]
+                await browser.navigate(f"{served.url}/ui")
+                await browser.wait_for("document.body.dataset.stream === 'key' && !document.getElementById('key-form').hidden")
+                await browser.evaluate("document.getElementById('key-input').value = 'ops-secret-1'")
+                await browser.evaluate("document.getElementById('key-form').requestSubmit()")
+                rows = await browser.wait_for("""(() => { const r = [...document.querySelectorAll('#keys tbody tr')].map(tr => tr.innerText.split('\\t'));
+                                                 return r.length === 2 && !document.getElementById('keys-section').hidden && r; })()""")
+                assert rows[0][:2] == ["ops", "admin"] and rows[1][:2] == ["ann", "user"]
+                assert rows[1][4] == f"tokens per day: {100000 - spent} of 100000" and rows[0][4] == "no budget"
+                assert [p for p in browser.problems() if "status of 401" not in p] == []  # the first try, before the key

@@ -149,6 +149,16 @@ function renderQueue(queue) {
   tick();
 }
 
+// Usage per API key (an admin sees every key, a user key its own; no keys: no section)
+function renderKeys(usage) {
+  const rows = (usage || []).filter((u) => u.key).map((u) => el("tr", {},
+    el("td", {}, u.key), el("td", {}, u.role || ""),
+    el("td", { class: "num" }, String(u.prompt_tokens_today)), el("td", { class: "num" }, String(u.completion_tokens_today)),
+    el("td", {}, Object.entries(u.budgets || {}).map(([name, b]) => `${name.replaceAll("_", " ")}: ${b.left} of ${b.limit}`).join("; ") || "no budget")));
+  $("keys").tBodies[0].replaceChildren(...rows);
+  $("keys-section").hidden = rows.length === 0;
+}
+
 function renderModels(models) {
   $("model-names").replaceChildren(...models.map((m) => el("option", { value: m })));
 }
@@ -396,6 +406,7 @@ function handle(type, data) {
     renderDevices(data.devices);
     renderRunners(data.runners);
     renderQueue(data.queue);
+    renderKeys(data.usage);
     $("updated").textContent = "updated " + clock(data.time);
   } else if (type === "events") {
     const seen = ui.events.length ? ui.events[ui.events.length - 1].seq : 0;
