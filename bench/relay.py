@@ -90,6 +90,10 @@ class Block:
         return self.tokens_total / self.cpu_s if self.cpu_s else 0.0
 
 
+#: An ``Authorization: ...\r\n`` line every request sends (``bench.usage_overhead``: a server with keys)
+AUTH_HEADER = b""
+
+
 class KeptConnection:
     """One client connection used for request after request (reopened when the server closes it)."""
 
@@ -110,8 +114,8 @@ class KeptConnection:
         stream = self.stream
         try:
             await stream.send_all(
-                b"POST %s HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n%s"
-                % (path.encode(), len(body), b"Connection: close\r\n" if close else b"", body)
+                b"POST %s HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s%s\r\n%s"
+                % (path.encode(), len(body), AUTH_HEADER, b"Connection: close\r\n" if close else b"", body)
             )
             head = b""
             while b"\r\n\r\n" not in head:

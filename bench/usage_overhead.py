@@ -1,0 +1,111 @@
+"""Usage recording's cost on the hot path: trioshed with ``TRIOSHED_USAGE`` on and off, side by side.
+
+``python -m bench.usage_overhead`` starts two trioshed processes over the stand-in upstream
+(:mod:`bench.standin`: the proxy is the only limit), both with a keys file whose key has a token
+budget (so each request also asks the ledger), one recording usage to SQLite and one not, and
+runs blocks of streamed one-token requests (per-request cost: where usage is recorded) and
+64-token streams at c=1 and c=16, rounds interleaved (on, off, then off, on). Reported: each
+target's process CPU per request (median over rounds) and the on/off ratio; target: no
+measurable difference (ratio within the rounds' own spread). Results: ``bench/results/<date>-usage-overhead.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from contextlib import AsyncExitStack
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from bench import procs, relay
+from bench.standin import BURST_ENV, write_wrapper
+
+KEY = "bench-usage-key-1"
+
+
+async def run(*, rounds: int = 5, requests: int = 200, concurrency: Sequence[int] = (1, 16), say: Any = print) -> dict[str, Any]:
+    from trioshed.testing.tiny import write_tiny_model
+
+    with tempfile.TemporaryDirectory(prefix="usage-bench-") as tmp:
+        base = Path(tmp)
+        models = base / "models"
+        models.mkdir()
+        write_tiny_model(models / "tiny.gguf")
+        keys = base / "keys.toml"
+        keys.write_text(f'[[key]]\nname = "bench"\nkey = "{KEY}"\ntokens_per_day = 1000000000\n')
+        wrapper = write_wrapper(base)
+        flags = procs.RunnerFlags(parallel=max(concurrency), ctx_per_slot=128)
+        servers = {}
+        async with AsyncExitStack() as stack:
+            for name, on in (("on", "true"), ("off", "false")):
+                env = {"TRIOSHED_LLAMA_SERVER": str(wrapper), "TRIOSHED_MAX_CONNECTIONS": "1024", BURST_ENV: "1",
+                       "TRIOSHED_USAGE": on, "TRIOSHED_USAGE_DB": str(base / f"usage-{name}.db"), "TRIOSHED_KEYS_FILE": str(keys)}  # fmt: skip
+                servers[name] = await stack.enter_async_context(
+                    procs.open_trioshed(models, flags, base / "logs", max_loaded=1, extra_env=env, ready_path="/ui")
+                )
+            relay.AUTH_HEADER = f"Authorization: Bearer {KEY}\r\n".encode()
+            ports = {n: int(s.base_url.rsplit(":", 1)[1]) for n, s in servers.items()}
+            for n in servers:  # warm: runner loaded, paths imported
+                await relay.run_block(ports[n], servers[n].pid, "ollama-generate", "tiny", 1, 4, 8)
+            rows = []
+            for protocol in ("ollama-generate", "openai-chat"):
+                for c in concurrency:
+                    for tokens in (1, 64):
+                        per: dict[str, list[float]] = {"on": [], "off": []}
+                        failed = 0
+                        for r in range(rounds):
+                            for n in ("on", "off") if r % 2 == 0 else ("off", "on"):
+                                block = await relay.run_block(ports[n], servers[n].pid, protocol, "tiny", c, tokens, requests)
+                                failed += block.failed
+                                per[n].append(block.cpu_s / block.requests * 1e6)
+                        on, off = statistics.median(per["on"]), statistics.median(per["off"])
+                        spread = statistics.pstdev(per["off"]) / off if off else 0.0
+                        row = {"protocol": protocol, "concurrency": c, "tokens": tokens, "cpu_us_per_request_on": round(on, 1),
+                               "cpu_us_per_request_off": round(off, 1), "ratio": round(on / off, 3) if off else None,
+                               "off_spread": round(spread, 3), "failed": failed}  # fmt: skip
+                        rows.append(row)
+                        say(f"usage {protocol:16s} c={c:<3d} tokens={tokens:<3d} on {on:8.1f} us/req  off {off:8.1f} us/req  "
+                            f"ratio {row['ratio']}  (off's spread {spread:.1%})  failed {failed}")  # fmt: skip
+            written = servers["on"]
+        return {"rows": rows, "rounds": rounds, "requests": requests, "server": str(written.base_url)}
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    lines = [
+        f"# Usage recording on vs off ({time.strftime('%Y-%m-%d')})",
+        "",
+        "trioshed over the stand-in upstream, two processes side by side (usage to SQLite on / off), a key with a",
+        f"token budget on both; {doc['rounds']} interleaved rounds of {doc['requests']} streamed requests per cell;",
+        "process CPU per request, median over rounds. Target: no measurable difference (ratio within the spread).",
+        "",
+        "| protocol | c | tokens | on (us/req) | off (us/req) | on/off | off's spread | failed |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in doc["rows"]:
+        lines.append(f"| {r['protocol']} | {r['concurrency']} | {r['tokens']} | {r['cpu_us_per_request_on']} | "
+                     f"{r['cpu_us_per_request_off']} | {r['ratio']} | {r['off_spread']:.1%} | {r['failed']} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = parser.parse_args(argv)
+    doc = trio.run(lambda: run(rounds=args.rounds, requests=args.requests))
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"{time.strftime('%Y-%m-%d')}-usage-overhead.md"
+    path.write_text(markdown(doc))
+    print(f"wrote {path}", file=sys.stderr)
+    return 1 if any(r["failed"] for r in doc["rows"]) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
