@@ -80,6 +80,7 @@ def _json(data: dict[str, Any], status: int = 200) -> Response:
 
 async def _relay(lease: Lease, path: str, body: dict[str, Any], stream: ResponsesStream) -> AsyncIterator[bytes]:
     yield stream.start()
+    trace = current_trace.get()
     try:
         async with open_upstream(lease, path, body) as batches:
             async for lines in batches:
@@ -88,6 +89,8 @@ async def _relay(lease: Lease, path: str, body: dict[str, Any], stream: Response
                     event = parse_sse_line(line)
                     if event is not None and "error" in event:
                         raise UpstreamError(f"llama-server error: {upstream_error_message(event)}")
+                    if trace is not None and event is not None and ("usage" in event or "timings" in event):
+                        trace.counted(event)  # the usage chunk and llama-server's timings, at the end
                     out += stream.feed(event) if event is not None else b""
                 if out:
                     yield out

@@ -54,6 +54,7 @@ class UsageDB:
         self.path = path
         self.timeout = timeout
         self._db: sqlite3.Connection | None = None
+        self._pruned = 0  # the hour last pruned: old hourly rows go once an hour, not per batch
 
     def open(self) -> None:
         """Open (creating the file and its folder) and check it; sqlite3.Error when it is unusable."""
@@ -91,8 +92,10 @@ class UsageDB:
             for name, unit, size in TABLES.values():
                 rows = [(*k, *v) for k, v in aggregate(spends, size).items()]
                 db.executemany(_UPSERT.format(name=name, unit=unit), rows)
-            db.execute("DELETE FROM usage_hour WHERE hour < ?", (int(now) - HOURS_KEPT * HOUR,))
+            if int(now) // HOUR != self._pruned:
+                db.execute("DELETE FROM usage_hour WHERE hour < ?", (int(now) - HOURS_KEPT * HOUR,))
             db.execute("COMMIT")
+            self._pruned = int(now) // HOUR
         except BaseException:
             if db.in_transaction:
                 db.execute("ROLLBACK")
