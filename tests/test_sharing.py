@@ -136,6 +136,15 @@ def read_only(path: Path, on: bool) -> None:
         path.chmod((0o555 if path.is_dir() else 0o444) if on else 0o755)
 
 
+def test_hourly_rows_older_than_two_weeks_go_and_daily_rows_stay(tmp_path: Path) -> None:
+    db = UsageDB(tmp_path / "usage.db")
+    db.write(spends(2, when=1 * DAY), 1 * DAY + 10)
+    db.write(spends(1, when=20 * DAY), 20 * DAY + 10)  # 19 days later: the first hour goes
+    assert [r["start"] for r in db.query(by="hour")] == [20 * DAY]
+    assert [(r["start"], r["requests"]) for r in db.query(by="day")] == [(1 * DAY, 2), (20 * DAY, 1)]
+    db.close()
+
+
 async def _flush_fails(recorder: UsageRecorder, caplog: pytest.LogCaptureFixture, problem: str) -> None:
     await recorder.flush()
     assert recorder.problem == problem and len(recorder.pending) == 3, recorder.problem
