@@ -76,6 +76,38 @@ async def run(*, rounds: int = 5, requests: int = 200, concurrency: Sequence[int
         return {"rows": rows, "rounds": rounds, "requests": requests, "server": str(written.base_url)}
 
 
+def in_process(n: int = 200_000) -> dict[str, float]:
+    """The hot path's own share, in-process: recording one finished request (ledger + row kept for
+    the writer) and asking the ledger before one, with a minute window of ``n`` spends; and one
+    batch of 1,000 rows written to SQLite (the writer's thread, once a second)."""
+    from trioshed.keys import ApiKey
+    from trioshed.trace import RequestTrace
+    from trioshed.usage.db import UsageDB
+    from trioshed.usage.recorder import UsageRecorder
+
+    with tempfile.TemporaryDirectory(prefix="usage-micro-") as tmp:
+        recorder = UsageRecorder(Path(tmp) / "u.db", bound=n)
+        trace = RequestTrace("POST", "/api/chat", "", 0.0, model="tiny:latest", key="ann", status=200,
+                             prompt_tokens=20, eval_tokens=64, cached_tokens=10, prompt_seconds=0.01, eval_seconds=0.1)  # fmt: skip
+        key = ApiKey("ann", "12345678", tokens_per_minute=10**12, tokens_per_day=10**12)
+        c0 = time.process_time()
+        for _ in range(n):
+            recorder.record_trace(trace)
+        c1 = time.process_time()
+        for _ in range(n):
+            recorder.ledger.refusal(key, time.time())
+        c2 = time.process_time()
+        db = UsageDB(Path(tmp) / "batch.db")
+        batch = recorder.pending[:1000]
+        c3 = time.process_time()
+        for _ in range(20):
+            db.write(batch, time.time())
+        c4 = time.process_time()
+        db.close()
+    return {"record_us": round((c1 - c0) / n * 1e6, 2), "budget_check_us": round((c2 - c1) / n * 1e6, 2),
+            "batch_1000_ms": round((c4 - c3) / 20 * 1e3, 2)}  # fmt: skip
+
+
 def markdown(doc: dict[str, Any]) -> str:
     lines = [
         f"# Usage recording on vs off ({time.strftime('%Y-%m-%d')})",
@@ -90,6 +122,11 @@ def markdown(doc: dict[str, Any]) -> str:
     for r in doc["rows"]:
         lines.append(f"| {r['protocol']} | {r['concurrency']} | {r['tokens']} | {r['cpu_us_per_request_on']} | "
                      f"{r['cpu_us_per_request_off']} | {r['ratio']} | {r['off_spread']:.1%} | {r['failed']} |")  # fmt: skip
+    m = doc["in_process"]
+    lines += ["", "In-process, the hot path's own share (no HTTP, no processes):", "",
+              f"- recording a finished request (ledger + the row kept for the writer): {m['record_us']} us",
+              f"- asking the ledger before a request (two budgets, 200,000 spends in the minute window): {m['budget_check_us']} us",
+              f"- writing a batch of 1,000 rows to SQLite (the writer's worker thread, once a second): {m['batch_1000_ms']} ms CPU"]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -100,6 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
     doc = trio.run(lambda: run(rounds=args.rounds, requests=args.requests))
+    doc["in_process"] = in_process()
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{time.strftime('%Y-%m-%d')}-usage-overhead.md"
     path.write_text(markdown(doc))

@@ -313,6 +313,10 @@ async def _use_every_protocol(base: str) -> tuple[int, int, int]:
     s = await in_thread(lambda: list(oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "yo"}], max_tokens=5,
                                                                  temperature=0, stream=True, stream_options={"include_usage": True})))
     seen.append((s[-1].usage.prompt_tokens, s[-1].usage.completion_tokens))
+    # the same stream without include_usage: counted from llama-server's timings, the same tokens
+    await in_thread(lambda: list(oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "yo"}], max_tokens=5,
+                                                             temperature=0, stream=True)))
+    seen.append(seen[-1])
     m = await in_thread(ant.messages.create, model="tiny", max_tokens=4, messages=[{"role": "user", "content": "hey"}])
     seen.append((m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0), m.usage.output_tokens))
 

@@ -26,6 +26,7 @@ by comparing the presented token with *every* key in constant time (no early exi
 from __future__ import annotations
 
 import fnmatch
+import functools
 import hmac
 import math
 import re
@@ -79,6 +80,10 @@ class ApiKey:
 
     def budgets(self) -> tuple[tuple[str, str, str, int], ...]:
         """(field, which tokens, window, limit) of each budget this key has."""
+        return self._budgets
+
+    @functools.cached_property
+    def _budgets(self) -> tuple[tuple[str, str, str, int], ...]:  # asked per request: computed once
         return tuple((f, kind, w, getattr(self, f)) for f, kind, w in BUDGETS if getattr(self, f))
 
 

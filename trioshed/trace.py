@@ -92,6 +92,10 @@ class RequestTrace:
                 self.eval_seconds = eval_ms / 1000
             if isinstance(timings.get("cache_n"), int):
                 self.cached_tokens = timings["cache_n"]
+            if prompt is None and isinstance(timings.get("prompt_n"), int):  # a stream without usage
+                self.prompt_tokens = timings["prompt_n"] + (self.cached_tokens or 0)
+            if completion is None and isinstance(timings.get("predicted_n"), int):
+                self.eval_tokens = timings["predicted_n"]
         prompt_ns, eval_ns = answer.get("prompt_eval_duration"), answer.get("eval_duration")  # Ollama's
         if isinstance(prompt_ns, int) and prompt_ns > 0:
             self.prompt_seconds = prompt_ns / 1e9

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from trioshed.keys import ApiKey
 
 DAY = 86400.0
+_PICK = {"total": lambda p, c: p + c, "prompt": lambda p, c: p, "completion": lambda p, c: c}
 MINUTE = 60.0
 
 
@@ -37,14 +38,18 @@ class Ledger:
 
     def __init__(self) -> None:
         self._minute: dict[str, deque[tuple[float, int, int]]] = {}
+        self._minute_sums: dict[str, list[int]] = {}  # name -> [prompt, completion] in the window (kept, not summed per ask)
         self._day: dict[str, tuple[int, int, int]] = {}  # name -> (day number, prompt, completion)
 
     def spend(self, s: Spend) -> None:
         if not (s.prompt or s.completion):
             return
         window = self._minute.setdefault(s.key, deque())
+        sums = self._minute_sums.setdefault(s.key, [0, 0])
         window.append((s.time, s.prompt, s.completion))
-        self._trim(window, s.time)
+        sums[0] += s.prompt
+        sums[1] += s.completion
+        self._trim(s.key, s.time)
         self.seed(s.key, s.time, s.prompt, s.completion)
 
     def seed(self, name: str, when: float, prompt: int, completion: int) -> None:
@@ -65,11 +70,11 @@ class Ledger:
         return known[1], known[2]
 
     def minute(self, name: str, now: float) -> tuple[int, int]:
-        window = self._minute.get(name)
-        if not window:
+        if name not in self._minute:
             return 0, 0
-        self._trim(window, now)
-        return sum(p for _, p, _ in window), sum(c for _, _, c in window)
+        self._trim(name, now)
+        prompt, completion = self._minute_sums[name]
+        return prompt, completion
 
     def left(self, key: ApiKey, now: float) -> dict[str, int]:
         """Each budget of ``key`` -> the tokens left in it now (0 when spent)."""
@@ -85,9 +90,9 @@ class Ledger:
         seconds until it has room again)."""
         for _field, kind, window, limit in key.budgets():
             prompt, completion = self.minute(key.name, now) if window == "minute" else self.today(key.name, now)
-            pick = {"total": lambda p, c: p + c, "prompt": lambda p, c: p, "completion": lambda p, c: c}[kind]
-            if pick(prompt, completion) < limit:
+            if {"total": prompt + completion, "prompt": prompt, "completion": completion}[kind] < limit:
                 continue
+            pick = _PICK[kind]
             words = ("" if kind == "total" else f"{kind} ") + f"tokens per {window}"
             if window == "day":
                 retry = math.ceil((int(now // DAY) + 1) * DAY - now)
@@ -105,7 +110,9 @@ class Ledger:
                 return math.ceil(when + MINUTE - now)
         return math.ceil(MINUTE)
 
-    @staticmethod
-    def _trim(window: deque[tuple[float, int, int]], now: float) -> None:
+    def _trim(self, name: str, now: float) -> None:
+        window, sums = self._minute[name], self._minute_sums[name]
         while window and window[0][0] <= now - MINUTE:
-            window.popleft()
+            _, prompt, completion = window.popleft()
+            sums[0] -= prompt
+            sums[1] -= completion
