@@ -29,7 +29,10 @@ from bench.standin import BURST_ENV, write_wrapper
 KEY = "bench-usage-key-1"
 
 
-async def run(*, rounds: int = 5, requests: int = 200, concurrency: Sequence[int] = (1, 16), say: Any = print) -> dict[str, Any]:
+async def run(*, rounds: int = 5, requests: int = 200, concurrency: Sequence[int] = (1, 16), tokens: Sequence[int] = (1, 64),
+              start: Sequence[str] = ("on", "off"), usage_off: bool = False, say: Any = print) -> dict[str, Any]:  # fmt: skip
+    """``start``: the order the two processes start in (a check for position effects);
+    ``usage_off``: both off (an A/A run: the noise floor of the comparison)."""
     from trioshed.testing.tiny import write_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="usage-bench-") as tmp:
@@ -43,7 +46,8 @@ async def run(*, rounds: int = 5, requests: int = 200, concurrency: Sequence[int
         flags = procs.RunnerFlags(parallel=max(concurrency), ctx_per_slot=128)
         servers = {}
         async with AsyncExitStack() as stack:
-            for name, on in (("on", "true"), ("off", "false")):
+            for name in start:
+                on = "true" if name == "on" and not usage_off else "false"
                 env = {"TRIOSHED_LLAMA_SERVER": str(wrapper), "TRIOSHED_MAX_CONNECTIONS": "1024", BURST_ENV: "1",
                        "TRIOSHED_USAGE": on, "TRIOSHED_USAGE_DB": str(base / f"usage-{name}.db"), "TRIOSHED_KEYS_FILE": str(keys)}  # fmt: skip
                 servers[name] = await stack.enter_async_context(
@@ -56,24 +60,25 @@ async def run(*, rounds: int = 5, requests: int = 200, concurrency: Sequence[int
             rows = []
             for protocol in ("ollama-generate", "openai-chat"):
                 for c in concurrency:
-                    for tokens in (1, 64):
+                    for n_tokens in tokens:
                         per: dict[str, list[float]] = {"on": [], "off": []}
                         failed = 0
                         for r in range(rounds):
                             for n in ("on", "off") if r % 2 == 0 else ("off", "on"):
-                                block = await relay.run_block(ports[n], servers[n].pid, protocol, "tiny", c, tokens, requests)
+                                block = await relay.run_block(ports[n], servers[n].pid, protocol, "tiny", c, n_tokens, requests)
                                 failed += block.failed
                                 per[n].append(block.cpu_s / block.requests * 1e6)
                         on, off = statistics.median(per["on"]), statistics.median(per["off"])
                         spread = statistics.pstdev(per["off"]) / off if off else 0.0
-                        row = {"protocol": protocol, "concurrency": c, "tokens": tokens, "cpu_us_per_request_on": round(on, 1),
+                        row = {"protocol": protocol, "concurrency": c, "tokens": n_tokens, "cpu_us_per_request_on": round(on, 1),
                                "cpu_us_per_request_off": round(off, 1), "ratio": round(on / off, 3) if off else None,
                                "off_spread": round(spread, 3), "failed": failed}  # fmt: skip
                         rows.append(row)
-                        say(f"usage {protocol:16s} c={c:<3d} tokens={tokens:<3d} on {on:8.1f} us/req  off {off:8.1f} us/req  "
+                        say(f"usage {protocol:16s} c={c:<3d} tokens={n_tokens:<3d} on {on:8.1f} us/req  off {off:8.1f} us/req  "
                             f"ratio {row['ratio']}  (off's spread {spread:.1%})  failed {failed}")  # fmt: skip
             written = servers["on"]
-        return {"rows": rows, "rounds": rounds, "requests": requests, "server": str(written.base_url)}
+        return {"rows": rows, "rounds": rounds, "requests": requests, "server": str(written.base_url),
+                "start": list(start), "usage_off": usage_off}
 
 
 def in_process(n: int = 200_000) -> dict[str, float]:
@@ -114,6 +119,7 @@ def markdown(doc: dict[str, Any]) -> str:
         "",
         "trioshed over the stand-in upstream, two processes side by side (usage to SQLite on / off), a key with a",
         f"token budget on both; {doc['rounds']} interleaved rounds of {doc['requests']} streamed requests per cell;",
+        f"started in the order {', '.join(doc['start'])}" + ("; an A/A run: usage off in both, the comparison's noise floor" if doc["usage_off"] else "") + ";",
         "process CPU per request, median over rounds. Target: no measurable difference (ratio within the spread).",
         "",
         "| protocol | c | tokens | on (us/req) | off (us/req) | on/off | off's spread | failed |",
@@ -135,11 +141,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--start", choices=("on", "off"), default="on", help="which process starts first")
+    parser.add_argument("--aa", action="store_true", help="usage off in both (the comparison's noise floor)")
+    parser.add_argument("--name", default="usage-overhead", help="the results file's name after the date")
     args = parser.parse_args(argv)
-    doc = trio.run(lambda: run(rounds=args.rounds, requests=args.requests))
+    start = ("on", "off") if args.start == "on" else ("off", "on")
+    doc = trio.run(lambda: run(rounds=args.rounds, requests=args.requests, tokens=args.tokens, start=start, usage_off=args.aa))
     doc["in_process"] = in_process()
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"{time.strftime('%Y-%m-%d')}-usage-overhead.md"
+    path = args.out / f"{time.strftime('%Y-%m-%d')}-{args.name}.md"
     path.write_text(markdown(doc))
     print(f"wrote {path}", file=sys.stderr)
     return 1 if any(r["failed"] for r in doc["rows"]) else 0

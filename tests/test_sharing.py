@@ -73,7 +73,8 @@ def test_a_bad_keys_file_names_the_line(tmp_path: Path, entry: str, line: int, m
 def test_the_role_table_makes_every_unlisted_route_admin() -> None:
     user = [("POST", "/api/chat"), ("POST", "/v1/chat/completions"), ("POST", "/v1/messages"), ("POST", "/api/embed"),
             ("POST", "/v1/rerank"), ("POST", "/api/show"), ("GET", "/api/tags"), ("HEAD", "/api/tags"),
-            ("GET", "/v1/models/user/m:tag"), ("GET", "/api/usage"), ("GET", "/api/ps")]
+            ("GET", "/v1/models/user/m:tag"), ("GET", "/api/usage"), ("GET", "/api/ps"), ("POST", "/infill"),
+            ("POST", "/tokenize"), ("POST", "/apply-template")]
     admin = [("POST", "/api/pull"), ("DELETE", "/api/delete"), ("POST", "/api/copy"), ("POST", "/api/create"),
              ("POST", "/api/push"), ("POST", "/api/blobs/sha256:00"), ("HEAD", "/api/blobs/sha256:00"),
              ("POST", "/api/pin"), ("GET", "/metrics"), ("GET", "/upstream/tiny/health"), ("POST", "/upstream/tiny/x"),
