@@ -16,6 +16,7 @@ from quart import Blueprint, current_app
 
 from trioshed import __version__
 from trioshed.api.openapi_llama import llama_paths, llama_schemas
+from trioshed.api.openapi_usage import usage_paths
 from trioshed.models.store import ModelStore
 
 bp = Blueprint("openapi", __name__)
@@ -394,7 +395,6 @@ def _paths() -> Schema:
         "/api/embed": {"post": _json_op("Embeddings for one input or several (Ollama)", "EmbedRequest", _ref("EmbedResponse"))},
         "/api/embeddings": {"post": _json_op("One embedding (Ollama's older route)", "EmbeddingsRequest", _ref("EmbeddingsResponse"))},
         "/api/tags": {"get": _get_op("Models in the store", "application/json", _ref("TagsResponse"))},
-        "/api/usage": {"get": _get_op("Requests and tokens per API key, model and day or hour (query: key, model, since, until, by, format)", "application/json", {"type": "object"})},
         "/api/ps": {"get": _get_op("Loaded models", "application/json", _ref("PsResponse"))},
         "/api/show": {"post": _json_op("A model's details, GGUF metadata and memory estimate", "ModelRequest", _ref("ShowResponse"), errors=("400", "401", "404", "413", "500"))},
         "/api/delete": {
@@ -469,7 +469,7 @@ def _paths() -> Schema:
         "/ui/ui.css": {"get": _get_op("The status page's style sheet", "text/css", _STR, auth=False)},
         "/metrics": {"get": _get_op("Prometheus metrics (text exposition format 0.0.4)", "text/plain", _STR)},
         "/openapi.json": {"get": _get_op("This document", "application/json", {"type": "object"})},
-        **llama_paths(),
+        **llama_paths(), **usage_paths(),
     }
 
 

@@ -46,7 +46,11 @@ def state() -> AppState:
 
 def store_writer() -> AppState:
     """The state, for a route that writes the model store (pull, push, create, blob uploads,
-    copy, delete): the one place where who may change the store is decided."""
+    copy, delete): the one place where who may change the store is decided: an admin key (the
+    gate refuses a user key on these routes already; this holds for any route that forgets)."""
+    key = current_key.get()
+    if not key.admin:
+        raise Forbidden(f"API key '{key.name}' may not change the model store: it needs an admin key (role = \"admin\" in the keys file)")
     return state()
 
 
