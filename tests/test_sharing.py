@@ -407,3 +407,11 @@ async def test_usage_survives_sigkill_and_a_bad_keys_reload_keeps_the_old_keys(m
             async with httpx.AsyncClient(base_url=served.url, timeout=60) as http:
                 (row,) = (await http.get("/api/usage", headers=ANN)).json()["usage"]
                 assert (row["requests"], row["prompt_tokens"], row["completion_tokens"]) == (1, r["prompt_eval_count"], r["eval_count"])
+
+
+def test_the_usage_database_lies_beside_the_first_models_folder(tmp_path: Path) -> None:
+    from trioshed.config import Settings
+
+    assert Settings(models=tmp_path / "models").usage_path == tmp_path / "usage.db"
+    assert Settings(models=f"{tmp_path}/a/models:{tmp_path}/b/models").usage_path == tmp_path / "a" / "usage.db"  # type: ignore[arg-type]
+    assert Settings(models=tmp_path / "models", usage_db=tmp_path / "u.db").usage_path == tmp_path / "u.db"

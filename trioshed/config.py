@@ -257,8 +257,12 @@ class Settings:
 
     @property
     def usage_path(self) -> Path:
-        """Where usage is recorded: TRIOSHED_USAGE_DB, else ``usage.db`` beside the models folder."""
-        return self.usage_db if self.usage_db is not None else self.models.parent / "usage.db"
+        """Where usage is recorded: TRIOSHED_USAGE_DB, else ``usage.db`` beside the (first) models folder."""
+        if self.usage_db is not None:
+            return Path(self.usage_db)
+        text = str(self.models)  # one folder, or several ":"-separated (as trioshed.models.stores reads it)
+        first = text if Path(text).expanduser().is_dir() or os.pathsep not in text else text.split(os.pathsep)[0]
+        return Path(first).expanduser().parent / "usage.db"
 
     def with_(self, **changes: object) -> Settings:
         return replace(self, **changes)  # type: ignore[arg-type]
