@@ -15,6 +15,8 @@ from pathlib import Path
 
 from trioshed._util import read_toml
 from trioshed.core.model import KV_CACHE_TYPES, Device
+from trioshed.core.speculation import DEFAULT as SPECULATION_DEFAULT
+from trioshed.core.speculation import parse_speculation
 from trioshed.keys import keyring
 
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
@@ -220,6 +222,9 @@ class Settings:
     #: Serve the generating routes as plain ASGI (trioshed.api.fast); off: through Quart, as
     #: every other route (same answers, more CPU per request; for comparing the two).
     fast_routes: bool = True
+    #: Speculative decoding for every runner unless models.toml says otherwise
+    #: (trioshed.core.speculation: off, ngram, or an n-gram kind by llama.cpp's name).
+    speculation: str = SPECULATION_DEFAULT
 
     @classmethod
     def from_env(
@@ -348,6 +353,7 @@ _PARSERS: dict[str, Callable[[str], object]] = {
     "cache_ram": parse_bytes,
     "vulkan_software": _bool,
     "fast_routes": _bool,
+    "speculation": parse_speculation,
 }
 SETTING_NAMES = tuple(_PARSERS)
 

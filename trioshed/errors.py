@@ -19,6 +19,8 @@
     ├── InsufficientMemory (507)         the model cannot fit even with every other model unloaded
     │   └── PinnedModelsInTheWay         it would fit only by evicting models pinned in models.toml
     ├── RemoteUnavailable (503)          the model fits only with an RPC server that is down
+    ├── DraftUnusable (500)              models.toml's draft model is missing, unreadable, or its
+    │                                    vocabulary differs from the target's
     ├── ModelUnreadable (500)            a model's file cannot be read: not a GGUF, damaged, gone
     │                                    (the message names the model; its path is only logged)
     ├── RunnerError (500)                a runner failed
@@ -203,6 +205,11 @@ class RemoteUnavailable(TrioshedError):
             headers={"Retry-After": str(retry_after)},
         )
         self.down = down
+
+
+class DraftUnusable(TrioshedError):
+    """A model's draft model (``models.toml``'s ``draft``) cannot serve it: not in the store,
+    unreadable, or a vocabulary llama.cpp would refuse. The message names both models."""
 
 
 class ModelUnreadable(TrioshedError):

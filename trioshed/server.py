@@ -65,7 +65,8 @@ def _estimate_cached(
     meta = read_metadata(files[0][0])
     adapters = sum(size for _, _, size in files[1 : 1 + n_adapters])
     projector = sum(size for _, _, size in files[1 + n_adapters :])
-    return estimate(meta, options, projector_bytes=projector, adapter_bytes=adapters)
+    draft = read_metadata(options.draft) if options.draft else None
+    return estimate(meta, options, projector_bytes=projector, adapter_bytes=adapters, draft=draft)
 
 
 @dataclass

@@ -114,6 +114,7 @@ class SchedulerCollector:
             leases.add_metric([model], held)
         yield size
         yield leases
+        yield from _speculation(stats)
         yield self._device_memory(stats)
         if stats.tenants:  # per API key name
             waiting = GaugeMetricFamily("trioshed_key_queued_requests", "Requests waiting for a runner, by API key name.", labels=["key"])
@@ -153,6 +154,27 @@ class SchedulerCollector:
         for device_id, nbytes in used.items():  # accounted somewhere no longer listed
             family.add_metric([device_id, "used"], nbytes)
         return family
+
+
+def _speculation(stats: SchedulerStatistics) -> Iterator[Metric]:
+    """Speculative decoding's drafted and accepted tokens per model, over its loaded runners
+    (a runner's counts start at its load: an unload is a counter reset)."""
+    drafted = CounterMetricFamily(
+        "trioshed_speculative_drafted_tokens", "Tokens drafted by speculative decoding (n-gram or draft model), by model.", labels=["model"]
+    )
+    accepted = CounterMetricFamily(
+        "trioshed_speculative_accepted_tokens", "Drafted tokens the model accepted, by model.", labels=["model"]
+    )
+    totals: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for r in stats.runners:
+        if r.options.draft or r.options.speculation != "off":
+            totals[r.model][0] += r.drafted
+            totals[r.model][1] += r.accepted
+    for model, (d, a) in totals.items():
+        drafted.add_metric([model], d)
+        accepted.add_metric([model], a)
+    yield drafted
+    yield accepted
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

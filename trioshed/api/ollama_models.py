@@ -185,8 +185,14 @@ def _runner_settings_now(
         # llama-server's host-memory prompt cache (--cache-ram), counted in the estimate
         "cache_ram": options.cache_ram_mib * 1024 * 1024,
         "swa_full": options.swa_full,
+        # speculative decoding: off, an n-gram kind, or "draft" (a draft model, named)
+        "speculation": "draft" if options.draft else options.speculation,
     }
+    if spec is not None and spec.draft and options.draft:
+        out["draft"] = spec.draft
     if stats is not None:
+        if options.draft or options.speculation != "off":
+            out["speculation_stats"] = {"drafted": stats.drafted, "accepted": stats.accepted}
         measured = stats.measured
         out["n_gpu_layers"] = stats.placement.n_gpu_layers
         out["devices"] = list(stats.placement.devices)

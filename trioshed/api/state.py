@@ -15,7 +15,7 @@ from trioshed.api.limits import check_runner_options
 from trioshed.config import Settings
 from trioshed.core.context import FLOOR, automatic_context, clamp
 from trioshed.core.model import MiB, ModelSpec, RunnerOptions
-from trioshed.errors import BadRequest
+from trioshed.errors import BadRequest, DraftUnusable, TrioshedError
 from trioshed.keys import ApiKey
 from trioshed.logtail import LogTail
 from trioshed.models.create import Creator
@@ -93,6 +93,8 @@ class AppState:
             cache_ram_mib=s.cache_ram // MiB,
             swa_full=s.kv_cache_budget > 0,  # warm returns: a restored SWA slot is reused only so
             extra_args=model.args,
+            speculation=model.speculation or s.speculation,
+            draft=self._draft_path(model),
         )
         if "--cache-ram" in model.args:  # models.toml's own size wins, and is the one counted
             at = model.args.index("--cache-ram")
@@ -135,6 +137,18 @@ class AppState:
         if "--rope-scaling" in args or "--yarn-orig-ctx" in args:
             return 0
         return meta.trained_context
+
+    def _draft_path(self, model: ModelSpec) -> str:
+        """The GGUF file of ``model``'s draft model ("" = none), resolved in the store now."""
+        if not model.draft:
+            return ""
+        try:
+            return self.store.resolve(model.draft).path
+        except TrioshedError as exc:
+            raise DraftUnusable(
+                f"model '{model.short_name}': its draft model '{model.draft}' cannot be used: {exc.message}; "
+                "fix draft in models.toml"
+            ) from None
 
     async def metadata(self, spec: ModelSpec) -> GGUFMetadata:
         """The GGUF header, read in a worker thread the first time (gemma3: ~40 ms), then cached."""

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, Protocol
 
 import gguf
@@ -316,8 +317,13 @@ def estimate(
     *,
     projector_bytes: int = 0,
     adapter_bytes: int = 0,
+    draft: MetadataLike | None = None,
 ) -> MemoryEstimate:
-    """What a runner of ``meta`` with ``opts`` needs, split the way placement moves it."""
+    """What a runner of ``meta`` with ``opts`` needs, split the way placement moves it.
+
+    ``draft``: the draft model's header (``opts.draft``); its estimate, with the target's
+    context, slots and batch and no prompt cache of its own, rides in ``MemoryEstimate.draft``.
+    """
     n_layer = meta.block_count
     layer_weights = [0] * n_layer
     token_embd = 0
@@ -372,4 +378,5 @@ def estimate(
         host_compute_full=host_full,
         host_compute_partial=host_partial,
         output_tensor=output_tensor,
+        draft=estimate(draft, replace(opts, cache_ram_mib=0, draft="")) if draft is not None else None,
     )

@@ -87,6 +87,11 @@ class RunnerOptions:
     #: (warm returns, ``trioshed.core.kvcache``) is reused; the estimate counts the larger cache.
     swa_full: bool = False
     extra_args: tuple[str, ...] = ()  # models.toml ``args`` (checked against an allow-list)
+    #: Speculative decoding (``trioshed.core.speculation``): ``"off"``, ``"ngram"`` or an
+    #: n-gram kind by llama.cpp's name; ignored while ``draft`` is set.
+    speculation: str = "off"
+    #: A draft model's GGUF file (``--model-draft``; "" = none), placed and counted with the target.
+    draft: str = ""
 
     @property
     def kv_cells(self) -> int:
@@ -133,6 +138,10 @@ class MemoryEstimate:
     #: The output layer's largest tensor (``output.weight``, or the tied ``token_embd.weight``):
     #: it stays in system memory on a device whose ``max_tensor`` it exceeds.
     output_tensor: int = 0
+    #: A draft model's own estimate (``RunnerOptions.draft``): llama-server gives it a context
+    #: like the target's (same cells, slots and batch; measured on b10068). Placement puts it on
+    #: the target's first GPU when every target layer is there, else in system memory.
+    draft: MemoryEstimate | None = None
 
     def gpu_compute(self, full: bool) -> int:
         """The GPU's compute buffer with every layer (``full``) or some of them offloaded."""
@@ -156,13 +165,15 @@ class MemoryEstimate:
             + self.compute_full
             + self.projector
             + self.adapters
+            + (self.draft.total if self.draft is not None else 0)
         )
 
     @property
     def cpu_total(self) -> int:
         """Everything in system memory (``-ngl 0``): ``total`` less the tied output copy, plus
         the CPU backend's repacked weights and the prompt cache."""
-        return self.total - self.output_shared + self.cpu_repack + self.prompt_cache
+        draft = self.draft.cpu_total - self.draft.total if self.draft is not None else 0
+        return self.total - self.output_shared + self.cpu_repack + self.prompt_cache + draft
 
 
 @dataclass(frozen=True)
@@ -184,6 +195,9 @@ class Placement:
     vram: tuple[tuple[str, int], ...] = ()
     ram: int = 0
     layers: tuple[int, ...] = ()
+    #: Where a draft model (``RunnerOptions.draft``) goes: a device id holding all its layers,
+    #: or None for system memory. Its bytes are in ``vram``/``ram`` with the target's.
+    draft_device: str | None = None
 
     @property
     def vram_total(self) -> int:
@@ -273,6 +287,10 @@ class ModelSpec:
     pinned: bool = False
     priority: int = 0
     args: tuple[str, ...] = ()
+    #: ``models.toml``'s ``speculation`` (None = TRIOSHED_SPECULATION) and ``draft`` (a model
+    #: name from the store; None = none), see ``trioshed.core.speculation``.
+    speculation: str | None = None
+    draft: str | None = None
     #: The model's default system prompt (an Ollama store's ``system`` layer), used when a
     #: request brings none.
     system: str = ""

@@ -86,7 +86,9 @@ def _output_left_on_host(est: MemoryEstimate, device: Device | None) -> int:
     return est.output_tensor
 
 
-def _cpu_ram(est: MemoryEstimate, n_gpu_layers: int, output_device: Device | None = None) -> int:
+def _cpu_ram(
+    est: MemoryEstimate, n_gpu_layers: int, output_device: Device | None = None, draft_gpu: Device | None = None
+) -> int:
     """System memory with ``n_gpu_layers`` offloaded: input layer, CPU layers, host compute,
     and llama-server's prompt cache (host memory whatever ``-ngl`` says).
 
@@ -98,12 +100,16 @@ def _cpu_ram(est: MemoryEstimate, n_gpu_layers: int, output_device: Device | Non
     n_layer = len(est.layers)
     if n_gpu_layers <= 0:
         return est.cpu_total
+    draft = 0  # a draft model: its host side on ``draft_gpu``, or all of it in system memory
+    if est.draft is not None:
+        d = est.draft
+        draft = _cpu_ram(d, len(d.layers) + 1, draft_gpu) if draft_gpu is not None else d.cpu_total
     on_cpu = max(n_layer + 1 - n_gpu_layers, 0)  # repeating layers left on the CPU
     ram = est.token_embd + est.prompt_cache + sum(est.layers[:on_cpu]) + est.host_compute(full=not on_cpu)
     if est.host_compute_partial is None and n_layer:
         ram += est.cpu_repack * on_cpu // n_layer
     left = _output_left_on_host(est, output_device)
-    return ram + max(0, left - est.output_shared)  # a tied copy left on the host is the mapped one
+    return ram + max(0, left - est.output_shared) + draft  # a tied copy left on the host is the mapped one
 
 
 def _gpu_vram(
@@ -166,9 +172,12 @@ def _try(
     else:
         fractions = [1.0]
     vram = _gpu_vram(est, gpus, n_gpu_layers, fractions)
+    draft_gpu = _draft_device(est, gpus, n_gpu_layers)
+    if draft_gpu is not None and est.draft is not None:
+        vram[0] += _gpu_vram(est.draft, [draft_gpu], len(est.draft.layers) + 1, [1.0])[0]
     if any(v > u for v, u in zip(vram, usable, strict=True)):
         return None
-    ram = _cpu_ram(est, n_gpu_layers, _output_device(est, gpus, n_gpu_layers, fractions))
+    ram = _cpu_ram(est, n_gpu_layers, _output_device(est, gpus, n_gpu_layers, fractions), draft_gpu)
     if ram > system_free:
         return None
     used = [(d, v) for d, v in zip(gpus, vram, strict=True) if v > 0]
@@ -180,7 +189,17 @@ def _try(
         main_gpu=0 if multi else None,
         vram=tuple((d.id, v) for d, v in used),
         ram=ram,
+        draft_device=draft_gpu.id if draft_gpu is not None else None,
     )
+
+
+def _draft_device(est: MemoryEstimate, gpus: Sequence[Device], n_gpu_layers: int) -> Device | None:
+    """Where a draft model goes: with every target layer on local GPUs, all of the draft on the
+    first of them (where ``--device-draft`` puts it); otherwise system memory (None), where it
+    takes no GPU memory a target layer could use."""
+    if est.draft is None or not gpus or n_gpu_layers <= len(est.layers) or gpus[0].is_remote:
+        return None
+    return gpus[0]
 
 
 def _libraries(gpus: Sequence[Device]) -> list[list[Device]]:

@@ -16,6 +16,8 @@
     priority = 10                        # planned first when several requests wait for memory
     args = ["--rope-scaling", "yarn", "--yarn-orig-ctx", "32768"]   # see ALLOWED_ARGS
     system = "You are terse."            # default system prompt (a request's own wins)
+    speculation = "ngram"                # speculative decoding: off, ngram or an n-gram kind
+    draft = "qwen2.5-0.5b"               # a draft model from the store (same vocabulary)
 
 Parsing is pure apart from reading the file (and a stat per model file, to warn about missing
 ones): :func:`load_catalogue` returns a new catalogue each time, so re-reading the file (on a
@@ -34,6 +36,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 from trioshed.config import parse_duration
+from trioshed.core.speculation import OFF, parse_speculation
 from trioshed.errors import BadRequest
 
 #: llama-server flags a model may add through ``args``, with the number of values each takes.
@@ -83,7 +86,7 @@ ALLOWED_ARGS: Mapping[str, int] = MappingProxyType(
 
 _ENTRY_KEYS = (
     "path", "aliases", "adapters", "projector", "options", "num_ctx", "num_parallel",
-    "keep_alive", "pinned", "preload", "priority", "args", "system",
+    "keep_alive", "pinned", "preload", "priority", "args", "system", "speculation", "draft",
 )  # fmt: skip
 
 
@@ -116,6 +119,8 @@ class Entry:
     priority: int = 0
     args: tuple[str, ...] = ()
     system: str = ""
+    speculation: str | None = None  # None: TRIOSHED_SPECULATION
+    draft: str | None = None  # a model name ("name:tag"), resolved by the store when used
 
 
 @dataclass(frozen=True)
@@ -310,6 +315,23 @@ def _parse_entry(key: str, table: object, file: str, root: Path) -> tuple[Entry 
         bad("system", f"must be a string, got {system!r}")
         system = ""
     args = _parse_args(table.get("args", []), lambda reason: bad("args", reason))
+    speculation = None
+    if "speculation" in table:
+        try:
+            speculation = parse_speculation(table["speculation"])
+        except ValueError as exc:
+            bad("speculation", str(exc))
+    draft = None
+    if "draft" in table:
+        if not isinstance(table["draft"], str) or not table["draft"]:
+            bad("draft", f"must be the name of a model in the store, e.g. draft = \"qwen2.5-0.5b\", got {table['draft']!r}")
+        else:
+            try:
+                draft = full_name(table["draft"])
+            except BadRequest as exc:
+                bad("draft", exc.message)
+        if speculation == OFF:
+            bad("draft", 'speculation = "off" and a draft model contradict each other; remove one')
     if errors or path is None:
         return None, errors
     if pinned and keep_alive is None:
@@ -329,6 +351,8 @@ def _parse_entry(key: str, table: object, file: str, root: Path) -> tuple[Entry 
             priority=priority,
             args=args,
             system=system,
+            speculation=speculation,
+            draft=draft,
         ),
         errors,
     )

@@ -89,10 +89,12 @@ def unreadable(model: str, path: str, exc: Exception) -> ModelUnreadable:
 
 @dataclass(frozen=True)
 class ArrayInfo:
-    """A metadata array too long to decode: its element type and length only."""
+    """A metadata array too long to decode: its element type, length, and where its elements
+    start in the file (``offset``: read them on demand, e.g. a vocabulary's tokens)."""
 
     type: gguf.GGUFValueType
     length: int
+    offset: int = 0
 
     def __len__(self) -> int:
         return self.length
@@ -408,9 +410,10 @@ class _Parser:
             n = self.u64()
             if n <= SMALL_ARRAY:
                 return tuple(self.value(etype) for _ in range(n))
+            start = self.pos
             self.skip_array(etype, n)
             try:
-                return ArrayInfo(gguf.GGUFValueType(etype), n)
+                return ArrayInfo(gguf.GGUFValueType(etype), n, start)
             except ValueError:
                 raise self.fail(f"unknown array element type {etype}") from None
         raise self.fail(f"unknown value type {vtype}")

@@ -133,6 +133,8 @@ class ModelStore:
             priority=entry.priority,
             args=entry.args,
             system=entry.system,
+            speculation=entry.speculation,
+            draft=entry.draft,
         )
 
     def resolve(self, name: str) -> ModelSpec:

@@ -195,7 +195,8 @@ class Stores:
 
     def copy(self, source: str, destination: str) -> str:
         """Add ``destination`` as a ``models.toml`` entry naming ``source``'s files and settings
-        (path, adapters, projector, options, system prompt, num_parallel, priority, args;
+        (path, adapters, projector, options, system prompt, num_parallel, priority, args,
+        speculation, draft;
         not pinned, preload or keep_alive). Returns the destination's full name."""
         dest = full_name(destination)
         base, tag = split_name(dest)
@@ -232,6 +233,10 @@ class Stores:
                 entry["priority"] = spec.priority
             if spec.args:
                 entry["args"] = list(spec.args)
+            if spec.speculation is not None:
+                entry["speculation"] = spec.speculation
+            if spec.draft is not None:
+                entry["draft"] = spec.draft
             store.root.mkdir(parents=True, exist_ok=True)
             remove = _raw_table(store, existing.name)[0] if existing is not None else key
             _rewrite_toml(store.toml_path, remove=remove, add=(key, entry), must_serve=dest)

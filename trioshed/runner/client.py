@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import trio
 
+from trioshed.core.speculation import drafted_accepted
 from trioshed.runner.wire import ProtocolError, ResponseReader, request_head
 
 __all__ = ["KEEP_IDLE", "MAX_REQUESTS", "ConnectionFailed", "PoolStats", "UpstreamPool", "UpstreamResponse"]
@@ -85,6 +86,10 @@ class PoolStats:
     opened: int
     reused: int
     retried: int
+    #: Speculative decoding: tokens drafted and accepted in the answers read to their end
+    #: (llama-server's ``timings.draft_n``/``draft_n_accepted``).
+    drafted: int = 0
+    accepted: int = 0
 
 
 class UpstreamResponse:
@@ -94,6 +99,7 @@ class UpstreamResponse:
         self._connection = connection
         self._reader = reader
         self._first = first
+        self._tail = (b"", b"")  # the last two pieces read: where the final timings are
         self.status: int = reader.status or 0
         self.headers = reader.headers
 
@@ -112,6 +118,7 @@ class UpstreamResponse:
         """The body, de-chunked, one piece per socket read (never an empty piece)."""
         first, self._first = self._first, b""
         if first:
+            self._tail = (b"", first)
             yield first
         reader, stream = self._reader, self._connection.stream
         while not reader.done:
@@ -127,7 +134,12 @@ class UpstreamResponse:
             except ProtocolError as exc:
                 raise ConnectionFailed(str(exc), received=reader.received) from None
             if body:
+                self._tail = (self._tail[1], body)
                 yield body
+
+    def tail(self) -> bytes:
+        """The last two pieces of the body read so far (the final event and ``[DONE]``)."""
+        return b"".join(self._tail)
 
     async def read(self) -> bytes:
         """The whole body."""
@@ -153,10 +165,14 @@ class UpstreamPool:
         self._opened = 0
         self._reused = 0
         self._retried = 0
+        self._drafted = 0
+        self._accepted = 0
         self._closed = False
 
     def statistics(self) -> PoolStats:
-        return PoolStats(len(self._idle), self._active, self._opened, self._reused, self._retried)
+        return PoolStats(
+            len(self._idle), self._active, self._opened, self._reused, self._retried, self._drafted, self._accepted
+        )
 
     @asynccontextmanager
     async def request(
@@ -189,6 +205,11 @@ class UpstreamPool:
             raise
         finally:
             self._active -= 1
+        if response.complete:
+            counts = drafted_accepted(response.tail())
+            if counts is not None:
+                self._drafted += counts[0]
+                self._accepted += counts[1]
         self._give_back(connection, response)
 
     async def get(self, path: str) -> tuple[int, bytes]:

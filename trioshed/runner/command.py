@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from trioshed.core.model import ModelSpec, Placement, RunnerOptions, rpc_endpoint
+from trioshed.core.speculation import ngram_args
 
 if TYPE_CHECKING:
     from trioshed.runner.slots import WarmReturns
@@ -35,6 +36,29 @@ def device_names(devices: tuple[str, ...]) -> list[str]:
 
 def _split(values: tuple[float, ...] | list[int]) -> str:
     return ",".join(f"{x:.4g}" for x in values)
+
+
+def speculation_args(
+    options: RunnerOptions, placement: Placement, *, accounting_only: bool = False, kv_cache_type: str = "f16"
+) -> list[str]:
+    """Speculative decoding's flags (``trioshed.core.speculation``).
+
+    A draft model (``options.draft``) goes where the placement put it (``placement.draft_device``:
+    a GPU with every draft layer, or system memory), with the target's KV cache type; it is
+    counted in the placement's bytes (``trioshed.core.estimate.draft_bytes``). Otherwise the
+    n-gram kind ``options.speculation`` names (nothing for ``"off"``).
+    """
+    if not options.draft:
+        return ngram_args(options.speculation)
+    argv = ["--model-draft", options.draft, "--spec-type", "draft-simple"]
+    device = placement.draft_device
+    if device and not accounting_only and not rpc_endpoint(device):
+        argv += ["--spec-draft-ngl", "all", "--device-draft", llama_device_name(device)]
+    else:
+        argv += ["--spec-draft-ngl", "0", "--device-draft", "none"]
+    if options.flash_attention and kv_cache_type != "f16":
+        argv += ["--cache-type-k-draft", kv_cache_type, "--cache-type-v-draft", kv_cache_type]
+    return argv
 
 
 @dataclass(frozen=True)
@@ -141,6 +165,7 @@ def build_command(
         argv += ["--lora", adapter]
     if model.projector:
         argv += ["--mmproj", model.projector]
+    argv += speculation_args(options, placement, accounting_only=accounting_only, kv_cache_type=cache_type)
     argv += options.extra_args  # models.toml args: allow-listed flags trioshed does not set
     if verbose:
         # Level 4 (trace) prints the buffer sizes the memory log needs; --verbose would also

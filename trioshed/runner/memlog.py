@@ -13,6 +13,10 @@ sizes add up. The compute line can repeat when the graph is reserved again: the 
 backend wins. The ``memory breakdown`` table at exit is in whole MiB and adds nothing the lines
 above lack, so it is only used as a fallback for the model size.
 
+A draft model (``--model-draft``) is loaded after the target and reports the same lines after
+``loading draft model``: its buffers are added to the target's (its output and compute buffers
+kept apart first, so that neither model's last report replaces the other's).
+
 Lines may carry a timestamp/level prefix; the patterns are searched, not anchored. The parser is
 incremental so that the runner can feed each stderr line as it arrives. Pure: no I/O.
 """
@@ -70,9 +74,15 @@ class MemoryLogParser:
         self._compute: dict[str, int] = {}
         self._breakdown_model: dict[str, int] = {}
         self.kv_types: tuple[str, str] | None = None
+        #: Output and compute buffers of the model now loading: the target's, then a draft's.
+        self._phases: list[tuple[dict[str, int], dict[str, int]]] = [(self._output, self._compute)]
 
     def feed(self, line: str) -> None:
         """Take one log line (with or without its newline); unrelated lines are ignored cheaply."""
+        if "loading draft model" in line:
+            self._output, self._compute = {}, {}
+            self._phases.append((self._output, self._compute))
+            return
         if "size" not in line and "|" not in line:
             return
         if "buffer size" in line:
@@ -96,10 +106,17 @@ class MemoryLogParser:
             if m := (_BREAKDOWN_GPU.search(line) or _BREAKDOWN_OTHER.search(line)):
                 self._breakdown_model[m[1]] = int(m[2]) * _MIB
 
+    def _summed(self, which: int) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for phase in self._phases:
+            for name, n in phase[which].items():
+                out[name] = out.get(name, 0) + n
+        return out
+
     @property
     def output_buffers(self) -> dict[str, int]:
         """The logits/embeddings output buffers (``output buffer size``), by backend."""
-        return dict(self._output)
+        return self._summed(0)
 
     @property
     def kv_caches(self) -> int:
@@ -117,8 +134,8 @@ class MemoryLogParser:
             kv=kv + self._rs,
             kv_k=self._kv_k,
             kv_v=self._kv_v,
-            compute=dict(self._compute),
-            output=dict(self._output),
+            compute=self._summed(1),
+            output=self._summed(0),
             kv_buffers=dict(self._kv_buffers),
         )
 

@@ -41,6 +41,7 @@ from trioshed.core.estimate import effective_kv_type, kv_layer_bytes
 from trioshed.core.model import MeasuredMemory, ModelSpec, Placement, RunnerOptions
 from trioshed.errors import LoadFailed
 from trioshed.models.gguf_meta import read_metadata, unreadable
+from trioshed.models.vocab import incompatibility
 from trioshed.runner.client import ConnectionFailed, UpstreamPool
 from trioshed.runner.command import LaunchConfig, build_command
 from trioshed.runner.slots import RunnerSlots, save_before_stop
@@ -244,6 +245,12 @@ class LlamaServer:
         return self._exited.is_set()
 
     @property
+    def speculation(self) -> tuple[int, int]:
+        """Speculative decoding so far: (tokens drafted, tokens accepted)."""
+        stats = self.upstream.statistics()
+        return stats.drafted, stats.accepted
+
+    @property
     def measured(self) -> MeasuredMemory | None:
         return self._memlog.result() if self._memlog is not None else None
 
@@ -355,6 +362,21 @@ class LlamaServer:
             self._output_hint.set()
 
 
+async def check_draft(model: ModelSpec, draft: str) -> None:
+    """Raise LoadFailed when ``draft`` cannot draft for ``model``: llama-server would start
+    anyway and serve without speculation, saying so only in its log (trioshed.models.vocab)."""
+    name = model.draft or "its draft model"
+    try:
+        why = await trio.to_thread.run_sync(incompatibility, model.path, draft)
+    except (OSError, ValueError) as exc:
+        raise LoadFailed(f"model '{model.short_name}': draft model '{name}': {unreadable(name, draft, exc).message}") from None
+    if why:
+        raise LoadFailed(
+            f"model '{model.short_name}': draft model '{name}' cannot draft for it: {why}; "
+            "a draft model needs the target's vocabulary (e.g. a smaller model of the same family): fix draft in models.toml"
+        )
+
+
 @asynccontextmanager
 async def open_llama_server(
     model: ModelSpec, options: RunnerOptions, placement: Placement, config: LaunchConfig
@@ -371,6 +393,8 @@ async def open_llama_server(
         kv_type = effective_kv_type(options, meta)
     except (OSError, ValueError) as exc:
         raise LoadFailed(unreadable(model.name, model.path, exc).message) from None
+    if options.draft:
+        await check_draft(model, options.draft)
     warm = config.warm if config.warm is not None and config.warm.enabled else None
     argv = build_command(
         config.binary, model, options, placement, port=port,

@@ -36,6 +36,9 @@ class RunnerStats:
     usage: tuple[tuple[str, int], ...] = ()  # bytes per device id ("cpu" = system memory)
     pinned: bool = False  # never evicted to make room (models.toml, or pinned for the session)
     spec: ModelSpec | None = None  # the model as the runner was loaded (its file, its store entry)
+    #: Speculative decoding since the runner loaded: tokens drafted, and of those accepted.
+    drafted: int = 0
+    accepted: int = 0
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,7 @@ def runner_stats(r: Runner, *, waiting: int, now: float, wall: float) -> RunnerS
     # The prompt cache's reservation (--cache-ram) is accounted in usage, shown apart in /api/ps
     # (runner.cache_ram): size stays the child's own buffers.
     size = max(0, sum(usage.values()) - max(0, r.options.cache_ram_mib) * 1024 * 1024)
+    drafted, accepted = getattr(r.handle, "speculation", (0, 0))  # in-process fakes have none
     return RunnerStats(
         id=r.id,
         model=r.model.name,
@@ -111,4 +115,6 @@ def runner_stats(r: Runner, *, waiting: int, now: float, wall: float) -> RunnerS
         usage=view.usage,
         pinned=r.pinned,
         spec=r.model,
+        drafted=drafted,
+        accepted=accepted,
     )
