@@ -12,7 +12,14 @@ from trioshed.config import Settings
 from trioshed.core.estimate import estimate
 from trioshed.core.model import Device, GiB, MemoryEstimate, ModelSpec, Placement, RunnerOptions
 from trioshed.core.placement import place
-from trioshed.core.speculation import CHOICES, DEFAULT, NGRAM, drafted_accepted, ngram_args, parse_speculation
+from trioshed.core.speculation import (
+    CHOICES,
+    DEFAULT,
+    NGRAM,
+    drafted_accepted,
+    ngram_args,
+    parse_speculation,
+)
 from trioshed.models.catalogue import parse_catalogue
 from trioshed.models.gguf_meta import read_metadata
 from trioshed.models.vocab import incompatibility
@@ -44,8 +51,8 @@ def test_the_setting_and_its_default() -> None:
 
 
 def test_flags_for_each_kind() -> None:
-    def argv(options: RunnerOptions, placement: Placement = Placement(0), **kw: object) -> list[str]:
-        return build_command("/bin/llama-server", MODEL, options, placement, port=1, **kw)  # type: ignore[arg-type]
+    def argv(options: RunnerOptions, placement: Placement | None = None, **kw: object) -> list[str]:
+        return build_command("/bin/llama-server", MODEL, options, placement or Placement(0), port=1, **kw)  # type: ignore[arg-type]
 
     assert "--spec-type" not in argv(RunnerOptions())
     on = argv(RunnerOptions(speculation="ngram"))
