@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install serve test lint bench bench-full fuzz clean
+.PHONY: install serve test lint bench bench-full bench-speculation fuzz clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,9 @@ bench: $(STAMP)
 
 bench-full: $(STAMP)
 	$(PY) -m bench.compare --full
+
+bench-speculation: $(STAMP)
+	$(PY) -m bench.speculation --rounds 2 --tokens 128 --arms plain,ngram-simple,ngram-simple-n4 --trioshed
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -4,8 +4,8 @@ per workload, interleaved in one run.
 Arms are ``llama-server`` processes started with the same binary and runner flags as the rest of
 the bench (``-t 1``, ``-np 4``, 4,096 tokens per slot, CPU only) plus one speculation setting each;
 with ``--trioshed`` two more arms are trioshed itself, serving the same file as two models from a
-``models.toml``: one with the default settings (what a user gets) and one with
-``speculation = "off"``.
+``models.toml``: one with ``speculation = "ngram"`` (trioshed's measured n-gram setting) and one
+with ``speculation = "off"``.
 
 Workloads (chat completions, streamed, prompt cache on as in real use):
 
@@ -40,6 +40,7 @@ import time
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,7 @@ from bench.procs import (
     llama_server_binary,
     open_server,
     open_trioshed,
+    run_until_signalled,
 )
 
 FLAGS = RunnerFlags(threads=1, parallel=4, ctx_per_slot=4096)
@@ -134,10 +136,12 @@ def cpu_seconds(pid: int) -> float:
     return float(t.user + t.system)
 
 
-async def one_stream(http: httpx.AsyncClient, url: str, body: dict[str, Any]) -> dict[str, Any]:
-    """Stream one chat completion: time to first token, decode time, tokens, drafted/accepted."""
+async def one_stream(http: httpx.AsyncClient, url: str, body: dict[str, Any], pid: int) -> dict[str, Any]:
+    """Stream one chat completion: time to first token, decode time, tokens, drafted/accepted,
+    and the runner's CPU seconds from the first token to the last (the decode alone)."""
     t0 = time.perf_counter()
     first = last = 0.0
+    cpu_first = 0.0
     chunks = 0
     usage: dict[str, Any] = {}
     timings: dict[str, Any] = {}
@@ -153,7 +157,8 @@ async def one_stream(http: httpx.AsyncClient, url: str, body: dict[str, Any]) ->
                 piece = (choice.get("delta") or {}).get("content")
                 if piece:
                     now = time.perf_counter()
-                    first = first or now
+                    if not first:
+                        first, cpu_first = now, cpu_seconds(pid)
                     last = now
                     chunks += 1
                     text.append(piece)
@@ -161,6 +166,7 @@ async def one_stream(http: httpx.AsyncClient, url: str, body: dict[str, Any]) ->
             timings = event.get("timings") or timings
     tokens = int(usage.get("completion_tokens") or 0)
     return {
+        "cpu_decode": cpu_seconds(pid) - cpu_first if first else None,
         "ttft": (first - t0) if first else None,
         "decode_s": last - first if first else None,
         "tokens": tokens,
@@ -179,7 +185,7 @@ async def run_workload(http: httpx.AsyncClient, arm: Arm, workload: str, tokens:
     results: list[dict[str, Any]] = [{} for _ in bodies]
 
     async def go(i: int) -> None:
-        results[i] = await one_stream(http, url, bodies[i])
+        results[i] = await one_stream(http, url, bodies[i], pid)
 
     async with trio.open_nursery() as nursery:
         for i in range(len(bodies)):
@@ -191,10 +197,11 @@ async def run_workload(http: httpx.AsyncClient, arm: Arm, workload: str, tokens:
         r = results[0]
         sample["tps"] = (r["tokens"] - 1) / r["decode_s"] if r["decode_s"] else None
         sample["ttft"] = r["ttft"]
+        cpu = r["cpu_decode"] or 0.0  # the decode's own CPU: the prompt is the same work in every arm
     else:  # aggregate: every token over the wall time of the whole batch
         sample["tps"] = tokens_total / wall
         sample["ttft"] = statistics.median(r["ttft"] for r in results if r["ttft"] is not None)
-    sample["tokens_per_cpu_s"] = tokens_total / cpu if cpu > 0 else None
+    sample["tokens_per_cpu_s"] = (tokens_total - len(results)) / cpu if cpu > 0 else None
     sample["draft_n"] = sum(r["draft_n"] or 0 for r in results)
     sample["draft_accepted"] = sum(r["draft_accepted"] or 0 for r in results)
     return sample
@@ -243,7 +250,8 @@ def markdown(table: dict[str, dict[str, dict[str, Any]]], meta: dict[str, Any]) 
              f"({meta['cpus']} CPUs, shared).", "",
              "Ratios are to the plain arm (trioshed arms: to trioshed with speculation off). "
              "tok/s: decode tokens per second (concurrent: aggregate over the batch); "
-             "tok/CPU-s: tokens per CPU-second of the llama-server process; "
+             "tok/CPU-s: tokens per CPU-second of the llama-server process (single streams: from the first "
+             "token to the last; concurrent: the whole batch, prompts included); "
              "accepted: accepted / drafted tokens.", "",
              "| workload | arm | tok/s | ratio | tok/CPU-s | ratio | TTFT s | accepted |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
@@ -277,7 +285,7 @@ async def _trioshed_runner_pid(server: Server, http: httpx.AsyncClient, model: s
             cmd = p.cmdline()
         except psutil.Error:
             continue
-        if "--alias" in cmd and cmd[cmd.index("--alias") + 1] == model:
+        if "--alias" in cmd and cmd[cmd.index("--alias") + 1] in (model, f"{model}:latest"):
             return p.pid
     raise RuntimeError(f"no llama-server for {model} under trioshed")
 
@@ -302,14 +310,16 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             arms.append(Arm(name, server, "gemma3", runner_pid=server.pid))
         http = await stack.enter_async_context(httpx.AsyncClient(trust_env=False, timeout=600, verify=False))
         if args.trioshed:
+            # trioshed runs one runner per model file: the plain entry gets a link of its own.
+            os.link(model, work / "models" / "gemma3-plain.gguf")
             (work / "models" / "models.toml").write_text(
-                '[models.gemma3]\npath = "gemma3.gguf"\n\n'
-                '[models.gemma3-plain]\npath = "gemma3.gguf"\nspeculation = "off"\n', encoding="utf-8")  # fmt: skip
+                '[models.gemma3]\npath = "gemma3.gguf"\nspeculation = "ngram"\n\n'
+                '[models.gemma3-plain]\npath = "gemma3-plain.gguf"\nspeculation = "off"\n', encoding="utf-8")  # fmt: skip
             server = await stack.enter_async_context(open_trioshed(
                 work / "models", FLAGS, log_dir, max_loaded=2,
                 extra_env={"TRIOSHED_CACHE_RAM": "0"},
             ))  # fmt: skip
-            for name, m in (("trioshed-plain", "gemma3-plain"), ("trioshed", "gemma3")):
+            for name, m in (("trioshed-plain", "gemma3-plain"), ("trioshed-ngram", "gemma3")):
                 arms.append(Arm(name, server, m, runner_pid=await _trioshed_runner_pid(server, http, m)))
         for arm in arms:  # warm every prompt into the cache, and the first-request paths
             for workload in args.workloads:
@@ -368,7 +378,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=200)
     p.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"of {', '.join(ARMS)}")
     p.add_argument("--workloads", default=",".join(WORKLOADS))
-    p.add_argument("--trioshed", action="store_true", help="add trioshed (default settings) and trioshed with speculation off")
+    p.add_argument("--trioshed", action="store_true", help='add trioshed with speculation = "ngram" and with "off"')
     p.add_argument("--out", type=Path, default=None, help="write FILE.json and FILE.md")
     args = p.parse_args(argv)
     args.arms = [a for a in args.arms.split(",") if a]
@@ -376,7 +386,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for a in args.arms:
         if a not in ARMS:
             p.error(f"unknown arm {a!r}; known: {', '.join(ARMS)}")
-    result = trio.run(main_async, args)
+    result = trio.run(run_until_signalled, partial(main_async, args))  # a kill stops every child
     md = markdown(result["table"], result["meta"])
     md += "\nIdentical text at temperature 0 (vs plain): " + json.dumps(result["meta"]["identical_at_temperature_0"]) + "\n"
     print(md)

@@ -25,11 +25,15 @@ OFF = "off"
 NGRAM_TYPES = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
 #: What ``"ngram"`` means: the kind and parameters measured best on Gemma 3 270M
 #: (bench/speculation.py; docs/benchmarks.md has the table).
-NGRAM: tuple[str, ...] = ("--spec-type", "ngram-simple")
+NGRAM: tuple[str, ...] = (
+    "--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "4", "--spec-ngram-simple-size-m", "16",
+)  # fmt: skip
 #: What a speculation setting may say.
 CHOICES = (OFF, "ngram", *NGRAM_TYPES)
-#: The default: where it never cost more than a few percent on any workload measured.
-DEFAULT = "ngram"
+#: The default. Speculation is on by default only where it never cost more than a few percent on
+#: any workload measured; every n-gram kind cost 7-20 % of tokens per CPU-second on free-form text
+#: (few repeats: drafts rejected, their verification wasted), so it is off unless asked for.
+DEFAULT = "off"
 
 
 def parse_speculation(value: object) -> str:
