@@ -184,7 +184,8 @@ def test_the_allow_list_leaves_out_what_trioshed_controls() -> None:
     controlled = {"--model", "--port", "--host", "--ctx-size", "--parallel", "--n-gpu-layers", "--device",
                   "--tensor-split", "--main-gpu", "--batch-size", "--ubatch-size", "--threads", "--flash-attn",
                   "--cache-type-k", "--cache-type-v", "--embeddings", "--pooling", "--lora", "--mmproj", "--alias",
-                  "--fit", "--override-tensor", "--api-key", "--log-verbosity", "--no-mmap", "--swa-full"}  # fmt: skip
+                  "--fit", "--override-tensor", "--api-key", "--log-verbosity", "--no-mmap", "--swa-full",
+                  "--spec-type", "--model-draft", "--spec-draft-ngl", "--device-draft"}  # fmt: skip
     assert not controlled & set(ALLOWED_ARGS)
     assert all(flag.startswith("--") for flag in ALLOWED_ARGS)
 

@@ -150,7 +150,14 @@ def test_every_flag_trioshed_passes_is_one_the_binary_knows() -> None:
             port=1,
         ),
         build_command(server.path, model, RunnerOptions(), Placement(0), port=1),
+        build_command(server.path, model, RunnerOptions(speculation="ngram"), Placement(0), port=1),
+        build_command(
+            server.path, model, RunnerOptions(draft="/d.gguf", flash_attention=True, kv_cache_type="q8_0"),
+            Placement(n_gpu_layers=99, devices=("cuda:0",), draft_device="cuda:0"), port=1,
+        ),
     ]
     flags = {arg for argv in argvs for arg in argv[1:] if arg.startswith("--")}
-    assert flags >= {"--fit", "--log-verbosity", "--n-gpu-layers", "--device", "--tensor-split", "--embeddings"}
+    assert flags >= {"--fit", "--log-verbosity", "--n-gpu-layers", "--device", "--tensor-split", "--embeddings",
+                     "--spec-type", "--spec-ngram-simple-size-n", "--model-draft", "--spec-draft-ngl", "--device-draft",
+                     "--cache-type-k-draft"}  # fmt: skip
     assert sorted(flags - known) == []

@@ -24,7 +24,7 @@ import logging
 import os
 import struct
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
@@ -94,7 +94,7 @@ class ArrayInfo:
 
     type: gguf.GGUFValueType
     length: int
-    offset: int = 0
+    offset: int = field(default=0, compare=False)
 
     def __len__(self) -> int:
         return self.length
