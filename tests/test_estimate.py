@@ -25,11 +25,13 @@ from pathlib import Path
 
 import pytest
 
-from trioshed.core.estimate import effective_kv_type, estimate, kv_cells, swa_layers
+from trioshed.core.estimate import batch_sizes, effective_kv_type, estimate, kv_cells, swa_layers
 from trioshed.core.model import Device, MiB, RunnerOptions
 from trioshed.models.gguf_meta import GGUFMetadata, read_metadata
 from trioshed.runner.binary import LlamaBinary, describe_build
+from trioshed.runner.command import embedding_flags
 from trioshed.testing.llama import LoadReport, llama_server_binary, measure_load
+from trioshed.testing.tiny import write_tiny_model
 
 RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results" / "estimate-vs-llamacpp.md"
 
@@ -40,10 +42,13 @@ class Setting:
     num_parallel: int
     kv: str
     fa: bool
+    #: An embedding or rerank runner: its micro-batch is the whole context (``batch_sizes``).
+    embedding: bool = False
 
     @property
     def id(self) -> str:
-        return f"ctx{self.num_ctx}-np{self.num_parallel}-{self.kv}-fa{'on' if self.fa else 'off'}"
+        embd = "-embd" if self.embedding else ""
+        return f"ctx{self.num_ctx}-np{self.num_parallel}-{self.kv}-fa{'on' if self.fa else 'off'}{embd}"
 
     def options(self) -> RunnerOptions:
         return RunnerOptions(
@@ -52,6 +57,7 @@ class Setting:
             kv_cache_type=self.kv,
             flash_attention=self.fa,
             num_thread=1,
+            embedding=self.embedding,
         )
 
     def args(self, meta: GGUFMetadata) -> list[str]:
@@ -63,6 +69,7 @@ class Setting:
             "-c", str(opts.kv_cells), "-np", str(opts.num_parallel),
             "-fa", "on" if self.fa else "off",
             "--cache-type-k", kv, "--cache-type-v", kv,
+            "--batch-size", str(batch_sizes(opts)[0]), *embedding_flags(opts, meta),
         ]  # fmt: skip
 
 
@@ -106,6 +113,19 @@ VULKAN_SETTINGS = [
     Setting(8192, 4, "q8_0", True),
 ]
 VULKAN_CASES = [(name, s) for name in ("tiny-gqa", "tiny-q8-tied") for s in VULKAN_SETTINGS]
+# Embedding and rerank runners: one micro-batch of the whole context (the CLS-pooled and the
+# rank-pooled tiny models of ``embedding_models``), the compute buffer growing with its square.
+EMBEDDING_SETTINGS = [
+    Setting(4096, 1, "f16", False, embedding=True),
+    Setting(4096, 1, "f16", True, embedding=True),
+    Setting(2048, 4, "q8_0", True, embedding=True),
+    Setting(512, 2, "f16", False, embedding=True),
+]
+EMBEDDING_CASES = [(name, s) for name in ("tiny-cls", "tiny-rank") for s in EMBEDDING_SETTINGS]
+# Without flash attention lavapipe runs the 4,096 x 4,096 score matrix (above its largest
+# buffer) on the CPU: the device rows use flash attention, as a long-context embedding runner
+# on a GPU should.
+VULKAN_EMBEDDING_CASES = [("tiny-cls", EMBEDDING_SETTINGS[1]), ("tiny-rank", EMBEDDING_SETTINGS[2])]
 # Each flash-attention cache type makes lavapipe compile gemma3's 256-wide attention shaders
 # anew (1.5-2.5 min each on this loaded 2-core machine): two cases, the tiny models cover the rest.
 GEMMA_VULKAN_SETTINGS = [
@@ -204,6 +224,23 @@ def test_estimate_matches_llama_cpp_tiny(name: str, setting: Setting, tiny_model
     check(name, tiny_models[name], setting)
 
 
+@pytest.fixture(scope="module")
+def embedding_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Tiny 4,096-context models that set their pooling: CLS (an embedding model) and rank (a
+    reranker, started with ``--rerank``)."""
+    folder = tmp_path_factory.mktemp("tiny-embedding")
+    return {
+        "tiny-cls": write_tiny_model(folder / "cls.gguf", pooling_type=2, context_length=4096),
+        "tiny-rank": write_tiny_model(folder / "rank.gguf", pooling_type=4, context_length=4096),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "setting"), EMBEDDING_CASES, ids=[f"{n}-{s.id}" for n, s in EMBEDDING_CASES])
+def test_estimate_matches_llama_cpp_embedding(name: str, setting: Setting, embedding_models) -> None:
+    check(name, embedding_models[name], setting)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("setting", GEMMA_SETTINGS, ids=lambda s: s.id)
 def test_estimate_matches_llama_cpp_gemma3(setting: Setting, gemma_model) -> None:
@@ -258,6 +295,16 @@ def test_estimate_matches_llama_cpp_vulkan_tiny(
     name: str, setting: Setting, tiny_models, vulkan_device: tuple[Device, dict[str, str]]
 ) -> None:
     check_vulkan(name, tiny_models[name], setting, *vulkan_device)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "setting"), VULKAN_EMBEDDING_CASES, ids=[f"{n}-{s.id}" for n, s in VULKAN_EMBEDDING_CASES]
+)
+def test_estimate_matches_llama_cpp_vulkan_embedding(
+    name: str, setting: Setting, embedding_models, vulkan_device: tuple[Device, dict[str, str]]
+) -> None:
+    check_vulkan(name, embedding_models[name], setting, *vulkan_device)
 
 
 @pytest.mark.slow

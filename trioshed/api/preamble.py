@@ -242,7 +242,21 @@ def capabilities_of(spec: ModelSpec, meta: GGUFMetadata) -> list[str]:
     origin = spec.origin if isinstance(spec.origin, OllamaManifest) else None
     template = (origin.template if origin else "") or meta.chat_template or ""
     family = (origin.family if origin else "") or meta.architecture or ""
-    return capabilities(meta.fields, template, projector=bool(spec.projector), family=family)
+    names = (t.name for t in meta.tensors)
+    return capabilities(meta.fields, template, projector=bool(spec.projector), family=family, tensor_names=names)
+
+
+async def require_kind(spec: ModelSpec, name: str, kind: str) -> None:
+    """Refuse (400) a request a model of the other kind cannot serve, before any load: rerank
+    (``kind`` ``"rerank"``) needs a reranker; embeddings (``"embedding"``) anything but one
+    (a reranker's pooled output is a score, not a vector)."""
+    has = await model_capabilities(spec)
+    if has is None:
+        return
+    if kind == "rerank" and "rerank" not in has:
+        raise BadRequest(f"{json.dumps(name)} does not support rerank")
+    if kind == "embedding" and "rerank" in has:
+        raise BadRequest(f"{json.dumps(name)} does not support embeddings")
 
 
 async def require_capabilities(spec: ModelSpec, name: str, needs: Iterable[str], *, action: str = "chat") -> None:

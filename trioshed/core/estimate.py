@@ -42,7 +42,7 @@ prompt_cache
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -53,6 +53,7 @@ from trioshed.core.model import MemoryEstimate, RunnerOptions
 __all__ = [
     "KV_BYTES",
     "MetadataLike",
+    "batch_sizes",
     "compute_buffer",
     "effective_kv_type",
     "estimate",
@@ -62,7 +63,7 @@ __all__ = [
     "swa_layers",
 ]
 
-#: Default micro-batch of llama-server (``--ubatch-size``); trioshed does not change it.
+#: Default micro-batch of llama-server (``--ubatch-size``), what generating runners keep.
 N_UBATCH = 512
 #: llama.cpp pads context sizes (and the SWA cache) to multiples of this.
 CTX_PAD = 256
@@ -115,6 +116,8 @@ class MetadataLike(Protocol):
     """What :func:`estimate` reads from a GGUF header (``GGUFMetadata`` provides it)."""
 
     @property
+    def fields(self) -> Mapping[str, Any]: ...
+    @property
     def architecture(self) -> str: ...
     @property
     def block_count(self) -> int: ...
@@ -164,6 +167,21 @@ def effective_kv_type(opts: RunnerOptions, meta: MetadataLike | None = None) -> 
     return kind
 
 
+def batch_sizes(opts: RunnerOptions) -> tuple[int, int]:
+    """``(--batch-size, --ubatch-size)`` of a runner: ``runner.command`` passes them and every
+    term below that depends on the micro-batch reads them here, so the two cannot drift apart.
+
+    A generating runner keeps ``num_batch`` and llama-server's default micro-batch (512, never
+    above the batch). An embedding or rerank runner must see one whole input (a query-document
+    pair) in one micro-batch: llama-server refuses a longer one ("input is too large to
+    process"), so both are the slot's context (``num_ctx``), or ``num_batch`` when larger.
+    """
+    if opts.embedding:
+        n = max(opts.num_batch, opts.num_ctx)
+        return n, n
+    return opts.num_batch, min(opts.num_batch, N_UBATCH)
+
+
 def _row_bytes(kind: str, n: int) -> int:
     block, size = KV_BYTES[kind]
     return -(-n // block) * size
@@ -206,7 +224,7 @@ def kv_cells(meta: MetadataLike, opts: RunnerOptions) -> tuple[int, ...]:
     n_ctx_seq = _pad(n_ctx // n_seq) if n_seq > 1 else n_ctx
     full = n_ctx_seq * n_seq
     window = meta.sliding_window or 0
-    n_ubatch = min(opts.num_batch, N_UBATCH)
+    n_ubatch = batch_sizes(opts)[1]
     swa = full if opts.swa_full else _pad(min(n_ctx_seq, window + n_ubatch)) * n_seq
     return tuple(swa if is_swa else full for is_swa in swa_layers(meta))
 
@@ -250,7 +268,7 @@ def compute_buffer(meta: MetadataLike, opts: RunnerOptions, *, partial: bool = F
 
     ``partial`` (layers split between backends) adds the copy of the hidden state between them.
     """
-    n_ubatch = min(opts.num_batch, N_UBATCH)
+    n_ubatch = batch_sizes(opts)[1]
     n_seq = max(1, opts.num_parallel)
     n_head = _int(meta.head_count, 0)
     n_head_kv = max(meta.head_count_kv_per_layer(), default=0)
@@ -296,7 +314,7 @@ def gpu_compute_buffers(meta: MetadataLike, opts: RunnerOptions) -> tuple[int, i
       partial offload; plus the logits output buffer (``Vulkan_Host output``). Measured: 4 and
       2-2.5 (gemma3 at 8192 cells); 3 keeps the estimate from falling under.
     """
-    n_ubatch = min(opts.num_batch, N_UBATCH)
+    n_ubatch = batch_sizes(opts)[1]
     n_seq = max(1, opts.num_parallel)
     logits = n_seq * meta.vocab_size * 4
     graph = compute_buffer(meta, opts) - logits

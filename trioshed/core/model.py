@@ -79,7 +79,9 @@ class RunnerOptions:
     num_parallel: int = 1
     kv_cache_type: str = "f16"
     flash_attention: bool = False
-    embedding: bool = False  # --embeddings --pooling mean: serves /v1/embeddings as well
+    #: ``--embeddings`` (or ``--rerank`` for a reranker) with the model's own pooling, and a
+    #: micro-batch of the whole context (``core.estimate.batch_sizes``); generates as well.
+    embedding: bool = False
     #: ``--cache-ram``: llama-server's host-memory prompt cache, MiB (0 = off). It always sits in
     #: system memory and the estimate counts all of it (a positive limit binds in bytes).
     cache_ram_mib: int = 0

@@ -2,7 +2,8 @@
 
 Pure: takes the GGUF key-values, the prompt template and whether a projector comes with it.
 
-* ``embedding`` when the GGUF sets ``<arch>.pooling_type`` (an embedding model), ``completion``
+* ``rerank`` for a reranker (:func:`is_reranker`: rank pooling or a classifier head), else
+  ``embedding`` when the GGUF sets ``<arch>.pooling_type`` (an embedding model), ``completion``
   otherwise (clients such as ``llm-ollama`` refuse to embed with a model lacking ``embedding``);
 * ``vision`` when the GGUF has a vision tower (``<arch>.vision.block_count``) or a projector is
   present;
@@ -15,7 +16,7 @@ Pure: takes the GGUF key-values, the prompt template and whether a projector com
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 _TOOLS = re.compile(r"\btools\b", re.IGNORECASE)
@@ -24,9 +25,41 @@ _THINKING = re.compile(r"<think>|reasoning_content|enable_thinking|\.Thinking\b"
 _FIM_KEYS = ("tokenizer.ggml.fim_pre_token_id", "tokenizer.ggml.prefix_token_id")
 
 
-def capabilities(fields: Mapping[str, Any], template: str, *, projector: bool = False, family: str = "") -> list[str]:
+#: llama.cpp's ``enum llama_pooling_type`` values as ``<arch>.pooling_type`` stores them.
+POOLING_NAMES = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
+RANK_POOLING = 4
+#: Classifier-head tensors of a cross-encoder (BERT-style rerankers: ``cls.weight``,
+#: ``cls.output.weight``), which llama.cpp's rank pooling applies.
+_CLASSIFIER_PREFIX = "cls."
+
+
+def pooling_type(fields: Mapping[str, Any]) -> int | None:
+    """The GGUF's own ``<arch>.pooling_type`` (see :data:`POOLING_NAMES`), None when unset."""
     arch = str(fields.get("general.architecture", ""))
-    found = ["embedding" if f"{arch}.pooling_type" in fields else "completion"]
+    value = fields.get(f"{arch}.pooling_type")
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def is_reranker(fields: Mapping[str, Any], tensor_names: Iterable[str] = ()) -> bool:
+    """A cross-encoder: rank pooling in the GGUF, or a classifier head (``cls.*`` tensors)."""
+    if pooling_type(fields) == RANK_POOLING:
+        return True
+    return any(name.startswith(_CLASSIFIER_PREFIX) for name in tensor_names)
+
+
+def capabilities(
+    fields: Mapping[str, Any],
+    template: str,
+    *,
+    projector: bool = False,
+    family: str = "",
+    tensor_names: Iterable[str] = (),
+) -> list[str]:
+    arch = str(fields.get("general.architecture", ""))
+    if is_reranker(fields, tensor_names):
+        found = ["rerank"]
+    else:
+        found = ["embedding" if f"{arch}.pooling_type" in fields else "completion"]
     if f"{arch}.vision.block_count" in fields or projector:
         found.append("vision")
     if _TOOLS.search(template):

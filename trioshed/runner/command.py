@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from trioshed.core.estimate import MetadataLike, batch_sizes
 from trioshed.core.model import ModelSpec, Placement, RunnerOptions, rpc_endpoint
 from trioshed.core.speculation import ngram_args
+from trioshed.models.capabilities import is_reranker, pooling_type
 
 if TYPE_CHECKING:
     from trioshed.runner.slots import WarmReturns
@@ -32,6 +34,34 @@ def device_names(devices: tuple[str, ...]) -> list[str]:
         else:
             names.append(llama_device_name(d))
     return names
+
+
+#: The pooling trioshed asks for when the GGUF sets none (a generating model asked to embed):
+#: llama-server's own default would then be "none", which its /v1/embeddings refuses ("Pooling
+#: type 'none' is not OAI compatible"). Mean is what sentence-transformers uses for a model
+#: without a pooling configuration, and what trioshed always passed before, so such models'
+#: vectors are unchanged.
+DEFAULT_POOLING = "mean"
+
+
+def embedding_flags(options: RunnerOptions, meta: MetadataLike | None) -> list[str]:
+    """The flags of an embedding or rerank runner: the model's own pooling, a micro-batch that
+    holds one whole input (:func:`trioshed.core.estimate.batch_sizes`, counted in the estimate).
+
+    - a reranker (rank pooling or a classifier head): ``--rerank`` (rank pooling);
+    - a GGUF that sets its pooling (mean, CLS, last): nothing, llama-server reads it;
+    - a GGUF that sets none (or ``none``): ``--pooling mean`` (:data:`DEFAULT_POOLING`).
+    """
+    if not options.embedding:
+        return []
+    argv = ["--embeddings", "--ubatch-size", str(batch_sizes(options)[1])]
+    fields = meta.fields if meta is not None else {}
+    names = (t.name for t in meta.tensors) if meta is not None else ()
+    if is_reranker(fields, names):
+        argv += ["--rerank"]
+    elif pooling_type(fields) in (None, 0):
+        argv += ["--pooling", DEFAULT_POOLING]
+    return argv
 
 
 def _split(values: tuple[float, ...] | list[int]) -> str:
@@ -87,13 +117,15 @@ def build_command(
     accounting_only: bool = False,
     kv_cache_type: str | None = None,
     slot_save_path: str | None = None,
+    meta: MetadataLike | None = None,
 ) -> list[str]:
     """llama-server argv. trioshed decides placement itself, so ``--fit off`` with explicit ``-ngl``.
 
     ``accounting_only`` (a declared inventory, no real GPU): the scheduler accounts memory as if
     the runner sat on ``placement.devices`` while the child itself runs on the CPU.
     ``kv_cache_type`` is the type the model really supports (``core.estimate.effective_kv_type``);
-    it defaults to the requested one.
+    it defaults to the requested one. ``meta`` (the GGUF header) decides an embedding runner's
+    pooling (:func:`embedding_flags`).
 
     ``--cache-ram`` is always explicit (``options.cache_ram_mib``, counted in the estimate; b10068
     would otherwise keep up to 8 GiB of prompts in host memory per runner). ``--swa-full`` with
@@ -122,7 +154,7 @@ def build_command(
         "--port", str(port),
         "--ctx-size", str(options.kv_cells),
         "--parallel", str(options.num_parallel),
-        "--batch-size", str(options.num_batch),
+        "--batch-size", str(batch_sizes(options)[0]),
         "--fit", "off",
         "--n-gpu-layers", str(ngl),
         "--no-webui",
@@ -157,8 +189,7 @@ def build_command(
         argv += ["--swa-full"]
     if slot_save_path:
         argv += ["--slot-save-path", slot_save_path]
-    if options.embedding:
-        argv += ["--embeddings", "--pooling", "mean"]
+    argv += embedding_flags(options, meta)
     if options.use_mmap is False:
         argv += ["--no-mmap"]
     for adapter in model.adapters:

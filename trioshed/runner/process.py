@@ -399,7 +399,7 @@ async def open_llama_server(
     argv = build_command(
         config.binary, model, options, placement, port=port,
         verbose=config.verbose, accounting_only=config.accounting_only, kv_cache_type=kv_type,
-        slot_save_path=str(warm.store.folder) if warm is not None else None,
+        slot_save_path=str(warm.store.folder) if warm is not None else None, meta=meta,
     )  # fmt: skip
     try:
         with single_error(LoadFailed):
