@@ -30,6 +30,7 @@ from trioshed.api import (
     openapi,
     pin,
     pull,
+    rerank,
     responses,
     tools,
     ui,
@@ -69,6 +70,7 @@ def create_app(state: AppState) -> QuartTrio:
     app.register_blueprint(responses.bp)
     app.register_blueprint(metrics.bp)
     app.register_blueprint(embed.bp)
+    app.register_blueprint(rerank.bp)
     app.register_blueprint(manage.bp)
     app.register_blueprint(pull.bp)
     app.register_blueprint(openapi.bp)

@@ -63,6 +63,7 @@ async def embed_within(
         return _parsed(raw)
     if not protocol.too_long(status, raw):
         raise UpstreamError(upstream_message(raw, status), status=client_status(status, raw))
+    limit = protocol.runner_limit(raw, limit)
     inputs = body["input"]
     if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)):
         inputs = [inputs]

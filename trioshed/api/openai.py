@@ -20,6 +20,7 @@ from trioshed.api.context import ensure_fits, fit_loaded
 from trioshed.api.preamble import (
     Prepared,
     has_chat_template,
+    model_capabilities,
     prepare,
     read_body_raw,
     require_capabilities,
@@ -199,8 +200,14 @@ async def completions() -> Response:
     return await _proxy("/v1/completions", req)
 
 
-def _model_object(spec: ModelSpec) -> dict[str, Any]:
-    return {"id": spec.short_name, "object": "model", "created": int(spec.modified or time.time()), "owned_by": "trioshed"}
+async def _model_object(spec: ModelSpec) -> dict[str, Any]:
+    """OpenAI's model object, with what the model can do (``/api/show``'s ``capabilities``, as
+    llama.cpp's router lists them: ``rerank`` for a reranker)."""
+    found = {"id": spec.short_name, "object": "model", "created": int(spec.modified or time.time()), "owned_by": "trioshed"}
+    capabilities = await model_capabilities(spec)
+    if capabilities is not None:
+        found["capabilities"] = capabilities
+    return found
 
 
 @bp.get("/v1/models")
@@ -208,7 +215,7 @@ async def models() -> Any:
     st = state()
     specs = await trio.to_thread.run_sync(st.store.list)
     key = current_key.get()  # a key sees only the models it may use
-    return {"object": "list", "data": [_model_object(s) for s in specs if key.may_use(s.name)]}
+    return {"object": "list", "data": [await _model_object(s) for s in specs if key.may_use(s.name)]}
 
 
 @bp.get("/v1/models/<path:model>")
@@ -217,4 +224,4 @@ async def retrieve_model(model: str) -> Any:
     spec = await trio.to_thread.run_sync(state().store.resolve, model)
     if not current_key.get().may_use(spec.name):
         raise ModelNotFound(model)  # as for a model that does not exist
-    return _model_object(spec)
+    return await _model_object(spec)

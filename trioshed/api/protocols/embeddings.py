@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import math
+import re
 import struct
 from collections.abc import Mapping
 from typing import Any
@@ -50,7 +51,19 @@ def check_count(n: int) -> None:
 
 def too_long(status: int, raw: bytes) -> bool:
     """Whether llama-server refused an input for its length (over the micro-batch or the slot)."""
-    return status in (400, 500) and (b"too large to process" in raw or b"exceeds the available context" in raw)
+    return status in (400, 500) and (
+        b"too large to process" in raw or b"larger than the max context size" in raw
+    )
+
+
+_RUNNER_LIMIT = re.compile(rb"current batch size: (\d+)|max context size \((\d+) tokens\)")
+
+
+def runner_limit(raw: bytes, limit: int) -> int:
+    """The input limit llama-server named in its refusal (its micro-batch or its slot's
+    context, which may be smaller than asked: a model's training context), else ``limit``."""
+    m = _RUNNER_LIMIT.search(raw)
+    return min(limit, int(m[1] or m[2])) if m else limit
 
 
 def too_long_message(index: int, tokens: int, context: int, *, openai: bool = False) -> str:

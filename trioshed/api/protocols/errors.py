@@ -7,6 +7,9 @@
 * Anthropic (``/v1/messages...``): ``{"type": "error", "error": {"type", "message"}}``.
 * llama.cpp (its own routes: ``/infill``, ``/tokenize``, ``/detokenize``, ``/apply-template``,
   ``/upstream/...``): ``{"error": {"code", "message", "type"}}``, as llama-server answers.
+* Rerank (``/v1/rerank``, ``/rerank``, ``/v1/reranking``, ``/v2/rerank``): OpenAI's body (what
+  llama.cpp's ``/rerank`` answers) plus Cohere's top-level ``message``, one body every rerank
+  client reads.
 
 A new protocol adds its shape function and its path prefix to :data:`_SHAPES` (longest prefix
 first wins). The app's error handlers and the drain's 503 both answer through :func:`error_body`.
@@ -93,9 +96,18 @@ def llama_error(status: int, message: str, code: str | None = None) -> dict[str,
     return {"error": {"code": status, "message": message, "type": _LLAMA_ERROR_TYPES.get(status, "server_error")}}
 
 
+def rerank_error(status: int, message: str, code: str | None = None) -> dict[str, Any]:
+    """The rerank routes' error body: llama.cpp's (OpenAI's) and Cohere's ``message`` together."""
+    return {**openai_error(status, message, code), "message": message}
+
+
 #: (path prefix, shape), longest prefix first; paths matching none answer Ollama's shape.
 _SHAPES: tuple[tuple[str, ErrorShape], ...] = (
     ("/v1/messages", anthropic_error),
+    ("/v1/rerank", rerank_error),
+    ("/v1/reranking", rerank_error),
+    ("/v2/rerank", rerank_error),
+    ("/rerank", rerank_error),
     ("/v1/", openai_error),
     ("/infill", llama_error),
     ("/tokenize", llama_error),
