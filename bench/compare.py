@@ -14,6 +14,7 @@ Groups of servers, each started for its scenarios and stopped after them:
 | swap | cold starts / 3 servers | ``--models-max 1`` | max loaded 1 | swap, contention |
 | hol | tiny-s + cold starts | ``--models-max 2`` | max loaded 2 | head-of-line |
 | sched | - | - | ``core.sched.plan`` in-process | scheduler scale (no processes) |
+| embed | one embedding server (trioshed's runner flags) | - | max loaded 1 | indexing a corpus: chunks/s, tokens/s, CPU; the micro-batch's memory (``bench/embed_index.py``) |
 
 A target that fails to start (trioshed while it is being written) is reported as unavailable
 with the tail of its log, and the run goes on without it.
@@ -40,7 +41,7 @@ from typing import Any
 
 import trio
 
-from bench import procs, relay, report, scenarios, sched_scale, state_scale
+from bench import embed_index, procs, relay, report, scenarios, sched_scale, state_scale
 from bench.load import Target, open_client
 from bench.models import GEMMA, TINY_SIZES, prepare_models
 from bench.plan import API_BY_FAMILY, PLANS, TARGETS, Plan
@@ -234,7 +235,7 @@ def binary_version(binary: str, env: dict[str, str]) -> str:
         return ""
 
 
-GROUPS = ("steady", "overload", "swap", "hol", "sched", "relay", "state")
+GROUPS = ("steady", "overload", "swap", "hol", "sched", "relay", "state", "embed")
 
 
 async def compare(plan: Plan, *, wanted: Sequence[str], groups: Sequence[str], work: Path,
@@ -290,6 +291,9 @@ async def compare(plan: Plan, *, wanted: Sequence[str], groups: Sequence[str], w
                 elif group == "state" and plan.mode != "smoke":
                     run.say("scale of state: /api/ps, /metrics, /api/tags, one pass at 1,000 models / 200 fake runners")
                     run.results["state-scale"] = await state_scale.run()
+                elif group == "embed" and "trioshed" in wanted and plan.mode != "smoke":
+                    run.say("embeddings: indexing 1,000 chunks of ~300 tokens, trioshed vs llama-server alone")
+                    run.results["embed-index"] = await embed_index.run(quick=plan.mode != "full", say=run.say, work=work)
         if hard_stop.cancelled_caught:
             run.say("hard time limit reached: the run was cut short; results so far are written")
             meta["cut_short"] = True

@@ -195,6 +195,15 @@ def summary_rows(results: Mapping[str, Any]) -> list[Row]:
                 f"{p['models']}/{p['queued']}: {p['us_per_request']} us" for p in loop) + done,
         ))  # fmt: skip
 
+    embed = results.get("embed-index")
+    if embed:
+        s = embed["summary"]
+        rows.append(_row("embeddings: indexing chunks/s (1,000 x ~300 tokens, requests of 32)",
+                         {"direct": s["direct"]["chunks_per_s"], "trioshed": s["trioshed"]["chunks_per_s"]},
+                         f"trioshed ≥ {embed['target']}x direct", embed["met"],
+                         note=f"tokens/s {s['direct']['tokens_per_s']} / {s['trioshed']['tokens_per_s']}; CPU s per 1000 chunks "
+                              f"{s['direct']['cpu_s_per_1000']} / {s['trioshed']['cpu_s_per_1000']}"))  # fmt: skip
+
     pt = per("rss")
     if pt:
         values = {t: _get(pt, t, "idle_rss_mb_after") for t in ("router", "trioshed") if t in pt}
@@ -278,6 +287,11 @@ def markdown(doc: Mapping[str, Any], files: Mapping[str, str]) -> str:
             out += [f"### {scen}", "", sched_markdown(data)]
             if "sched" in files:
                 out += [f"![sched]({files['sched']})", ""]
+            continue
+        if scen == "embed-index":
+            from bench.embed_index import markdown as embed_markdown
+
+            out += [f"### {scen}", "", embed_markdown(data)]
             continue
         if scen == "relay":
             from bench.relay import markdown as relay_markdown

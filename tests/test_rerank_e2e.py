@@ -9,6 +9,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import cohere
 import httpx
 import pytest
 import trio
@@ -46,7 +47,6 @@ async def in_thread(fn, *args, **kwargs):  # type: ignore[no-untyped-def]
 
 
 async def test_rerank_equals_llama_server_alone_through_every_client(ranker_store: Path) -> None:
-    cohere = pytest.importorskip("cohere")
     direct = await trio.to_thread.run_sync(_direct, ranker_store / "ranker.gguf")
     expected = sorted(direct["results"], key=lambda r: (-r["relevance_score"], r["index"]))
     with trio.fail_after(120):
