@@ -177,3 +177,17 @@ async def test_a_reranker_does_not_embed_and_an_embedder_does_not_chat(model_sto
             r = await http.post("/v1/embeddings", json={"model": "tiny", "input": ["x"] * 2049})
             assert r.status_code == 400 and "at most 2048" in r.json()["error"]["message"]
             assert server.scheduler.statistics().runners == ()
+
+
+async def test_a_model_trained_on_a_shorter_context_cuts_to_what_its_runner_holds(model_store: Path) -> None:
+    """num_ctx 4,096 on a model trained on 512: llama-server holds 512 tokens per slot, and the
+    cut follows what it says (its refusal names its context), not the asked context."""
+    add_tiny(model_store, "short", pooling_type=1, context_length=512)
+    text = WORDS * 12  # ~900 tokens
+    with trio.fail_after(120):
+        async with open_test_server(model_store) as server, httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
+            r = await http.post("/api/embed", json={"model": "short", "input": text})
+            assert r.status_code == 200, r.text
+            assert 500 <= r.json()["prompt_eval_count"] <= 512
+            r = await http.post("/api/embed", json={"model": "short", "input": text, "truncate": False})
+            assert r.status_code == 400 and "more than the context length of 512" in r.json()["error"], r.text
