@@ -121,3 +121,47 @@ def test_embed_load_only() -> None:
     assert is_load_only("embed", {"model": "m"})
     assert is_load_only("embed", {"model": "m", "input": []})
     assert not is_load_only("embed", {"model": "m", "input": "x"})
+
+
+def test_truncated_tokens_keep_the_models_special_tokens() -> None:
+    from trioshed.api.protocols.embeddings import truncated_tokens
+
+    # BERT-style: [CLS] text [SEP]
+    assert truncated_tokens([101, 1, 2, 3, 4, 102], [1, 2, 3, 4], [101, 102], 4) == [101, 1, 2, 102]
+    # llama-style: BOS text
+    assert truncated_tokens([1, 7, 8, 9], [7, 8, 9], [1], 3) == [1, 7, 8]
+    # no special tokens
+    assert truncated_tokens([5, 6, 7], [5, 6, 7], [], 2) == [5, 6]
+    # a text that tokenizes differently alone: cut the whole as it is
+    assert truncated_tokens([1, 9, 9, 9], [8, 8, 8], [1], 2) == [1, 9]
+
+
+def test_limits_and_words_of_an_over_long_input() -> None:
+    from trioshed.api.protocols.embeddings import runner_limit, too_long, too_long_message
+
+    raw = b'{"error":{"message":"input (4202 tokens) is too large to process. increase the physical batch size (current batch size: 4096)"}}'
+    assert too_long(500, raw) and runner_limit(raw, 8192) == 4096 and runner_limit(raw, 2048) == 2048
+    ctx = b"input (1024 tokens) is larger than the max context size (512 tokens). skipping"
+    assert too_long(400, ctx) and runner_limit(ctx, 4096) == 512
+    assert not too_long(500, b"other") and runner_limit(b"other", 99) == 99
+    assert "physical" not in too_long_message(0, 6000, 4096) + too_long_message(1, 6000, 4096, openai=True)
+
+
+def test_openai_shapes_dimensions_and_base64() -> None:
+    import base64
+    import struct
+
+    from trioshed.api.protocols.embeddings import openai_request, openai_response
+
+    upstream, dimensions, encoding = openai_request({"model": "m", "input": ["a"], "dimensions": 2, "encoding_format": "base64", "user": "u"})
+    assert upstream == {"model": "m", "input": ["a"], "encoding_format": "float"} and (dimensions, encoding) == (2, "base64")
+    answer = {"data": [{"index": 0, "embedding": [3.0, 4.0, 12.0]}], "usage": {"prompt_tokens": 2, "total_tokens": 2}}
+    out = openai_response(answer, "m", dimensions=2, encoding="base64")
+    assert struct.unpack("<2f", base64.b64decode(out["data"][0]["embedding"])) == pytest.approx((0.6, 0.8))
+    assert out["usage"] == {"prompt_tokens": 2, "total_tokens": 2} and out["model"] == "m"
+    with pytest.raises(BadRequest, match="more than the model's 3"):
+        openai_response(answer, "m", dimensions=4, encoding="float")
+    with pytest.raises(BadRequest, match="encoding_format"):
+        openai_request({"input": "a", "encoding_format": "int8"})
+    with pytest.raises(BadRequest, match="at most 2048"):
+        openai_request({"input": ["a"] * 2049})
