@@ -21,7 +21,7 @@ from trioshed.api.openai import openai_request
 from trioshed.api.preamble import prepare, read_body, require_kind, state
 from trioshed.api.protocols import embeddings as protocol
 from trioshed.api.protocols.ollama import is_load_only
-from trioshed.api.protocols.openai_chat import openai_model_rewrite
+from trioshed.api.protocols.openai_chat import ModelRenamer
 from trioshed.api.upstream import client_status, post_upstream, post_upstream_raw, upstream_message
 from trioshed.core.estimate import batch_sizes
 from trioshed.core.model import RunnerOptions
@@ -51,8 +51,10 @@ async def _tokenize(lease: Lease, text: str, *, special: bool) -> list[int]:
 
 async def embed_within(
     lease: Lease, body: dict[str, Any], limit: int, *, truncate: bool, openai: bool = False
-) -> dict[str, Any]:
-    """POST ``body`` (``input``: texts or token lists) to the runner's ``/v1/embeddings``.
+) -> bytes:
+    """POST ``body`` (``input``: texts or token lists) to the runner's ``/v1/embeddings`` and
+    return its answer as it came (OpenAI's route relays it without a JSON round trip: ~15 ms of
+    trioshed's CPU for 32 vectors of 128 floats).
 
     An input over ``limit`` tokens costs nothing until llama-server refuses it: then each input
     is counted (the runner's ``/tokenize``), and those over the limit are cut to it
@@ -60,7 +62,7 @@ async def embed_within(
     """
     status, raw = await post_upstream_raw(lease, "/v1/embeddings", body)
     if status == 200:
-        return _parsed(raw)
+        return raw
     if not protocol.too_long(status, raw):
         raise UpstreamError(upstream_message(raw, status), status=client_status(status, raw))
     limit = protocol.runner_limit(raw, limit)
@@ -80,7 +82,10 @@ async def embed_within(
         text = inputs[i]
         plain = await _tokenize(lease, text, special=False) if isinstance(text, str) else counted[i]
         inputs[i] = protocol.truncated_tokens(counted[i], plain, specials, limit)
-    return await post_upstream(lease, "/v1/embeddings", {**body, "input": inputs})
+    status, raw = await post_upstream_raw(lease, "/v1/embeddings", {**body, "input": inputs})
+    if status != 200:
+        raise UpstreamError(upstream_message(raw, status), status=client_status(status, raw))
+    return raw
 
 
 def _parsed(raw: bytes) -> dict[str, Any]:
@@ -115,7 +120,7 @@ async def embed() -> Response:
     upstream = protocol.embed_upstream(body)
     truncate = _truncate(body)
     async with st.scheduler.acquire(model, options, keep_alive) as lease:
-        answer = await embed_within(lease, upstream.body, input_limit(options), truncate=truncate)
+        answer = _parsed(await embed_within(lease, upstream.body, input_limit(options), truncate=truncate))
     return _json(
         protocol.embed_response(
             answer,
@@ -135,7 +140,7 @@ async def embeddings() -> Response:
     await require_kind(req.model, body.get("model") or "", "embedding")
     upstream = protocol.embeddings_upstream(body)
     async with st.scheduler.acquire(req.model, req.options, req.keep_alive) as lease:
-        answer = await embed_within(lease, upstream.body, input_limit(req.options), truncate=True)
+        answer = _parsed(await embed_within(lease, upstream.body, input_limit(req.options), truncate=True))
     return _json(protocol.embeddings_response(answer))
 
 
@@ -146,7 +151,9 @@ async def openai_embeddings() -> Response:
     await require_kind(req.model, req.name, "embedding")
     upstream, dimensions, encoding = protocol.openai_request(req.body)
     async with state().scheduler.acquire(req.model, req.options, req.keep_alive) as lease:
-        answer = await embed_within(lease, upstream, input_limit(req.options), truncate=False, openai=True)
-    if dimensions is None and encoding == "float":
-        return _json(openai_model_rewrite(answer, req.name))  # llama-server's answer as it is
-    return _json(protocol.openai_response(answer, req.name, dimensions=dimensions, encoding=encoding))
+        raw = await embed_within(lease, upstream, input_limit(req.options), truncate=False, openai=True)
+        upstream_name = lease.model.name
+    if dimensions is None and encoding == "float":  # llama-server's answer as it is, renamed
+        renamer = ModelRenamer(upstream_name, req.name)
+        return Response(renamer.feed(raw) + renamer.finish(), content_type="application/json")
+    return _json(protocol.openai_response(_parsed(raw), req.name, dimensions=dimensions, encoding=encoding))
