@@ -110,7 +110,7 @@ async def embed() -> Response:
     st = state()
     started = time.monotonic()
     body = await read_body()
-    req = prepare(body, body.get("model") or "", embedding=True)
+    req = prepare(body, body.get("model") or "", embedding=True, need=protocol.input_need(body.get("input")))
     model, options, keep_alive = req.model, req.options, req.keep_alive
     await require_kind(model, body.get("model") or "", "embedding")
     if is_load_only("embed", body):
@@ -136,7 +136,7 @@ async def embed() -> Response:
 async def embeddings() -> Response:
     st = state()
     body = await read_body()
-    req = prepare(body, body.get("model") or "", embedding=True)
+    req = prepare(body, body.get("model") or "", embedding=True, need=protocol.input_need(body.get("prompt")))
     await require_kind(req.model, body.get("model") or "", "embedding")
     upstream = protocol.embeddings_upstream(body)
     async with st.scheduler.acquire(req.model, req.options, req.keep_alive) as lease:
@@ -146,7 +146,7 @@ async def embeddings() -> Response:
 
 @bp.post("/v1/embeddings")
 async def openai_embeddings() -> Response:
-    req = await openai_request(embedding=True)
+    req = await openai_request(embedding=True, need=lambda body: protocol.input_need(body.get("input")))
     check_embedding_input(req.body.get("input"))
     await require_kind(req.model, req.name, "embedding")
     upstream, dimensions, encoding = protocol.openai_request(req.body)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -100,13 +100,14 @@ class OpenAIRequest:
     prepared: Prepared | None = None  # the preamble's answer (its need, output budget...)
 
 
-async def openai_request(*, embedding: bool = False) -> OpenAIRequest:
-    """Parse an OpenAI-style body: model, and trioshed's extras ``keep_alive`` and ``options``."""
+async def openai_request(*, embedding: bool = False, need: Callable[[dict[str, Any]], int] | None = None) -> OpenAIRequest:
+    """Parse an OpenAI-style body: model, and trioshed's extras ``keep_alive`` and ``options``.
+    ``need``: the route's own count of the tokens the body takes in one slot (see ``prepare``)."""
     sent, body = await read_body_raw()
     name = body.get("model")
     if not isinstance(name, str) or not name:
         raise BadRequest("model is required")
-    req = prepare(body, name, embedding=embedding)
+    req = prepare(body, name, embedding=embedding, need=need(body) if need is not None else None)
     raw: bytes | None = sent
     if "keep_alive" in body or "options" in body:
         raw = None

@@ -15,7 +15,7 @@ from typing import Any
 from quart import Blueprint, current_app
 
 from trioshed import __version__
-from trioshed.api.openapi_llama import llama_paths, llama_schemas
+from trioshed.api import openapi_llama, openapi_rerank
 from trioshed.api.openapi_usage import usage_paths
 from trioshed.models.store import ModelStore
 
@@ -275,24 +275,6 @@ def _schemas(ollama_names: bool) -> Schema:
             },
             ("model", "prompt"),
         ),
-        "RerankRequest": _obj(
-            {
-                "model": _MODEL, "query": {"type": "string", "minLength": 1},
-                "documents": {"type": "array", "minItems": 1, "items": {"anyOf": [_STR, _obj({"text": _STR}, ("text",))]}},
-                "top_n": {"type": "integer", "minimum": 1}, "return_documents": _BOOL,
-                "rank_fields": _STRINGS, "keep_alive": _ref("KeepAlive"), "options": _ref("Options"),
-            },
-            ("model", "query", "documents"),
-        ),
-        "RerankResponse": _obj(
-            {
-                "id": _STR, "model": _STR, "object": {"const": "list"},
-                "results": {"type": "array", "items": _obj({"index": _INT, "relevance_score": _NUM, "document": _obj({"text": _STR}, ("text",))}, ("index", "relevance_score"))},
-                "usage": _obj({"prompt_tokens": _INT, "total_tokens": _INT}),
-                "meta": {"type": "object"},
-            },
-            ("results",),
-        ),
         "OpenAIEmbeddingRequest": _obj(
             {
                 "model": _MODEL, "input": {"anyOf": [_STR, _STRINGS]}, "encoding_format": {"type": "string", "enum": ["float", "base64"]},
@@ -301,7 +283,7 @@ def _schemas(ollama_names: bool) -> Schema:
             ("model", "input"),
         ),
         **_anthropic_schemas(),
-        **llama_schemas(),
+        **openapi_llama.llama_schemas(), **openapi_rerank.rerank_schemas(),
         "OpenAIResponse": {"type": "object", "description": "OpenAI's answer as llama-server gives it, naming the model as the client did", "properties": {"object": _STR, "model": _STR}},
         "OpenAIModel": _obj({"id": _STR, "object": {"const": "model"}, "created": _INT, "owned_by": _STR, "capabilities": _STRINGS}, ("id", "object")),
         "OpenAIModelList": _obj({"object": {"const": "list"}, "data": {"type": "array", "items": _ref("OpenAIModel")}}, ("object", "data")),
@@ -464,13 +446,6 @@ def _paths() -> Schema:
         "/v1/messages/count_tokens": {"post": _json_op("Count a conversation's input tokens with the model's template and tokenizer (Anthropic)",
                                                        "AnthropicCountTokensRequest", _ref("AnthropicTokenCount"), anthropic=True)},
         "/v1/embeddings": {"post": _json_op("Embeddings (OpenAI)", "OpenAIEmbeddingRequest", _ref("OpenAIResponse"), openai=True)},
-        **{
-            path: {"post": _json_op(f"Rerank documents against a query with a reranker ({who})", "RerankRequest", _ref("RerankResponse"), openai=True)}
-            for path, who in (
-                ("/v1/rerank", "llama.cpp, Jina, Cohere v1"), ("/rerank", "llama.cpp's alias"),
-                ("/v1/reranking", "llama.cpp's alias"), ("/v2/rerank", "Cohere v2"),
-            )
-        },
         "/v1/models": {"get": _get_op("Models in the store (OpenAI)", "application/json", _ref("OpenAIModelList"))},
         "/v1/models/{model}": {
             "parameters": [{"name": "model", "in": "path", "required": True, "schema": _MODEL}],
@@ -494,7 +469,7 @@ def _paths() -> Schema:
         "/ui/ui.css": {"get": _get_op("The status page's style sheet", "text/css", _STR, auth=False)},
         "/metrics": {"get": _get_op("Prometheus metrics (text exposition format 0.0.4)", "text/plain", _STR)},
         "/openapi.json": {"get": _get_op("This document", "application/json", {"type": "object"})},
-        **llama_paths(), **usage_paths(),
+        **openapi_llama.llama_paths(), **usage_paths(), **openapi_rerank.rerank_paths(),
     }
 
 

@@ -133,11 +133,13 @@ class Prepared:
     automatic: bool = False
 
 
-def prepare(body: Mapping[str, Any], name: str, *, embedding: bool = False) -> Prepared:
+def prepare(body: Mapping[str, Any], name: str, *, embedding: bool = False, need: int | None = None) -> Prepared:
     """Resolve model ``name`` and read ``keep_alive`` and ``options`` from ``body``.
 
     Raises ModelNotFound, or BadRequest for a bad ``keep_alive``, ``options`` or runner option.
-    ``embedding``: a runner started with ``--embeddings``.
+    ``embedding``: a runner started with ``--embeddings``. ``need``: the tokens the request
+    takes in one slot when the route knows better than :func:`request_need` (embeddings and
+    rerank: the longest single input, not all of them together).
     """
     st = state()
     model = resolve(name)
@@ -147,7 +149,8 @@ def prepare(body: Mapping[str, Any], name: str, *, embedding: bool = False) -> P
         raise BadRequest("options must be an object")
     defaults = dict(model.defaults)
     _, runner_overrides = split_options({**defaults, **(overrides or {})})
-    need = request_need(body)
+    if need is None:
+        need = request_need(body)
     options = st.runner_options(model, runner_overrides, need=need)
     if embedding:
         options = replace(options, embedding=True)

@@ -32,7 +32,7 @@ async def rerank() -> Response:
     if not isinstance(name, str) or not name:
         raise BadRequest('"model" is required: the name of a reranker')
     parsed = protocol.parse(body)
-    req = prepare(body, name, embedding=True)
+    req = prepare(body, name, embedding=True, need=protocol.need(parsed))
     await require_kind(req.model, name, "rerank")
     async with state().scheduler.acquire(req.model, req.options, req.keep_alive) as lease:
         status, raw = await post_upstream_raw(lease, "/v1/rerank", protocol.upstream_body(parsed))

@@ -19,6 +19,7 @@ from typing import Any
 
 from trioshed.api.protocols.llama import Upstream
 from trioshed.api.protocols.options import field, require_object, split_options
+from trioshed.core.context import tokens_upper_bound
 from trioshed.errors import BadRequest, UpstreamError
 
 # llama-server serves /v1/embeddings only when started with --embeddings and a pooling type
@@ -42,6 +43,20 @@ def embed_inputs(req: Mapping[str, Any]) -> list[str]:
         raise BadRequest('"input" must not be empty')
     check_count(len(texts))
     return texts
+
+
+def input_need(value: object) -> int:
+    """At most how many tokens the longest single input takes (``input`` or ``prompt``: a text,
+    texts, token ids or lists of them): each input has a slot's context to itself, so this, not
+    their sum, sizes the automatic context."""
+    items = value if isinstance(value, list) and value and not isinstance(value[0], int) else [value]
+    longest = 0
+    for item in items:
+        if isinstance(item, str):
+            longest = max(longest, len(item.encode("utf-8", "replace")))
+        elif isinstance(item, list):
+            longest = max(longest, len(item))
+    return tokens_upper_bound(longest)
 
 
 def check_count(n: int) -> None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trioshed.api.limits import json_type
+from trioshed.core.context import tokens_upper_bound
 from trioshed.errors import BadRequest, UpstreamError
 
 #: The most documents one request may rank (Cohere's own bound is 1,000 per request).
@@ -87,6 +88,13 @@ def parse(body: Mapping[str, Any]) -> RerankRequest:
     if not isinstance(return_documents, bool):
         raise BadRequest(f'"return_documents" must be true or false, got {json_type(return_documents)}')
     return RerankRequest(query, texts, top_n, return_documents)
+
+
+def need(req: RerankRequest) -> int:
+    """At most how many tokens the longest query-document pair takes (each pair has a slot's
+    context to itself): sizes the automatic context."""
+    pair = len(req.query.encode()) + max(len(d.encode()) for d in req.documents)
+    return tokens_upper_bound(pair, 2)
 
 
 def upstream_body(req: RerankRequest) -> dict[str, Any]:
