@@ -133,3 +133,10 @@ def test_results_are_sorted_cut_and_checked() -> None:
     assert protocol.too_long(500, b'{"error":{"message":"input (1214 tokens) is too large to process. increase the physical batch size"}}') == 1214
     assert protocol.too_long(400, b"input (1024 tokens) is larger than the max context size (512 tokens). skipping") == 1024
     assert protocol.too_long(500, b"other") is None
+
+
+def test_every_rerank_route_is_a_user_route() -> None:
+    from trioshed import access
+    from trioshed.api.openapi_rerank import ROUTES
+
+    assert [access.route_role("POST", path) for path, _ in ROUTES] == ["user"] * 4
