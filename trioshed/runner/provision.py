@@ -9,8 +9,10 @@ architecture), llama.cpp's ``llama-server`` and ``rpc-server`` targets are built
 once, into a cache folder. The choice is written to ``<venv>/share/trioshed/llama-server.json``,
 which :func:`trioshed.runner.binary.find_llama_server` and ``find_rpc_server`` read.
 
-One line reports the CPU's vector features, what the chosen build's CPU backend needs (a scan of
-its machine code for AVX-512 and AMX instructions, where ``objdump`` exists) and the choice.
+One line reports the CPU's vector features and the choice. Where the bundled build fails, the line
+also says what its CPU backend needs (a scan of its machine code for AVX-512 and AMX instructions,
+where ``objdump`` exists): the scan takes a second or more, so a build that loads the probe model
+is not scanned (loading is the proof that matters).
 
     python -m trioshed.runner.provision [--force-build]
 """
@@ -95,13 +97,16 @@ def version_output(binary: LlamaBinary) -> str:
     return done.stdout + done.stderr
 
 
-def report_line(binary: LlamaBinary, origin: str, features: list[str], isa: list[str] | None, probe_s: float) -> str:
-    """The one line ``make install`` prints: CPU features, what the build needs, the choice."""
-    needs = "unknown (no objdump)" if isa is None else ("AVX2 or less" if not isa else " + ".join(i.upper() for i in isa))
+def needs_of(isa: list[str] | None) -> str:
+    """What :func:`required_isa` found, in words."""
+    return "unknown (no objdump)" if isa is None else ("AVX2 or less" if not isa else " + ".join(i.upper() for i in isa))
+
+
+def report_line(binary: LlamaBinary, origin: str, features: list[str], probe_s: float) -> str:
+    """The one line ``make install`` prints: CPU features, the choice, how fast it loaded a model."""
     return (
         f"[provision] CPU features: {' '.join(features) or 'unknown'}; chosen: "
         f"{describe_build(binary, version_output(binary))}{'' if origin == 'bundled' else ', ' + origin}, "
-        f"CPU code needs {needs}, "
         f"loaded a model in {probe_s:.2f} s: {binary.path}"
     )
 
@@ -221,22 +226,21 @@ def main(argv: list[str] | None = None) -> int:
     features = cpu_features()
     bundled = bundled_llama_server()
     if bundled is not None and not args.force_build:
-        isa = required_isa(bundled)
         problem, took = _timed_probe(bundled)
         if problem is None:
             write_marker(bundled, "bundled", bundled_rpc_server())
-            print(report_line(bundled, "bundled", features, isa, took), flush=True)
+            print(report_line(bundled, "bundled", features, took), flush=True)
             return 0
         print(f"[provision] CPU features: {' '.join(features) or 'unknown'}; the bundled llama-server "
-              f"does not run on this CPU ({problem}); building llama.cpp from source for it "
-              f"(cached in {CACHE})", flush=True)  # fmt: skip
+              f"does not run on this CPU ({problem}; its CPU code needs {needs_of(required_isa(bundled))}); "
+              f"building llama.cpp from source for it (cached in {CACHE})", flush=True)  # fmt: skip
     built, rpc = build_from_source()
     problem, took = _timed_probe(built)
     if problem is not None:
         print(f"[provision] the llama-server built from source fails too: {problem}", file=sys.stderr)
         return 1
     write_marker(built, "source", rpc)
-    print(report_line(built, "built from source", features, required_isa(built), took), flush=True)
+    print(report_line(built, "built from source", features, took), flush=True)
     return 0
 
 
