@@ -109,7 +109,7 @@ def test_an_unusable_store_is_one_line_naming_the_setting(tmp_path: Path, where:
     done = subprocess.run([sys.executable, "-m", "trioshed", "serve"], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     [line] = done.stderr.strip().splitlines()
-    assert line.startswith(f"trioshed: TRIOSHED_MODELS: {store}: "), line
+    assert line.startswith(f"Error: TRIOSHED_MODELS: {store}: "), line
 
 
 @pytest.mark.slow

@@ -137,6 +137,6 @@ def test_serve_with_a_bad_settings_file_exits_with_a_clear_message(tmp_path: Pat
     path = write(tmp_path, "max_loaded_modles = 2\n")
     assert main(["serve", "--config", str(path)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"trioshed: settings file {path}: unknown key 'max_loaded_modles'")
+    assert err.startswith(f"Error: settings file {path}: unknown key 'max_loaded_modles'")
     assert main(["serve", "--config", str(tmp_path / "missing.toml")]) == 2
     assert "cannot read it" in capsys.readouterr().err

@@ -57,3 +57,48 @@ class PullView:
         out = "\n" if self._open else ""
         self._open = ""
         return out
+
+
+class Spinner:
+    """Ollama's spinner on a terminal while a model loads (nothing elsewhere): a thread redraws
+    one frame every 100 ms until :meth:`stop`, which erases it. Idempotent, safe to stop twice."""
+
+    FRAMES = "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏"
+
+    def __init__(self, *, enabled: bool, stream: Any = None) -> None:
+        import sys
+        import threading
+
+        self.enabled = enabled
+        self.stream = stream if stream is not None else sys.stderr
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        import threading
+
+        if self.enabled and self._thread is None:
+            self._thread = threading.Thread(target=self._spin, name="spinner", daemon=True)
+            self._thread.start()
+
+    def _spin(self) -> None:
+        i = 0
+        while not self._stopped.wait(0.1):
+            try:
+                self.stream.write(f"\r{self.FRAMES[i % len(self.FRAMES)]} ")
+                self.stream.flush()
+            except (OSError, ValueError):
+                return
+            i += 1
+
+    def stop(self) -> None:
+        if self._thread is None or self._stopped.is_set():
+            self._stopped.set()
+            return
+        self._stopped.set()
+        self._thread.join()
+        try:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+        except (OSError, ValueError):
+            pass
