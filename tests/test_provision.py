@@ -161,3 +161,9 @@ def test_every_flag_trioshed_passes_is_one_the_binary_knows() -> None:
                      "--spec-type", "--spec-ngram-simple-size-n", "--model-draft", "--spec-draft-ngl", "--device-draft",
                      "--cache-type-k-draft"}  # fmt: skip
     assert sorted(flags - known) == []
+
+
+def test_the_scan_is_said_in_words() -> None:
+    assert provision.needs_of(None) == "unknown (no objdump)"
+    assert provision.needs_of([]) == "AVX2 or less"
+    assert provision.needs_of(["amx", "avx512"]) == "AMX + AVX512"
