@@ -26,8 +26,9 @@ serve: $(SERVE_STAMP)
 	$(PY) -m trioshed serve --demo-model
 
 # The newest releases pyproject.toml allows, into uv.lock and requirements/*.txt: commit all three.
+# KEEP=1 keeps the pins there are and only adds what pyproject.toml added.
 lock:
-	PYTHON=$(PYTHON) packaging/install.sh lock
+	PYTHON=$(PYTHON) KEEP=$(KEEP) packaging/install.sh lock
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -3,7 +3,8 @@
 #   packaging/install.sh serve   the server: its dependencies, the bundled llama-server, the demo model
 #   packaging/install.sh dev     every extra as well (tests, lint, bench)
 #   packaging/install.sh lock    refresh uv.lock to the newest releases pyproject.toml allows and
-#                                write the pip-readable copies in requirements/ (`make lock`)
+#                                write the pip-readable copies in requirements/ (`make lock`);
+#                                KEEP=1 keeps the pins there are (after adding a dependency)
 # Environment: PYTHON (python3), VENV (.venv), INSTALLER:
 #   auto (default)  uv where it runs: the `uv` on PATH, else uv $UV_VERSION installed from PyPI with
 #                   this Python's pip into the user's cache, once; pip when neither works
@@ -44,7 +45,8 @@ extras() { if [ "$what" = dev ]; then echo --all-extras; else echo --extra bundl
 
 if [ "$what" = lock ]; then
   uv=$(find_uv); [ -n "$uv" ] || { echo "make lock needs uv (pip install uv==$UV_VERSION)" >&2; exit 1; }
-  "$uv" lock --upgrade --python "$PYTHON"
+  # shellcheck disable=SC2046
+  "$uv" lock --python "$PYTHON" $([ "${KEEP:-0}" = 1 ] || echo --upgrade)
   mkdir -p requirements
   for w in serve dev; do
     what=$w
