@@ -19,6 +19,10 @@ from trioshed.testing.llama import free_port
 from trioshed.testing.server import open_test_server
 
 slow = pytest.mark.slow
+
+#: A guard for tests that start a dozen CLI processes, each importing Python's HTTP stack: seconds
+#: each on a loaded 2-core machine.
+PROCESSES_GUARD = 300
 pytestmark = [pytest.mark.usefixtures("no_leaked_runner")]
 
 
@@ -38,7 +42,7 @@ def one_error_line(result: subprocess.CompletedProcess[bytes]) -> str:
 
 @slow
 async def test_client_commands(model_store: Path) -> None:
-    with trio.fail_after(120):
+    with trio.fail_after(PROCESSES_GUARD):
         async with open_test_server(model_store) as server:
             env = {"TRIOSHED_HOST": server.base_url.removeprefix("http://")}
             listed = await cli("list", env=env)
@@ -165,7 +169,7 @@ def test_usage_errors_are_one_line_with_exit_2(argv: list[str], capsys: pytest.C
 @slow
 async def test_version_and_errors_from_a_real_process(tmp_path: Path) -> None:
     nobody = {"TRIOSHED_HOST": f"127.0.0.1:{free_port()}"}
-    with trio.fail_after(60):
+    with trio.fail_after(PROCESSES_GUARD):
         version = await cli("--version", env=nobody)
         assert version.returncode == 0 and version.stdout.decode() == f"trioshed version is {__version__}\n"
         assert (await cli("-v", env=nobody)).stdout == version.stdout
@@ -177,11 +181,6 @@ async def test_version_and_errors_from_a_real_process(tmp_path: Path) -> None:
 
 
 # --- against a real server --------------------------------------------------------------------
-
-
-#: A guard for tests that start a dozen CLI processes, each importing Python's HTTP stack: seconds
-#: each on a loaded 2-core machine.
-PROCESSES_GUARD = 300
 
 
 def brief_store(model_store: Path) -> Path:
