@@ -375,3 +375,17 @@ def test_timings_are_ollamas_verbose_lines() -> None:
     assert lines[0] == "total duration:       2.000000s"
     assert "prompt eval rate:     40.00 tokens/s" in lines and "eval rate:            8.00 tokens/s" in lines
     assert cli_format.timings({}).splitlines()[-1] == "eval rate:            n/a"
+
+
+def test_serves_help_gives_the_defaults_docs_settings_gives() -> None:
+    import re
+
+    from trioshed.cli import SERVE_EPILOG
+
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "settings.md").read_text()
+    named = re.findall(r"^  (TRIOSHED_\w+) .*\(default ([^)]+)\)", SERVE_EPILOG, flags=re.M)
+    assert len(named) >= 6
+    for name, text in named:
+        default = text.split(": ")[0]  # "0: 3 per GPU, 3 on CPU" -> "0"
+        row = re.search(rf"^\| `{name}` \| `([^`]+)`", docs, flags=re.M)
+        assert row is not None and row[1] == default, (name, default)
