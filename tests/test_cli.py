@@ -101,11 +101,10 @@ async def test_serve_refuses_a_public_rpc_server(tmp_path: Path) -> None:
 
 # --- the verbs, their help, the version, usage errors (in-process: no server needed) ---------
 
-OLLAMA_VERBS = {"serve", "show", "run", "stop", "pull", "list", "ls", "ps", "cp", "rm", "help"}
+OLLAMA_VERBS = {"serve", "create", "show", "run", "stop", "pull", "push", "list", "ls", "ps", "cp", "rm", "help"}
 
 
-def test_the_verbs_are_ollamas_that_work_here() -> None:
-    """Ollama's verbs but ``create`` and ``push``, which the server does not do (501): no stubs."""
+def test_the_verbs_are_ollamas() -> None:
     verbs = set(build_parser()._subparsers._group_actions[0].choices)  # type: ignore[union-attr]
     assert verbs == OLLAMA_VERBS | {"start", "usage"}  # usage: trioshed's own (keys and budgets)
     assert set(COMMANDS) == verbs - {"help"}
@@ -144,6 +143,8 @@ def test_top_level_help_lists_every_command(capsys: pytest.CaptureFixture[str]) 
         (["--license", "--modelfile", "--parameters", "--system", "--template", "--verbose"], "show"),
         (["--format", "--keepalive", "--verbose", "--think", "--hidethinking"], "run"),
         (["--insecure"], "pull"),
+        (["--insecure"], "push"),
+        (["--file"], "create"),
     ],
 )
 def test_ollamas_flags_are_there(flags: list[str], verb: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -173,7 +174,7 @@ async def test_version_and_errors_from_a_real_process(tmp_path: Path) -> None:
         version = await cli("--version", env=nobody)
         assert version.returncode == 0 and version.stdout.decode() == f"trioshed version is {__version__}\n"
         assert (await cli("-v", env=nobody)).stdout == version.stdout
-        for argv in (["list"], ["ps"], ["show", "x"], ["stop", "x"], ["rm", "x"], ["cp", "a", "b"], ["run", "x", "hi"]):
+        for argv in (["list"], ["ps"], ["show", "x"], ["stop", "x"], ["rm", "x"], ["cp", "a", "b"], ["run", "x", "hi"], ["push", "x"]):
             line = one_error_line(await cli(*argv, env=nobody))
             assert "could not connect to trioshed at 127.0.0.1:" in line and "trioshed serve" in line, argv
         bogus = await cli("frobnicate", env=nobody)
