@@ -61,7 +61,7 @@ async def test_client_commands(model_store: Path) -> None:
 async def test_the_usage_command(model_store: Path, tmp_path: Path) -> None:
     keys = tmp_path / "keys.toml"
     keys.write_text('[[key]]\nname = "ann"\nkey = "ann-secret-1"\ntokens_per_day = 1000000\n')
-    with trio.fail_after(120):
+    with trio.fail_after(PROCESSES_GUARD):
         async with open_test_server(model_store, api_key="boss-secret-1", keys_file=keys, usage_db=tmp_path / "u.db") as server:
             env = {"TRIOSHED_HOST": server.base_url.removeprefix("http://"), "TRIOSHED_API_KEY": "ann-secret-1"}
             ran = await cli("run", "tiny", "hello", env=env)

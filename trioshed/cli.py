@@ -626,7 +626,7 @@ SERVE_EPILOG = """environment (every setting: docs/settings.md):
   TRIOSHED_KEEP_ALIVE         how long a model stays loaded after its last request (default 5m)
   TRIOSHED_MAX_LOADED_MODELS  most models loaded at once (default 0: 3 per GPU, 3 on CPU)
   TRIOSHED_NUM_PARALLEL       parallel requests per model (default 1)
-  TRIOSHED_CONTEXT_LENGTH     default context length (default 4096)
+  TRIOSHED_CONTEXT_LENGTH     default context length (default 0: sized from the request, up to the model's)
   TRIOSHED_API_KEY            require this bearer key
   TRIOSHED_LLAMA_SERVER       the llama-server binary (default: the one make install chose)"""
 
