@@ -89,6 +89,22 @@ async def test_a_swapped_out_conversation_is_restored_and_answers_as_computed_fr
         assert await cold_answer(store, "a", follow_up) == resumed
 
 
+async def test_a_shutdown_saves_every_runners_slot_before_its_child_is_stopped(store: Path, tmp_path: Path) -> None:
+    # A shutdown cancels every runner at once; each child must go on answering until its slot is
+    # saved. (It was sent SIGTERM at the same moment: the save then waited for the whole
+    # TRIOSHED_KV_SAVE_TIMEOUT and was dropped, and every SIGTERM to trioshed took 5 s.)
+    kv = tmp_path / "kv"
+    with trio.fail_after(60):
+        async with open_test_server(store, **settings(kv, max_loaded_models=2)) as server:
+            async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
+                await generate(client, "a", HISTORY)
+                await generate(client, "b", "something else entirely, long enough to be kept " * 2)
+            assert warm(server).saves == 0  # both still loaded
+    stats = warm(server)
+    assert (stats.saves, stats.saves_skipped, stats.save_failures) == (2, 0, 0), stats
+    assert len(list(kv.glob("*.bin"))) == 2 and not list(kv.glob("partial-*"))
+
+
 async def test_a_slot_of_another_model_is_never_restored(store: Path, tmp_path: Path) -> None:
     """Same shape, same prompt: b never gets a's slot, nor does a rewritten a.gguf."""
     kv = tmp_path / "kv"

@@ -108,7 +108,22 @@ def _cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
         _say(f"Error: {exc}")
         return 2
     trio.run(lambda: serve(settings, binary=binary))
-    return 0
+    _exit_now(0)
+    return 0  # pragma: no cover - not reached
+
+
+def _exit_now(code: int) -> NoReturn:
+    """Leave at once once the server has stopped: everything it owned (children, sockets,
+    files, the database) was closed inside ``serve()``; tearing the interpreter down (every
+    module and object freed, one by one) took 0.4-0.8 s more on 2 busy cores, which every
+    SIGTERM and ``systemctl restart`` waited for."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def _error_of(response: httpx.Response) -> str:

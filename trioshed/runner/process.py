@@ -231,6 +231,7 @@ class LlamaServer:
         self.upstream = UpstreamPool(port, max_idle=max(8, 4 * options.num_parallel), api_key=self.secret)
         #: Warm returns (saved slots), set once ready when TRIOSHED_KV_CACHE_BUDGET is not 0.
         self.slots: RunnerSlots | None = None
+        self._supervision = trio.CancelScope(shield=True)  # the child's life: see _supervise
 
     @property
     def pid(self) -> int | None:
@@ -343,23 +344,36 @@ class LlamaServer:
         return text
 
     async def _supervise(self, argv: list[str], config: LaunchConfig, *, task_status: trio.TaskStatus[None]) -> None:
-        """Own the child from spawn to reaping; cancellation stops it (SIGTERM, grace, SIGKILL)."""
-        try:
+        """Own the child from spawn to reaping; :meth:`stop_child` stops it (SIGTERM, grace,
+        SIGKILL), and nothing else does.
+
+        Shielded from the scopes around it: a shutdown cancels every runner's scope at once,
+        and the child must keep answering (and its output be read) until the runner's exit
+        path has saved its slots and closed its connections. Stopped at once, a llama-server
+        busy saving a slot or holding an idle keep-alive connection took its whole grace
+        period (5 s) to exit: every SIGTERM to trioshed after one answer paid it.
+        """
+        with self._supervision:
             try:
-                self.process, output = _spawn(argv, runner_environment(dict(config.env), self.secret))
-            except OSError as exc:
-                raise LoadFailed(f"cannot start llama-server {argv[0]!r}: {exc}") from None
-            task_status.started()
-            try:
-                await self._drain(output)
-                await self.process.wait()
-            except BaseException:
-                with trio.CancelScope(shield=True):
-                    await self.process.stop(config.stop_grace)
-                raise
-        finally:
-            self._exited.set()
-            self._output_hint.set()
+                try:
+                    self.process, output = _spawn(argv, runner_environment(dict(config.env), self.secret))
+                except OSError as exc:
+                    raise LoadFailed(f"cannot start llama-server {argv[0]!r}: {exc}") from None
+                task_status.started()
+                try:
+                    await self._drain(output)
+                    await self.process.wait()
+                except BaseException:
+                    with trio.CancelScope(shield=True):
+                        await self.process.stop(config.stop_grace)
+                    raise
+            finally:
+                self._exited.set()
+                self._output_hint.set()
+
+    def stop_child(self, reason: str) -> None:
+        """Stop the child now: SIGTERM, then SIGKILL after the grace period; always reaped."""
+        self._supervision.cancel(reason=reason)
 
 
 async def check_draft(model: ModelSpec, draft: str) -> None:
@@ -405,20 +419,22 @@ async def open_llama_server(
         with single_error(LoadFailed):
             async with trio.open_nursery() as nursery:
                 await nursery.start(server._supervise, argv, config)
-                await server._wait_ready(config.load_timeout)
-                if warm is not None:
-                    per_token = sum(kv_layer_bytes(meta, options)) // max(1, options.kv_cells)
-                    server.slots = await warm.attach(model, options, kv_type, server.upstream, bytes_per_token=per_token)
                 try:
-                    yield server
+                    await server._wait_ready(config.load_timeout)
+                    if warm is not None:
+                        per_token = sum(kv_layer_bytes(meta, options)) // max(1, options.kv_cells)
+                        server.slots = await warm.attach(model, options, kv_type, server.upstream, bytes_per_token=per_token)
+                    try:
+                        yield server
+                    finally:
+                        # Warm returns: the slots are saved before the child stops, within a bound.
+                        await save_before_stop(server.slots, server.exited)
+                        # Our idle keep-alive connections make llama-server take ~110 ms to exit on
+                        # SIGTERM (under 10 ms without them): close them first.
+                        with trio.move_on_after(1, shield=True):
+                            await server.upstream.aclose()
                 finally:
-                    # Warm returns: the slots are saved before the child stops, within a bound.
-                    await save_before_stop(server.slots, server.exited)
-                    # Our idle keep-alive connections make llama-server take ~110 ms to exit on
-                    # SIGTERM (under 10 ms without them): close them first.
-                    with trio.move_on_after(1, shield=True):
-                        await server.upstream.aclose()
-                    nursery.cancel_scope.cancel(reason="runner stopped")
+                    server.stop_child("runner stopped")
     finally:
         with trio.move_on_after(1, shield=True):
             await server.upstream.aclose()
