@@ -88,6 +88,38 @@ async def test_a_stream_sent_to_a_stopped_llama_server_is_answered_whole_by_a_ne
                 _kill(stopped)
 
 
+#: route -> (method, path, body): answers read whole before anything is sent on
+PLAIN: dict[str, tuple[str, str, dict[str, Any] | None]] = {
+    "ollama generate": ("POST", "/api/generate", {"model": "tiny", "prompt": "hi", "stream": False, "options": {"num_predict": 4}}),
+    "openai chat": ("POST", "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}),
+    "llama.cpp tokenize": ("POST", "/tokenize", {"model": "tiny", "content": "hi"}),
+    "pass-through completion": ("POST", "/upstream/tiny/completion", {"prompt": "hi", "n_predict": 4}),
+    "pass-through props": ("GET", "/upstream/tiny/props", None),
+}
+
+
+@pytest.mark.parametrize("route", sorted(PLAIN))
+async def test_a_plain_request_sent_to_a_stopped_llama_server_is_answered_by_a_new_one(
+    model_store: Path, monkeypatch: pytest.MonkeyPatch, route: str
+) -> None:
+    monkeypatch.setattr("trioshed.scheduler.scheduler.PING_IDLE", math.inf)
+    method, path, body = PLAIN[route]
+    with trio.fail_after(90):
+        async with open_test_server(model_store) as server, httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
+            assert (await http.post("/api/generate", json={"model": "tiny", "prompt": "hi", "stream": False, "options": {"num_predict": 1}})).status_code == 200
+            stopped = _pid(server)
+            os.kill(stopped, signal.SIGSTOP)
+            try:
+                start = trio.current_time()
+                r = await http.request(method, path, json=body)
+                waited = trio.current_time() - start
+                assert r.status_code == 200, r.text
+                assert waited < FOUND_AND_REPLACED, waited
+                assert _pid(server) != stopped and server.scheduler.statistics().loads == 2
+            finally:
+                _kill(stopped)
+
+
 async def test_a_plain_answer_whose_llama_server_is_killed_mid_generation_comes_from_a_new_one(model_store: Path) -> None:
     add_tiny(model_store, "long", context_length=4096)
     body = {"model": "long", "prompt": "hello", "stream": False, "options": {"num_predict": 3000, "num_ctx": 4096, "temperature": 1}}

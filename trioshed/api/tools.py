@@ -34,14 +34,12 @@ from trioshed.api.protocols.options import split_options
 from trioshed.api.upstream import (
     LeasedBody,
     client_status,
-    crash_or,
     open_upstream_bytes,
     post_upstream_raw,
-    step,
+    request_upstream,
 )
 from trioshed.core.model import ModelSpec
 from trioshed.errors import BadRequest, ModelNotFound, TrioshedError
-from trioshed.runner.client import ConnectionFailed, UpstreamPool
 from trioshed.scheduler import Lease
 
 bp = Blueprint("tools", __name__)
@@ -193,21 +191,8 @@ async def upstream(rest: str) -> Response:
     if streaming:
         return await _stream(req, target, payload, None)
     async with state().scheduler.acquire(req.model, req.options, req.keep_alive) as lease:
-        status, headers, raw = await _request(lease, method, target, payload)
+        status, headers, raw = await request_upstream(lease, method, target, payload)
     if path == "/props" and status == 200:
         raw = protocol.scrub_props(raw, name)
     return Response(raw, status=status, content_type=headers.get("content-type", "application/json"))
 
-
-async def _request(lease: Lease, method: str, target: str, payload: bytes) -> tuple[int, dict[str, str], bytes]:
-    pool: UpstreamPool = lease.handle.upstream
-
-    async def call() -> tuple[int, dict[str, str], bytes]:
-        async with pool.request(method, target, payload) as response:
-            return response.status, dict(response.headers), await response.read()
-
-    try:
-        result: tuple[int, dict[str, str], bytes] = await step(lease, call)
-        return result
-    except ConnectionFailed as exc:
-        raise await crash_or(lease, exc) from None

@@ -187,13 +187,28 @@ async def post_upstream_raw(lease: Lease, path: str, body: dict[str, Any] | byte
 
     Nothing is handed on before the whole answer is read: a runner that dies (or is killed as
     hung) on the way is replaced, and the request runs again on a new one (once)."""
+    status, _, raw = await request_upstream(lease, "POST", path, body)
+    return status, raw
+
+
+async def request_upstream(
+    lease: Lease, method: str, path: str, body: dict[str, Any] | bytes = b""
+) -> tuple[int, dict[str, str], bytes]:
+    """Send ``method path`` (with ``body``, JSON or bytes, for a POST) to the runner; return the
+    status, headers and whole body of its answer, whatever the status. Runs again on a new
+    runner when this one dies first, as :func:`post_upstream_raw`."""
     payload = body if isinstance(body, bytes) else _encode(body)
+
+    async def call(pool: UpstreamPool) -> tuple[int, dict[str, str], bytes]:
+        async with pool.request(method, path, payload) as response:
+            return response.status, dict(response.headers), await response.read()
+
     while True:
-        await restore_warm(lease, path, body)
-        pool: UpstreamPool = lease.handle.upstream
+        if method == "POST":
+            await restore_warm(lease, path, body)
         try:
             with _waiting_for_answer(lease):
-                result: tuple[int, bytes] = await step(lease, functools.partial(pool.post, path, payload))
+                result: tuple[int, dict[str, str], bytes] = await step(lease, functools.partial(call, lease.handle.upstream))
             return result
         except ConnectionFailed as exc:
             error = await crash_or(lease, exc)
