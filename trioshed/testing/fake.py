@@ -121,6 +121,7 @@ class FakeResponse:
 
     def __init__(self, runner: FakeRunner) -> None:
         self._runner = runner
+        self.headers = {"content-type": "application/json"}
 
     async def batches(self) -> AsyncGenerator[bytes, None]:
         received = 0
