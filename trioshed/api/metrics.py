@@ -18,6 +18,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
 
+import trio
 from prometheus_client import CollectorRegistry, Counter, Histogram, Summary
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
@@ -93,6 +94,7 @@ class SchedulerCollector:
         stats = self._scheduler.statistics()
         yield _gauge("trioshed_queued_requests", "Requests waiting for a runner.", stats.queued)
         yield _gauge("trioshed_leases", "Requests holding a runner slot now.", stats.leased)
+        yield _gauge("trioshed_tasks", "Trio tasks alive in this process (one that only grows is a leak).", trio_tasks())
         runners = GaugeMetricFamily("trioshed_runners", "Runners by state.", labels=["state"])
         for state, value in (("ready", stats.loaded), ("loading", stats.loading), ("unloading", stats.unloading)):
             runners.add_metric([state], value)
@@ -175,6 +177,23 @@ def _speculation(stats: SchedulerStatistics) -> Iterator[Metric]:
         accepted.add_metric([model], a)
     yield drafted
     yield accepted
+
+
+def trio_tasks() -> int:
+    """How many Trio tasks are alive (0 outside Trio): every nursery walked from the root."""
+    try:
+        tasks = [trio.lowlevel.current_root_task()]
+    except RuntimeError:
+        return 0
+    count = 0
+    while tasks:
+        task = tasks.pop()
+        if task is None:
+            continue
+        count += 1
+        for nursery in task.child_nurseries:
+            tasks.extend(nursery.child_tasks)
+    return count
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
