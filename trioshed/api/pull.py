@@ -17,14 +17,16 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from quart import Blueprint, Response
 
 from trioshed.api.preamble import read_body, store_writer
 from trioshed.api.protocols.errors import ollama_error
 from trioshed.errors import BadRequest, TrioshedError
-from trioshed.models.pull import Prepared, Puller
+
+if TYPE_CHECKING:  # the puller is made (and its module imported) by the first pull
+    from trioshed.models.pull import Prepared, Puller
 
 log = logging.getLogger(__name__)
 bp = Blueprint("pull", __name__)

@@ -6,7 +6,7 @@ import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -20,13 +20,15 @@ from trioshed.keys import ApiKey
 from trioshed.logtail import LogTail
 from trioshed.models.create import Creator
 from trioshed.models.gguf_meta import GGUFMetadata, cached_metadata, read_metadata, unreadable
-from trioshed.models.pull import Puller
 from trioshed.models.stores import Stores
 from trioshed.runner.slots import WarmReturns
 from trioshed.scheduler import Scheduler
 from trioshed.scheduler.events import Timeline
 from trioshed.trace import RequestTrace
 from trioshed.usage.recorder import UsageRecorder
+
+if TYPE_CHECKING:  # imported by the first pull: with its HTTP client, memory an idle server never needs
+    from trioshed.models.pull import Puller
 
 _RUNNER_FIELDS = {"num_ctx", "num_batch", "num_gpu", "main_gpu", "use_mmap", "num_thread"}
 
@@ -57,6 +59,8 @@ class AppState:
         """The server's one :class:`Puller` (concurrent pulls of a blob share its download),
         writing into the first folder store's ``pulled/``."""
         if self._puller is None:
+            from trioshed.models.pull import Puller
+
             self._puller = Puller(self.store.pull_root)
         return self._puller
 

@@ -87,7 +87,6 @@ from trioshed.models.registry_client import (
 
 log = logging.getLogger(__name__)
 
-PULLED = "pulled"  # the pull store's folder inside the first folder store
 CHUNK = 1 << 20  # bytes read and written at a time (and the progress granularity)
 DISK_MARGIN = 64 << 20  # room left free after a pull's downloads, for manifests and the system
 

@@ -33,6 +33,8 @@ from typing import Any
 from trioshed.errors import BadRequest, ModelNotFound, NotSupported, RegistryError
 from trioshed.models import ollama_store as o
 
+PULLED = "pulled"  # the pull store's folder inside the first folder store
+
 HF_HOSTS = ("hf.co", "huggingface.co")
 HF_HOST = "hf.co"  # the host Ollama writes in the names (and manifest paths) of such models
 #: Ollama's manifest type, asked for in the Accept header and written into every manifest.

@@ -29,8 +29,7 @@ from trioshed.errors import BadRequest, Conflict, Forbidden, ModelNotFound
 from trioshed.models.blobs import write_manifest
 from trioshed.models.catalogue import Catalogue, full_name, parse_catalogue
 from trioshed.models.ollama_store import OllamaManifest, OllamaStore, is_ollama_store, parse_name
-from trioshed.models.pull import PULLED
-from trioshed.models.pull_plan import manifest_path_parts
+from trioshed.models.pull_plan import PULLED, manifest_path_parts
 from trioshed.models.store import ModelStore, split_name
 
 Backend = ModelStore | OllamaStore
