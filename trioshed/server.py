@@ -31,6 +31,7 @@ from trioshed.core.estimate import estimate
 from trioshed.core.model import MemoryEstimate, ModelSpec, RunnerOptions
 from trioshed.devices import DeviceSource, discover
 from trioshed.devices.rpc import RemoteDevices, check_addresses
+from trioshed.heap import trim_when_quiet
 from trioshed.logtail import LogTail
 from trioshed.models.gguf_meta import read_metadata
 from trioshed.models.stores import Stores
@@ -213,6 +214,7 @@ async def serve(
             nursery.start_soon(_receive_signals, app)
             nursery.start_soon(reload_on_sighup, state)
         nursery.start_soon(_drain_on_request, app, scheduler, settings.shutdown_timeout, http_stopped)
+        nursery.start_soon(trim_when_quiet, scheduler.wait_changed, partial(_idle, scheduler))
         async with trio.open_nursery() as http_nursery:
             urls = await http_nursery.start(partial(serve_http, app, config, connections, shutdown_trigger=http_stopped.wait))
             urls = [u.replace("0.0.0.0", "127.0.0.1") for u in urls]
@@ -239,6 +241,11 @@ async def _drain_on_request(drain: Drain, scheduler: Scheduler, grace: float, ht
     scheduler.close_queue()
     await drain.cut()
     http_stopped.set()
+
+
+def _idle(scheduler: Scheduler) -> bool:
+    stats = scheduler.statistics()
+    return stats.leased == 0 and stats.queued == 0
 
 
 def _status(scheduler: Scheduler, drain: Drain) -> str:
