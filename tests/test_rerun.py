@@ -15,7 +15,7 @@ import trio.testing
 from tests.test_scheduler import running, spec
 from trioshed.api.upstream import open_upstream_bytes, post_upstream_raw
 from trioshed.core.model import RunnerOptions
-from trioshed.errors import LoadFailed, RunnerCrashed
+from trioshed.errors import LoadCooldown, LoadFailed, RunnerCrashed
 from trioshed.keys import ApiKey, current_key
 from trioshed.scheduler import Lease
 from trioshed.scheduler.lifetime import HEALTH_INTERVAL, PING_IDLE, PING_TIMEOUT
@@ -296,3 +296,32 @@ async def test_a_runner_killed_between_dispatch_and_send_runs_the_request_on_a_n
             assert (status, json.loads(raw)) == (200, {"content": "ok"})
             assert lease.handle is not first and first.requests == []
         assert h.factory.started == 2 and h.sched.statistics().leased == 0
+
+
+async def test_requests_waiting_for_a_load_whose_child_is_killed_wait_for_the_next_load(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # SIGKILL from outside (the OOM killer, an operator) while loading: not the model's fault.
+    async with running({"a": 1}) as h:
+        h.factory.killed_loading["a"] = 1
+        got: list[str] = []
+        for _ in range(3):
+            h.want("a", got)
+        await trio.sleep(10)  # two loads of 1 s
+        assert got == ["a", "a", "a"] and h.factory.started == 2
+        assert ("killed loading", "a") in h.record
+        assert h.sched.statistics().load_failures == 1
+        await h.once("a")  # no back-off (no LoadCooldown)
+
+
+async def test_a_load_killed_twice_in_a_row_fails_its_requests_naming_it(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with running({"a": 1}) as h:
+        h.factory.killed_loading["a"] = 2
+        with pytest.raises(LoadFailed, match=r"was killed \(code -9\) while loading, twice in a row"):
+            await h.once("a")
+        assert h.factory.started == 2
+        h.factory.killed_loading["a"] = 1  # the count starts again after a success only
+        with pytest.raises(LoadCooldown):
+            await h.once("a")  # the back-off of a real failure

@@ -188,3 +188,27 @@ async def test_a_request_whose_second_llama_server_dies_too_gets_an_error_naming
             assert "/" not in error.split("died twice")[1].replace("/api", ""), error  # no path leaks
             r = await http.post("/api/generate", json={**body, "options": {**body["options"], "num_predict": 2}})
             assert r.status_code == 200  # a third runner serves the next request
+
+
+async def test_requests_waiting_for_a_llama_server_killed_while_loading_are_answered_by_the_next_load(gemma_store: Path) -> None:
+    # gemma3 takes seconds to load: time to SIGKILL the child mid-load, as the OOM killer would.
+    body = {"model": "gemma3-270m", "prompt": "hi", "stream": False, "options": {"num_predict": 2}}
+    with trio.fail_after(120):
+        async with open_test_server(gemma_store) as server, httpx.AsyncClient(base_url=server.base_url, timeout=100) as http:
+            async with trio.open_nursery() as nursery:
+                answers: list[httpx.Response] = []
+
+                async def ask() -> None:
+                    answers.append(await http.post("/api/generate", json=body))
+
+                for _ in range(2):
+                    nursery.start_soon(ask)
+                await server.scheduler.wait_statistics(lambda s: s.loading == 1 and s.queued == 2)
+                child = None
+                while child is None:  # spawned from this process: find it among our children
+                    child = next((p for p in psutil.Process().children(recursive=True) if "llama-server" in p.name()), None)
+                    await trio.sleep(0.01)
+                child.kill()
+            assert [r.status_code for r in answers] == [200, 200], [r.text for r in answers]
+            stats = server.scheduler.statistics()
+            assert (stats.loads, stats.load_failures, stats.loaded) == (2, 1, 1)

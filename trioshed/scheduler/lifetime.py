@@ -45,6 +45,22 @@ PING_RETRIES = 2  # runners in a row that may fail their ping before a request t
 REMOTE_CHECK_TIMEOUT = 3.0  # how long a crashed runner's RPC servers are checked before it is reported
 
 
+def _killed(exc: LoadFailed) -> bool:
+    """Whether the child died of a signal (a negative exit code), not by its own exit."""
+    return exc.returncode is not None and exc.returncode < 0
+
+
+def _twice(exc: LoadFailed, model: str) -> LoadFailed:
+    """The error for a second load in a row whose child was killed (the first was retried)."""
+    return LoadFailed(
+        f"llama-server for model '{model}' was killed (code {exc.returncode}) while loading, twice in a "
+        "row; if the machine is short of memory, the kernel's out-of-memory killer may be the cause "
+        "(its log: dmesg)",
+        returncode=exc.returncode,
+        stderr_tail=exc.stderr_tail,
+    )
+
+
 class RunnerLifetimes:
     """Runs each runner's life; the scheduler's state it touches is declared here."""
 
@@ -55,6 +71,7 @@ class RunnerLifetimes:
     _cooldowns: dict[str, tuple[float, str]]
     _backoff: dict[str, float]
     _counters: dict[str, int]
+    _killed_loading: set[str]  # model paths whose last load's child was killed by a signal
 
     if TYPE_CHECKING:
 
@@ -92,8 +109,10 @@ class RunnerLifetimes:
                         lost = await self._lost_remote(runner)
                     if lost:
                         self._on_remote_load_lost(runner, lost)
+                    elif _killed(exc) and runner.model.path not in self._killed_loading:
+                        self._on_killed_loading(runner, exc)
                     else:
-                        self._on_load_failed(runner, exc)
+                        self._on_load_failed(runner, _twice(exc, runner.model.name) if _killed(exc) else exc)
                 except (OSError, RuntimeError) as exc:
                     self._on_load_failed(runner, LoadFailed(f"cannot run llama-server: {exc}"))
         finally:
@@ -153,6 +172,7 @@ class RunnerLifetimes:
         self._wake()
 
     def _on_ready(self, runner: Runner, handle: Any) -> None:
+        self._killed_loading.discard(runner.model.path)
         runner.handle = handle
         runner.state = RunnerState.READY
         runner.load_duration = trio.current_time() - runner.load_started
@@ -211,6 +231,16 @@ class RunnerLifetimes:
         self._runners.pop(runner.id, None)
         self._note("crashed", runner.model, runner.crash.message[:300])
         self._wake()
+
+    def _on_killed_loading(self, runner: Runner, exc: LoadFailed) -> None:
+        """The child died of a signal while loading (SIGKILL from outside, the OOM killer): not
+        the model's fault as far as anyone knows, so no back-off, and its waiting requests stay
+        queued for the load that starts at once. A second such death in a row is a failure."""
+        self._counters["load_failures"] += 1
+        self._killed_loading.add(runner.model.path)
+        log.warning("llama-server for %s was killed (code %s) while loading; loading it again", runner.model.name, exc.returncode)
+        self._note("load failed", runner.model, f"killed (code {exc.returncode}) while loading; loading it again")
+        self._runners.pop(runner.id, None)
 
     def _on_load_failed(self, runner: Runner, exc: LoadFailed) -> None:
         self._counters["load_failures"] += 1

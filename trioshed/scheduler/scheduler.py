@@ -171,6 +171,7 @@ class Scheduler(RunnerLifetimes):
         self._runners: dict[int, Runner] = {}
         self._cooldowns: dict[str, tuple[float, str]] = {}
         self._backoff: dict[str, float] = {}
+        self._killed_loading: set[str] = set()  # see RunnerLifetimes._on_killed_loading
         self._changes = RepeatedEvent()  # set on every change the planner or a waiter cares about
         self._session_pins: dict[str, bool] = {}  # model path -> pinned, set by pin() until restart
         self._dirty = False  # a change the planner must look at (others only wake waiters)

@@ -141,6 +141,7 @@ class FakeFactory:
     def __init__(self, *, load_time: float = 1.0, record: list[tuple[str, str]] | None = None) -> None:
         self.load_time = load_time
         self.failing: dict[str, str] = {}  # short model name -> error message
+        self.killed_loading: dict[str, int] = {}  # short model name -> loads to die of SIGKILL
         self.record = record if record is not None else []
         self.live: list[FakeRunner] = []
         self.started = 0
@@ -153,6 +154,10 @@ class FakeFactory:
         if model.short_name in self.failing:
             self.record.append(("load error", model.short_name))
             raise LoadFailed(self.failing[model.short_name], returncode=1)
+        if self.killed_loading.get(model.short_name, 0) > 0:
+            self.killed_loading[model.short_name] -= 1
+            self.record.append(("killed loading", model.short_name))
+            raise LoadFailed("llama-server exited with code -9 before it was ready", returncode=-9)
         runner = FakeRunner(model, options, placement)
         self.live.append(runner)
         try:
