@@ -133,13 +133,14 @@ async def main() -> None:
     ]
     for name, results in rows.items():
         exits = [r["exit"] or 0.0 for r in results]
-        note = ""
+        notes = []
         if name == "stream in flight":
             after = [r["after stream"] or 0.0 for r in results]
-            note = f"the stream finishes first (drain); last byte to exit: median {statistics.median(after):.2f} s, max {max(after):.2f} s"
+            notes.append(f"the stream ends first (drain); its last byte to exit: median {statistics.median(after):.2f} s, max {max(after):.2f} s")
         saves = [r["saved"] for r in results if r["saved"] is not None]
         if saves:
-            note = f"slot saved in median {statistics.median(saves) * 1000:.0f} ms"
+            notes.append(f"slot saves took median {statistics.median(saves) * 1000:.0f} ms")
+        note = "; ".join(notes)
         lines.append(f"| {name} | {statistics.median(exits):.2f} | {max(exits):.2f} | {len(exits)} | {note} |")
     table = "\n".join(lines)
     print(table)
