@@ -4,7 +4,7 @@
 
 One real ``python -m trioshed serve`` over three tiny random models (``trioshed.testing.tiny``)
 with real ``llama-server`` children: two loaded at most (the third swaps in), two slots each,
-a short keep-alive, a small queue (16) and three API keys with limits, so that the queue and
+a short keep-alive, a small queue (16), two user keys with limits and an admin key, so that the queue and
 the keys' limits are reached. Clients (seeded, ``--clients``) send every protocol the server
 speaks, streamed and not: Ollama generate/chat, OpenAI chat/completions/responses/embeddings,
 Anthropic messages, llama.cpp's /tokenize and the pass-through, plus requests that deserve a 4xx.
@@ -54,11 +54,12 @@ from trioshed.testing.tiny import write_tiny_model
 
 MODELS = ("tiny-a", "tiny-b", "tiny-c")
 MAX_QUEUE = 16
-KEYS = {  # name -> (secret, toml limits)
+KEYS = {  # name -> (secret, toml fields): two users with limits, an admin without
     "alice": ("alice-secret-0001", "weight = 2\nmax_concurrent = 6\nmax_queued = 8"),
     "bob": ("bob-secret-00000002", "max_concurrent = 4\nmax_queued = 4"),
-    "carol": ("carol-secret-000003", ""),
+    "carol": ("carol-secret-000003", 'role = "admin"'),
 }
+ADMIN = "carol"  # the pass-through and /metrics are an admin's
 FLAGS = RunnerFlags(threads=1, parallel=2, ctx_per_slot=2048)
 ACCEPTED = ("ok", "4xx deserved", "503 retry-after", "429 retry-after", "stream error line", "client left")
 
@@ -108,8 +109,9 @@ def _chat(content: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": content}]
 
 
-def _request(rng: random.Random) -> tuple[str, str, str, dict[str, Any] | None, bool, int | None]:
-    """(kind, method, path, body, streamed, the 4xx it deserves or None), drawn from the mix."""
+def _request(rng: random.Random, key: str) -> tuple[str, str, str, dict[str, Any] | None, bool, int | None]:
+    """(kind, method, path, body, streamed, the 4xx it deserves or None), drawn from the mix
+    (``key``'s: the pass-through is an admin's, a user gets 403)."""
     model = rng.choice(MODELS)
     n = rng.choice((4, 16, 64, 200))
     prompt = rng.choice(("hi", "tell me a story about a river", "the quick brown fox " * rng.choice((1, 4, 12))))
@@ -123,7 +125,7 @@ def _request(rng: random.Random) -> tuple[str, str, str, dict[str, Any] | None, 
         ("anthropic messages", "POST", "/v1/messages", {"model": model, "messages": _chat(prompt), "max_tokens": n, "stream": stream}, stream, None),
         ("openai embeddings", "POST", "/v1/embeddings", {"model": "tiny-c", "input": prompt}, False, None),
         ("llama.cpp tokenize", "POST", "/tokenize", {"model": model, "content": prompt}, False, None),
-        ("pass-through props", "GET", f"/upstream/{model}/props", None, False, None),
+        ("pass-through props", "GET", f"/upstream/{model}/props", None, False, None if key == ADMIN else 403),
         ("bad: unknown model", "POST", "/api/generate", {"model": "no-such-model", "prompt": "x", "stream": False}, False, 404),
         ("bad: wrong type", "POST", "/v1/chat/completions", {"model": model, "messages": "not a list"}, False, 400),
     ]
@@ -180,7 +182,7 @@ def _judge(kind: str, response: httpx.Response, text: str, streamed: bool, deser
 
 
 async def one_request(soak: Soak, http: httpx.AsyncClient, key: str, rng: random.Random, *, vanish: bool = False) -> None:
-    kind, method, path, body, streamed, deserved = _request(rng)
+    kind, method, path, body, streamed, deserved = _request(rng, key)
     if vanish:
         kind, method, path, streamed, deserved = "client leaves mid-stream", "POST", "/api/chat", True, None
         body = {"model": rng.choice(MODELS), "messages": _chat("a long story"), "options": {"num_predict": 400}}
@@ -358,7 +360,7 @@ def _metric(text: str, name: str) -> float:
 
 
 async def sampler(soak: Soak, until: float, every: float) -> None:
-    headers = {"Authorization": f"Bearer {KEYS['carol'][0]}"}
+    headers = {"Authorization": f"Bearer {KEYS[ADMIN][0]}"}
     async with httpx.AsyncClient(base_url=soak.url, timeout=30, trust_env=False) as http:
         while soak.now() < until:
             try:
