@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 from quart import Blueprint, Response, request
@@ -37,9 +37,11 @@ from quart_trio.wrappers.request import TrioRequest
 from trioshed.api.preamble import read_body, state, store_writer
 from trioshed.api.protocols.errors import ollama_error
 from trioshed.errors import BadRequest, Forbidden, TrioshedError
-from trioshed.models import push as pushing
 from trioshed.models.blobs import MAX_BLOB, has_blob, receive_blob
 from trioshed.models.create import Creator, Prepared
+
+if TYPE_CHECKING:  # imported by the first push: with its HTTP client, memory an idle server never needs
+    from trioshed.models import push as pushing
 
 log = logging.getLogger(__name__)
 bp = Blueprint("manage", __name__)
@@ -154,6 +156,8 @@ async def push() -> Response:
     stream = body.get("stream", True)
     if not isinstance(insecure, bool) or not isinstance(stream, bool):
         raise BadRequest('"insecure" and "stream" must be true or false')
+    from trioshed.models import push as pushing
+
     prepared = await pushing.prepare(st.store, name, insecure=insecure)
     if not stream:
         async for _ in pushing.run(prepared):
@@ -165,6 +169,8 @@ async def push() -> Response:
 
 
 async def _pushing(prepared: pushing.Prepared) -> AsyncIterator[bytes]:
+    from trioshed.models import push as pushing
+
     try:
         async for line in pushing.run(prepared):
             yield _line(line)
