@@ -144,3 +144,17 @@ async def test_through_trioshed(tmp_path: Path, minilm: Path, alone: dict[str, A
             assert f"maximum context length is {TRAINED_CONTEXT} tokens" in error["message"]
             assert str(minilm.parent) not in r.text and os.sep + "tmp" not in error["message"]
             assert server.scheduler.statistics().loads == 1
+
+
+def test_conversion_is_cached_and_redone_when_the_file_changes(tmp_path: Path) -> None:
+    first = minilm_model_path(tmp_path)
+    assert first is not None and first.parent == tmp_path
+    stamp = first.stat().st_mtime_ns
+    again = minilm_model_path(tmp_path)
+    assert again == first and first.stat().st_mtime_ns == stamp  # reused, not rewritten
+    size = first.stat().st_size
+    with first.open("r+b") as f:
+        f.truncate(size // 2)  # a damaged cache file
+    assert minilm_model_path(tmp_path) == first
+    assert first.stat().st_size == size
+    assert [p.name for p in tmp_path.iterdir() if p.suffix == ".tmp"] == []  # no temp file left
