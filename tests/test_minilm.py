@@ -19,6 +19,8 @@ from typing import Any
 
 import httpx
 import numpy as np
+import ollama
+import openai
 import pytest
 import trio
 
@@ -113,6 +115,15 @@ async def test_through_trioshed(tmp_path: Path, minilm: Path, alone: dict[str, A
             assert r.status_code == 200, r.text
             data = sorted(r.json()["data"], key=lambda d: d["index"])
             assert [d["embedding"] for d in data] == alone["vectors"]
+            # the official clients see the same vectors
+            client = ollama.Client(host=server.base_url)
+            got = await trio.to_thread.run_sync(lambda: client.embed(model="minilm", input=SENTENCES))
+            assert [list(v) for v in got.embeddings] == alone["vectors"]
+            oai = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
+            answer = await trio.to_thread.run_sync(
+                lambda: oai.embeddings.create(model="minilm", input=SENTENCES, encoding_format="float")
+            )
+            assert [d.embedding for d in answer.data] == alone["vectors"]
 
             # the runner runs at the trained context, whatever the default bucket
             r = await http.get("/api/ps")
@@ -143,6 +154,9 @@ async def test_through_trioshed(tmp_path: Path, minilm: Path, alone: dict[str, A
             assert error["type"] == "invalid_request_error"
             assert f"maximum context length is {TRAINED_CONTEXT} tokens" in error["message"]
             assert str(minilm.parent) not in r.text and os.sep + "tmp" not in error["message"]
+            with pytest.raises(openai.BadRequestError) as raised:
+                await trio.to_thread.run_sync(lambda: oai.embeddings.create(model="minilm", input=[LONG]))
+            assert raised.value.status_code == 400
             assert server.scheduler.statistics().loads == 1
 
 
