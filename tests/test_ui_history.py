@@ -137,7 +137,7 @@ def test_recent_requests_say_why_one_was_slow_and_stay_bounded() -> None:
                                prompt_seconds=0.25, eval_seconds=0.5, key="alice"), 3.0)  # fmt: skip
     assert loaded is not None and loaded.protocol == "ollama" and loaded.key == "alice"
     assert loaded.ttft == pytest.approx(2.75) and loaded.tokens_per_second == pytest.approx(40)
-    assert loaded.slow == "waited 2.0 s for a load; waited 0.5 s in the queue"
+    assert loaded.slow == "waited 2.0 s for a load; waited 500 ms in the queue"
     queued = recent.add(_trace("/v1/messages", model="m", queue_wait=3.0, load_wait=0.0, restore_seconds=0.012), 4.0)
     assert queued is not None and queued.protocol == "anthropic"
     assert queued.slow == "waited 3.0 s in the queue; restored a saved conversation in 12 ms"
@@ -193,7 +193,7 @@ async def test_a_real_request_reaches_the_pages_activity_history_and_models(mode
                 (done,) = activity
                 assert done["model"] == "tiny:latest" and done["protocol"] == "ollama" and done["status"] == 200
                 assert done["eval_tokens"] == answer["eval_count"] and done["prompt_tokens"] == answer["prompt_eval_count"]
-                assert done["load_wait"] > 0 and done["slow"].startswith("waited") and done["ttft"] >= done["load_wait"]
+                assert done["load_wait"] > 0 and done["slow"].endswith(" for a load") and done["ttft"] >= done["load_wait"]
                 assert done["tokens_per_second"] == pytest.approx(answer["eval_count"] / (answer["eval_duration"] / 1e9))
                 # the memory picture comes to agree with /api/ps (the estimate until llama.cpp reported
                 # its buffers): the runner's own size, and its prompt cache apart

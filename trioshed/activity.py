@@ -58,13 +58,19 @@ class FinishedRequest:
         return asdict(self)
 
 
+def _took(seconds: float) -> str:
+    return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.1f} s"
+
+
 def why_slow(trace: RequestTrace) -> str:
+    """In words, what the request waited for: a load (any: it was the first on its runner), the
+    queue (beyond :data:`SLOW_QUEUE`), a restored conversation, or why it was refused."""
     words = []
-    if trace.load_wait and trace.load_wait >= 0.05:
-        words.append(f"waited {trace.load_wait:.1f} s for a load")
+    if trace.load_wait:
+        words.append(f"waited {_took(trace.load_wait)} for a load")
     queued = (trace.queue_wait or 0.0) - (trace.load_wait or 0.0)
     if queued >= SLOW_QUEUE:
-        words.append(f"waited {queued:.1f} s in the queue")
+        words.append(f"waited {_took(queued)} in the queue")
     if trace.restore_seconds:
         words.append(f"restored a saved conversation in {trace.restore_seconds * 1000:.0f} ms")
     if trace.error:

@@ -95,6 +95,7 @@ class EventHistory:
 
 
 TIMELINE = 3600  # samples held: one a second, the last hour
+AHEAD = 120  # seconds not sampled yet whose tokens are held (a request reaching past the sampler)
 
 
 @dataclass(frozen=True)
@@ -183,20 +184,30 @@ class Timeline:
         if seconds > TIMELINE:
             first, seconds = last - TIMELINE + 1, TIMELINE
         share, rest = divmod(count, seconds)
-        held = {s.time: i for i, s in enumerate(self._samples)}
-        for n, second in enumerate(range(first, last + 1)):
+        # The request's seconds are the newest ones: walk back from the newest sample only as far
+        # as the request reaches (a few entries, not the whole hour).
+        at = len(self._samples) - 1
+        newest = self._samples[-1].time if self._samples else None
+        for n, second in reversed(list(enumerate(range(first, last + 1)))):
             add = share + (1 if n < rest else 0)
             if not add:
                 continue
-            at = held.get(second)
-            if at is not None:
-                old = self._samples[at]
-                tokens = dict(old.tokens)
-                tokens[model] = tokens.get(model, 0) + add
-                self._samples[at] = replace(old, seq=self._bump(), tokens=tuple(sorted(tokens.items())))
-            elif not self._samples or second > self._samples[-1].time:
+            if newest is None or second > newest:
                 ahead = self._ahead.setdefault(second, {})
                 ahead[model] = ahead.get(model, 0) + add
+                while len(self._ahead) > AHEAD:  # bounded even with no sampler running
+                    del self._ahead[min(self._ahead)]
+                continue
+            while at >= 0 and self._samples[at].time > second:
+                at -= 1
+            if at < 0:
+                break  # older than anything held: dropped
+            old = self._samples[at]
+            if old.time != second:
+                continue  # a second not sampled (idle): nothing to add to
+            tokens = dict(old.tokens)
+            tokens[model] = tokens.get(model, 0) + add
+            self._samples[at] = replace(old, seq=self._bump(), tokens=tuple(sorted(tokens.items())))
 
     def after(self, seq: int = 0) -> tuple[Sample, ...]:
         """The samples held newer than ``seq`` (in time order)."""
