@@ -49,6 +49,13 @@ def test_parts_that_do_not_match_their_hash_leave_nothing(tmp_path: Path) -> Non
     assert list(target.parent.iterdir()) == []
 
 
+def test_without_a_hash_the_parts_are_written_whole(tmp_path: Path) -> None:
+    chunks = [os.urandom(2 << 20), os.urandom(7)]
+    target = tmp_path / "m.gguf"
+    demo.concatenate(parts(tmp_path, *chunks), target, None)
+    assert target.read_bytes() == b"".join(chunks)
+
+
 def test_an_unwritable_store_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(demo.DemoUnavailable, match="cannot write"):
         demo.concatenate(parts(tmp_path, b"abc"), tmp_path / "missing" / "m.gguf", hashlib.sha256(b"abc").hexdigest())
