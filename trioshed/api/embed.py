@@ -22,7 +22,13 @@ from trioshed.api.preamble import prepare, read_body, require_kind, state
 from trioshed.api.protocols import embeddings as protocol
 from trioshed.api.protocols.ollama import is_load_only
 from trioshed.api.protocols.openai_chat import ModelRenamer
-from trioshed.api.upstream import client_status, post_upstream, post_upstream_raw, upstream_message
+from trioshed.api.upstream import (
+    client_status,
+    json_answer,
+    post_upstream,
+    post_upstream_raw,
+    upstream_message,
+)
 from trioshed.core.estimate import batch_sizes
 from trioshed.core.model import RunnerOptions
 from trioshed.errors import BadRequest, UpstreamError
@@ -88,16 +94,6 @@ async def embed_within(
     return raw
 
 
-def _parsed(raw: bytes) -> dict[str, Any]:
-    try:
-        data = json.loads(raw)
-    except ValueError:
-        raise UpstreamError(f"llama-server answered with invalid JSON: {raw[:200]!r}") from None
-    if not isinstance(data, dict):
-        raise UpstreamError("llama-server answered with something other than a JSON object")
-    return data
-
-
 def _truncate(body: dict[str, Any]) -> bool:
     value = body.get("truncate", True)
     if not isinstance(value, bool):
@@ -120,7 +116,7 @@ async def embed() -> Response:
     upstream = protocol.embed_upstream(body)
     truncate = _truncate(body)
     async with st.scheduler.acquire(model, options, keep_alive) as lease:
-        answer = _parsed(await embed_within(lease, upstream.body, input_limit(options), truncate=truncate))
+        answer = json_answer(await embed_within(lease, upstream.body, input_limit(options), truncate=truncate))
     return _json(
         protocol.embed_response(
             answer,
@@ -140,7 +136,7 @@ async def embeddings() -> Response:
     await require_kind(req.model, body.get("model") or "", "embedding")
     upstream = protocol.embeddings_upstream(body)
     async with st.scheduler.acquire(req.model, req.options, req.keep_alive) as lease:
-        answer = _parsed(await embed_within(lease, upstream.body, input_limit(req.options), truncate=True))
+        answer = json_answer(await embed_within(lease, upstream.body, input_limit(req.options), truncate=True))
     return _json(protocol.embeddings_response(answer))
 
 
@@ -156,4 +152,4 @@ async def openai_embeddings() -> Response:
     if dimensions is None and encoding == "float":  # llama-server's answer as it is, renamed
         renamer = ModelRenamer(upstream_name, req.name)
         return Response(renamer.feed(raw) + renamer.finish(), content_type="application/json")
-    return _json(protocol.openai_response(_parsed(raw), req.name, dimensions=dimensions, encoding=encoding))
+    return _json(protocol.openai_response(json_answer(raw), req.name, dimensions=dimensions, encoding=encoding))

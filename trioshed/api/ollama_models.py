@@ -19,7 +19,7 @@ from trioshed.core.estimate import effective_kv_type, estimate
 from trioshed.core.model import ModelSpec, RunnerOptions
 from trioshed.keys import current_key
 from trioshed.models import modelfile
-from trioshed.models.gguf_meta import read_metadata
+from trioshed.models.gguf_meta import human_params, read_metadata
 from trioshed.models.ollama_store import OllamaManifest
 from trioshed.scheduler import RunnerStats
 
@@ -47,7 +47,7 @@ def _file_details(path: str, identity: tuple[int, int, int, int]) -> tuple[str, 
     memory with one stat each (the full headers' cache holds 64)."""
     del identity  # part of the cache key only
     meta = read_metadata(path)
-    return meta.architecture or "", _human_params(meta.parameter_count), meta.quantization or ""
+    return meta.architecture or "", human_params(meta.parameter_count), meta.quantization or ""
 
 
 def details_now(spec: ModelSpec) -> dict[str, Any]:
@@ -81,14 +81,6 @@ def _digest_now(st: AppState, spec: ModelSpec) -> str:
     except OSError as exc:
         log.warning("cannot hash model '%s': %s", spec.name, exc)
         return ""
-
-
-def _human_params(n: int) -> str:
-    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= size:
-            value = n / size
-            return f"{value:.1f}{unit}" if value < 10 else f"{value:.0f}{unit}"
-    return str(n)
 
 
 @bp.get("/api/tags")

@@ -220,6 +220,11 @@ async def post_upstream(lease: Lease, path: str, body: dict[str, Any]) -> dict[s
     status, raw = await post_upstream_raw(lease, path, body)
     if status != 200:
         raise upstream_error(raw, status)
+    return json_answer(raw)
+
+
+def json_answer(raw: bytes) -> dict[str, Any]:
+    """A runner's whole answer as a JSON object (anything else is an UpstreamError)."""
     try:
         data = json.loads(raw)
     except ValueError:

@@ -54,7 +54,7 @@ from trioshed.models.blobs import (
     write_blob,
     write_manifest,
 )
-from trioshed.models.gguf_meta import GGUFError, read_metadata
+from trioshed.models.gguf_meta import GGUFError, human_params, read_metadata
 from trioshed.models.pull_plan import CONFIG_V1, MANIFEST_V2, manifest_path_parts
 from trioshed.models.store import ModelStore
 from trioshed.models.stores import Stores, manifest_blobs, prune_blobs
@@ -205,14 +205,6 @@ def _looks_like_path(text: str) -> bool:
     )
 
 
-def _human_params(n: int) -> str:
-    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= size:
-            value = n / size
-            return f"{value:.1f}{unit}" if value < 10 else f"{value:.0f}{unit}"
-    return str(n)
-
-
 class Creator:
     """Creates models in the Ollama-layout store at ``root`` (a folder store's ``pulled/``)."""
 
@@ -333,7 +325,7 @@ class Creator:
                 "model_format": "gguf",
                 "model_family": meta.architecture,
                 "model_families": [meta.architecture],
-                "model_type": _human_params(meta.parameter_count) if meta.parameter_count else "",
+                "model_type": human_params(meta.parameter_count) if meta.parameter_count else "",
                 "file_type": meta.quantization,
             }
         if request.requires:

@@ -572,3 +572,12 @@ def _tensor_nbytes(ggml_type: int, shape: tuple[int, ...]) -> int | None:
     for d in shape:
         n *= d
     return n // block_size * type_size
+
+
+def human_params(n: int) -> str:
+    """A parameter count as Ollama writes it: ``"270M"``, ``"1.2B"``, ``"8B"``."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            value = n / size
+            return f"{value:.1f}{unit}" if value < 10 else f"{value:.0f}{unit}"
+    return str(n)
