@@ -11,6 +11,7 @@ import os
 import signal
 import sqlite3
 import subprocess
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -124,7 +125,7 @@ def test_the_database_sums_per_day_and_hour(tmp_path: Path) -> None:
     assert db.query(since=21 * DAY) == [] and len(db.query(until=21 * DAY)) == 2
     assert sorted(db.today(20 * DAY + 5000)) == [("ann", 30, 15), ("bob", 20, 10)]
     db.close()
-    with sqlite3.connect(tmp_path / "usage.db") as check:
+    with closing(sqlite3.connect(tmp_path / "usage.db")) as check:  # its own `with` only commits
         assert check.execute("PRAGMA journal_mode").fetchone() == ("wal",)
 
 
@@ -158,7 +159,9 @@ async def test_a_broken_database_keeps_usage_in_memory_then_writes_it(
 ) -> None:
     caplog.set_level(logging.ERROR, "trioshed.usage.recorder")
     path = tmp_path / "usage.db"
-    UsageDB(path).write(spends(1, key="old"), 0)  # a database with a row in it
+    first = UsageDB(path)
+    first.write(spends(1, key="old"), 0)  # a database with a row in it
+    first.close()
     holder = None
     if fault == "read-only":
         read_only(path, True)
@@ -188,6 +191,8 @@ async def test_a_broken_database_keeps_usage_in_memory_then_writes_it(
     assert recorder.problem == "" and recorder.pending == [] and recorder.written == 3
     rows = await recorder.query(by="day", key="ann")
     assert [(r["requests"], r["prompt_tokens"]) for r in rows] == [(3, 30)]
+    assert recorder.db is not None
+    recorder.db.close()  # run() would close it at its end; this test drives flush() alone
 
 
 async def test_past_the_bound_rows_are_dropped_and_counted(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
