@@ -33,12 +33,15 @@ def assert_no_runner(pids: list[int]) -> None:
     assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
 
 
-async def test_sigterm_lets_a_stream_in_flight_finish_then_exits_0(model_store: Path) -> None:
+async def test_sigterm_lets_a_stream_in_flight_finish_then_exits_0(long_store: Path) -> None:
     with trio.fail_after(90):
-        async with serve_process(model_store, TRIOSHED_SHUTDOWN_TIMEOUT="60") as served, httpx.AsyncClient(
+        async with serve_process(long_store, TRIOSHED_SHUTDOWN_TIMEOUT="60") as served, httpx.AsyncClient(
             base_url=served.url, timeout=60
         ) as http:
-            body = {"model": "tiny", "prompt": "hello", "options": {"num_predict": 200, "temperature": 0, "seed": 1}}
+            # Long enough (seconds of generation) to be in flight when the signal is handled: 200
+            # tokens of a tiny model took ~20 ms, and under load the whole answer could already be
+            # sent (sitting in the socket) by the time the client read its first line.
+            body = {"model": "long", "prompt": "hello", "options": {"num_predict": 3000, "num_ctx": LONG_CTX, "temperature": 0, "seed": 1}}
             async with http.stream("POST", "/api/generate", json=body) as response:
                 lines = response.aiter_lines()
                 assert json.loads(await lines.__anext__())["done"] is False
