@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -235,11 +237,7 @@ def write_tiny_model(
         tensors.append(("output.weight", output))
 
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    os.close(fd)
-    try:
-        writer = gguf.GGUFWriter(tmp_name, "llama")
+    with _gguf_written_atomically(target) as writer:
         writer.add_name(name)
         writer.add_file_type(_FILE_TYPES[weight_type])
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -277,14 +275,6 @@ def write_tiny_model(
             else:
                 qtype = _WEIGHT_TYPES[weight_type]
                 writer.add_tensor(tensor_name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        os.replace(tmp_name, target)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
     return target
 
 
@@ -296,11 +286,7 @@ def write_tiny_lora(
     enough that a generation at temperature 0 changes. The same arguments give the same bytes."""
     rng = np.random.default_rng(seed)
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    os.close(fd)
-    try:
-        writer = gguf.GGUFWriter(tmp_name, "llama")
+    with _gguf_written_atomically(target) as writer:
         writer.add_string("general.type", "adapter")
         writer.add_string("adapter.type", "lora")
         writer.add_float32("adapter.lora.alpha", alpha)
@@ -310,6 +296,19 @@ def write_tiny_lora(
                 # numpy (rows, cols) is ggml's {ne0 = cols, ne1 = rows}: a is {n_embd, rank}, b {rank, n_out}
                 writer.add_tensor(f"blk.{i}.{tensor}.weight.lora_a", (rng.standard_normal((rank, n_embd)) / np.sqrt(n_embd)).astype(np.float32))
                 writer.add_tensor(f"blk.{i}.{tensor}.weight.lora_b", rng.standard_normal((n_out, rank)).astype(np.float32))
+    return target
+
+
+@contextmanager
+def _gguf_written_atomically(target: Path) -> Iterator[gguf.GGUFWriter]:
+    """A llama GGUF writer whose file appears at ``target`` whole or not at all: written to a
+    temporary file beside it, renamed over ``target`` once the block has added everything."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        writer = gguf.GGUFWriter(tmp_name, "llama")
+        yield writer
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
@@ -318,4 +317,3 @@ def write_tiny_lora(
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)
         raise
-    return target
