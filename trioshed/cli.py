@@ -330,20 +330,12 @@ def _cmd_pull(args: argparse.Namespace, settings: Settings) -> int:
     from trioshed.cli_progress import PullView
 
     view = PullView(tty=_is_tty(sys.stderr))
-    body = {"model": args.model, "insecure": args.insecure, "stream": True}
+    body = {"model": args.model, "insecure": args.insecure}
     try:
-        with _client(settings) as client, client.stream("POST", "/api/pull", json=body) as response:
-            if response.status_code >= 400:
-                response.read()
-                raise CommandError(_error_of(response))
-            try:
-                for chunk in _stream_lines(response):
-                    print(view.feed(chunk), end="", file=sys.stderr, flush=True)
-            finally:
-                print(view.close(), end="", file=sys.stderr)
+        with _client(settings) as client:
+            return _stream_progress(client, "/api/pull", body, view)
     except httpx.ConnectError:
         return _pull_here(args, settings, view)
-    return 0
 
 
 def _pull_here(args: argparse.Namespace, settings: Settings, view: Any) -> int:
@@ -370,11 +362,13 @@ def _pull_here(args: argparse.Namespace, settings: Settings, view: Any) -> int:
     return 0
 
 
-def _stream_progress(client: httpx.Client, path: str, body: dict[str, object]) -> int:
-    """POST ``body`` to a route that streams Ollama's progress lines, shown as a pull is."""
+def _stream_progress(client: httpx.Client, path: str, body: dict[str, object], view: Any = None) -> int:
+    """POST ``body`` to a route that streams Ollama's progress lines, shown as a pull is (in
+    ``view``, a :class:`~trioshed.cli_progress.PullView`; a new one by default)."""
     from trioshed.cli_progress import PullView
 
-    view = PullView(tty=_is_tty(sys.stderr))
+    if view is None:
+        view = PullView(tty=_is_tty(sys.stderr))
     with client.stream("POST", path, json={**body, "stream": True}) as response:
         if response.status_code >= 400:
             response.read()
