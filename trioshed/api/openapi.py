@@ -10,39 +10,27 @@ routes pass through or ignore stay allowed (``additionalProperties``), as Ollama
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 from quart import Blueprint, current_app
 
 from trioshed import __version__
 from trioshed.api import openapi_llama, openapi_rerank
+from trioshed.api.openapi_parts import BOOL as _BOOL
+from trioshed.api.openapi_parts import INT as _INT
+from trioshed.api.openapi_parts import NUM as _NUM
+from trioshed.api.openapi_parts import STR as _STR
+from trioshed.api.openapi_parts import Schema
+from trioshed.api.openapi_parts import obj as _obj
+from trioshed.api.openapi_parts import ref as _ref
 from trioshed.api.openapi_usage import usage_paths
 from trioshed.models.store import ModelStore
 
 bp = Blueprint("openapi", __name__)
 
-Schema = dict[str, Any]
 NDJSON = "application/x-ndjson"
 SSE = "text/event-stream"
 
 
-def _ref(name: str) -> Schema:
-    return {"$ref": f"#/components/schemas/{name}"}
-
-
-def _obj(properties: Schema, required: tuple[str, ...] = (), *, extra: bool = True) -> Schema:
-    schema: Schema = {"type": "object", "properties": properties}
-    if required:
-        schema["required"] = list(required)
-    if not extra:
-        schema["additionalProperties"] = False
-    return schema
-
-
-_STR: Schema = {"type": "string"}
-_INT: Schema = {"type": "integer"}
-_NUM: Schema = {"type": "number"}
-_BOOL: Schema = {"type": "boolean"}
 _STRINGS: Schema = {"type": "array", "items": _STR}
 _PART = "[A-Za-z0-9][A-Za-z0-9._-]*"
 # What the stores accept: model[:tag], letters, digits, '.', '_', '-'; with an Ollama store in

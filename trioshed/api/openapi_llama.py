@@ -5,15 +5,16 @@ fields pass through), their errors in llama.cpp's shape."""
 
 from __future__ import annotations
 
-from typing import Any
+from trioshed.api.openapi_parts import BOOL as _BOOL
+from trioshed.api.openapi_parts import INT as _INT
+from trioshed.api.openapi_parts import NUM as _NUM
+from trioshed.api.openapi_parts import STR as _STR
+from trioshed.api.openapi_parts import Schema
+from trioshed.api.openapi_parts import obj as _obj
+from trioshed.api.openapi_parts import ref as _ref
 
-Schema = dict[str, Any]
 SSE = "text/event-stream"
 
-_STR: Schema = {"type": "string"}
-_INT: Schema = {"type": "integer"}
-_NUM: Schema = {"type": "number"}
-_BOOL: Schema = {"type": "boolean"}
 
 #: One server-sent event (as :mod:`trioshed.api.openapi` describes them).
 _SSE_EVENT: Schema = {
@@ -33,17 +34,6 @@ _STATUSES = {
     "507": "The model cannot fit even with every other model unloaded.",
 }
 _MODEL_ERRORS = ("400", "401", "403", "404", "413", "500", "502", "503", "507")
-
-
-def _ref(name: str) -> Schema:
-    return {"$ref": f"#/components/schemas/{name}"}
-
-
-def _obj(properties: Schema, required: tuple[str, ...] = ()) -> Schema:
-    schema: Schema = {"type": "object", "properties": properties}
-    if required:
-        schema["required"] = list(required)
-    return schema
 
 
 def _errors(*statuses: str) -> Schema:

@@ -5,14 +5,13 @@ Cohere's top-level ``message``."""
 
 from __future__ import annotations
 
-from typing import Any
-
-Schema = dict[str, Any]
-
-_STR: Schema = {"type": "string"}
-_INT: Schema = {"type": "integer"}
-_NUM: Schema = {"type": "number"}
-_BOOL: Schema = {"type": "boolean"}
+from trioshed.api.openapi_parts import BOOL as _BOOL
+from trioshed.api.openapi_parts import INT as _INT
+from trioshed.api.openapi_parts import NUM as _NUM
+from trioshed.api.openapi_parts import STR as _STR
+from trioshed.api.openapi_parts import Schema
+from trioshed.api.openapi_parts import obj as _obj
+from trioshed.api.openapi_parts import ref as _ref
 
 _STATUSES = {
     "400": "Bad input: malformed JSON, a field of the wrong type, empty documents, top_n outside 1..the number of documents, "
@@ -32,17 +31,6 @@ ROUTES = (
     ("/v1/reranking", "llama.cpp's alias"),
     ("/v2/rerank", "Cohere v2"),
 )
-
-
-def _ref(name: str) -> Schema:
-    return {"$ref": f"#/components/schemas/{name}"}
-
-
-def _obj(properties: Schema, required: tuple[str, ...] = ()) -> Schema:
-    schema: Schema = {"type": "object", "properties": properties}
-    if required:
-        schema["required"] = list(required)
-    return schema
 
 
 def rerank_schemas() -> dict[str, Schema]:

@@ -3,9 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-Schema = dict[str, Any]
+from trioshed.api.openapi_parts import Schema
 
 _ROW: Schema = {
     "type": "object",
