@@ -6,7 +6,9 @@ with the same attributes) and :class:`~trioshed.core.model.RunnerOptions`, retur
 source, build 11434), and ``tests/test_estimate.py`` checks them against llama-server's verbose
 log on real CPU runs (``bench/results/estimate-vs-llamacpp.md``: within 1 % for weights and KV,
 within 4 % overall). With layers on a GPU the compute buffers split between the GPU and system
-memory (:func:`gpu_compute_buffers`, measured on Vulkan devices: the same table's Vulkan rows).
+memory (:func:`gpu_compute_buffers`, measured on Vulkan devices: the same table's Vulkan rows);
+on a device that takes no tensor as big as a cache's attention scores, that attention runs on
+the CPU and its buffers move to system memory (:func:`attention_on_host`).
 
 weights
     Repeating layers: every ``blk.N.*`` tensor, byte for byte as stored (``layers[i]`` adds layer
@@ -53,6 +55,7 @@ from trioshed.core.model import MemoryEstimate, RunnerOptions
 __all__ = [
     "KV_BYTES",
     "MetadataLike",
+    "attention_on_host",
     "batch_sizes",
     "compute_buffer",
     "effective_kv_type",
@@ -246,6 +249,54 @@ def _int(value: Any, default: int) -> int:
     return default if value is None else int(value)
 
 
+def _caches(meta: MetadataLike, opts: RunnerOptions) -> list[int]:
+    """Cells per stream of each attention cache: the full one and, with sliding-window layers,
+    the window's (its own cache even when ``--swa-full`` makes it as large: measured on
+    gemma3-270m, b10068)."""
+    n_seq = max(1, opts.num_parallel)
+    cells = kv_cells(meta, opts)
+    flags = swa_layers(meta)
+    out = []
+    for swa in (False, True):
+        layers = [c for c, f in zip(cells, flags, strict=True) if f == swa]
+        if layers:
+            out.append(layers[0] // n_seq)
+    return sorted(out)
+
+
+def _graph(
+    meta: MetadataLike, opts: RunnerOptions, caches: Sequence[int], *, device: bool = False
+) -> int:
+    """The graph buffer (no logits) with the attention of ``caches`` in it (see
+    :func:`compute_buffer`). ``device``: the Vulkan device's own graph, whose attention without
+    flash attention keeps ``n_embd + 4 q + kv`` besides the scores (measured on gemma3-270m at
+    2,048 to 32,768 cells: the scores plus 4,869 floats per token, where the CPU's
+    ``n_embd + 5 q + 2 kv`` is 6,272)."""
+    n_ubatch = batch_sizes(opts)[1]
+    n_seq = max(1, opts.num_parallel)
+    n_head = _int(meta.head_count, 0)
+    n_head_kv = max(meta.head_count_kv_per_layer(), default=0)
+    n_embd = meta.embedding_length
+    n_ff = _int(meta.arch_get("feed_forward_length"), 4 * n_embd)
+    q = n_head * meta.key_length
+    kv = n_head_kv * max(meta.key_length, meta.value_length)
+    fa = opts.flash_attention
+    n_kv = max(caches, default=0)
+    mask = sum(caches) * n_ubatch * (2 if fa else 4)
+    if fa:
+        attention = n_embd + 4 * q + 2 * kv
+    elif device:
+        attention = n_head * n_kv + n_embd + 4 * q + kv
+    else:
+        attention = n_head * n_kv + n_embd + 5 * q + 2 * kv
+    feed_forward = 2 * n_embd + 4 * n_ff
+    output = n_embd + (n_seq * meta.vocab_size + n_ubatch - 1) // n_ubatch
+    graph = mask + n_ubatch * 4 * max(attention, feed_forward, output) + GRAPH_SLACK
+    if fa:  # Q converted to the cache's dot-product type
+        graph += n_ubatch * 4 * q
+    return graph
+
+
 def compute_buffer(meta: MetadataLike, opts: RunnerOptions, *, partial: bool = False) -> int:
     """Bytes of llama.cpp's compute (graph) buffer plus its logits output buffer.
 
@@ -264,67 +315,103 @@ def compute_buffer(meta: MetadataLike, opts: RunnerOptions, *, partial: bool = F
     attention and f16 with it; n_kv counts one stream's cells (each slot attends its own).
     Flash attention adds a copy of Q converted to the cache's type (``q`` per token). The output
     buffer llama-server keeps for logits is ``n_seq x n_vocab x 4``. These are the CPU backend's
-    numbers; GPU backends allocate differently (not measurable on these machines).
+    numbers; GPU backends allocate differently (:func:`gpu_compute_buffers`).
 
     ``partial`` (layers split between backends) adds the copy of the hidden state between them.
     """
     n_ubatch = batch_sizes(opts)[1]
-    n_seq = max(1, opts.num_parallel)
+    graph = _graph(meta, opts, _caches(meta, opts))
+    if partial:
+        graph += n_ubatch * 4 * meta.embedding_length
+    return graph + max(1, opts.num_parallel) * meta.vocab_size * 4
+
+
+def attention_on_host(meta: MetadataLike, opts: RunnerOptions, max_tensor: int) -> tuple[int, ...]:
+    """The caches (cells per stream, as :func:`_caches`) whose attention a device that takes no
+    tensor over ``max_tensor`` bytes leaves to the CPU (0: no limit).
+
+    llama.cpp's Vulkan backend refuses an op when one of its tensors is larger than the device
+    binds (``supports_op``: ``maxStorageBufferRange``, unless the driver has 64-bit indexing,
+    and the largest buffer), and the scheduler then runs it on the CPU. The attention ops of a
+    cache are the scores ``n_kv x n_ubatch x n_head`` f32 and their softmax without flash
+    attention, reading the K and V views of the cache (``n_kv`` rows each) and the mask
+    (``n_kv x n_ubatch``, f32, or f16 with flash attention). Measured on lavapipe (128 MiB),
+    gemma3-270m without flash attention: 256 MiB of scores at 32,768 cells run on the CPU,
+    128 MiB at 16,384 stay (the limit is inclusive).
+    """
+    if max_tensor <= 0:
+        return ()
+    n_ubatch = batch_sizes(opts)[1]
     n_head = _int(meta.head_count, 0)
     n_head_kv = max(meta.head_count_kv_per_layer(), default=0)
-    n_embd = meta.embedding_length
-    n_ff = _int(meta.arch_get("feed_forward_length"), 4 * n_embd)
-    q = n_head * meta.key_length
-    kv = n_head_kv * max(meta.key_length, meta.value_length)
+    kind = effective_kv_type(opts, meta)
+    k_row = _row_bytes(kind, meta.key_length * n_head_kv)
+    v_row = _row_bytes(kind, meta.value_length * n_head_kv)
     fa = opts.flash_attention
-    cells = kv_cells(meta, opts)
-    # One mask per cache: the full one and, with sliding-window layers, the window's (its own
-    # cache even when ``--swa-full`` makes it as large: measured on gemma3-270m, b10068).
-    flags = swa_layers(meta)
-    caches = ([c for c, f in zip(cells, flags, strict=True) if f == swa] for swa in (False, True))
-    per_stream = sorted(layers[0] // n_seq for layers in caches if layers)
-    n_kv = per_stream[-1] if per_stream else 0
-    mask = sum(per_stream) * n_ubatch * (2 if fa else 4)
-    attention = (n_embd + 4 * q + 2 * kv) if fa else (n_head * n_kv + n_embd + 5 * q + 2 * kv)
-    feed_forward = 2 * n_embd + 4 * n_ff
-    output = n_embd + (n_seq * meta.vocab_size + n_ubatch - 1) // n_ubatch
-    graph = mask + n_ubatch * 4 * max(attention, feed_forward, output) + GRAPH_SLACK
-    if fa:  # Q converted to the cache's dot-product type
-        graph += n_ubatch * 4 * q
-    if partial:
-        graph += n_ubatch * 4 * n_embd
-    return graph + n_seq * meta.vocab_size * 4
+    out = []
+    for n_kv in _caches(meta, opts):
+        scores = 0 if fa else n_kv * n_ubatch * n_head * 4
+        mask = n_kv * n_ubatch * (2 if fa else 4)
+        if max(scores, mask, n_kv * k_row, n_kv * v_row) > max_tensor:
+            out.append(n_kv)
+    return tuple(out)
 
 
-def gpu_compute_buffers(meta: MetadataLike, opts: RunnerOptions) -> tuple[int, int, int, int]:
+def gpu_compute_buffers(
+    meta: MetadataLike, opts: RunnerOptions, *, max_tensor: int = 0
+) -> tuple[int, int, int, int]:
     """(GPU full, GPU partial, host full, host partial) compute bytes with layers on a GPU.
 
     Measured on Vulkan (lavapipe, b10068; ``bench/results/estimate-vs-llamacpp.md``): with any
     layer offloaded llama.cpp splits the graph in two buffers.
 
     - On the GPU: the graph of :func:`compute_buffer` without the logits (they are read back to
-      the host); with flash attention also without the copy of Q in the cache's type (the
-      Vulkan kernel reads Q as it is) and one ``n_embd x n_ubatch`` row block (the input rows
-      live on the host). With only some layers offloaded, llama.cpp still runs the big products of the
-      CPU layers on the GPU (op offload) and copies a CPU layer's KV cache there for it: add the
-      largest layer's KV cache and the hidden state crossing between the backends.
+      the host) and with the device's attention term (:func:`_graph`); with flash attention
+      also without the copy of Q in the cache's type (the Vulkan kernel reads Q as it is) and
+      one ``n_embd x n_ubatch`` row block (the input rows live on the host). With only some
+      layers offloaded, llama.cpp still runs the big products of the CPU layers on the GPU (op
+      offload) and copies a CPU layer's KV cache there for it: add the largest layer's KV cache
+      and the hidden state crossing between the backends.
     - In system memory (``Vulkan_Host compute``, the CPU backend's buffer): the attention masks
       (f32, or f16 with flash attention), the input rows from ``token_embd`` and their
       neighbours: 4 (3 with flash attention) ``n_embd x n_ubatch`` f32 tensors, one more at
       partial offload; plus the logits output buffer (``Vulkan_Host output``). Measured: 4 and
       2-2.5 (gemma3 at 8192 cells); 3 keeps the estimate from falling under.
+
+    ``max_tensor``: the largest tensor the device takes (``Device.max_tensor``; 0: no limit).
+    The attention of a cache whose tensors exceed it runs on the CPU
+    (:func:`attention_on_host`): its mask is no longer copied to the device and its scores
+    leave the device's graph; the host buffer gains, for the largest such cache (each layer's
+    CPU split reuses the last one's memory), the scores (without flash attention) and the
+    copies of the K and V views and of Q the CPU computes from.
     """
     n_ubatch = batch_sizes(opts)[1]
     n_seq = max(1, opts.num_parallel)
     logits = n_seq * meta.vocab_size * 4
-    graph = compute_buffer(meta, opts) - logits
     fa = opts.flash_attention
+    q = _int(meta.head_count, 0) * meta.key_length
+    caches = _caches(meta, opts)
+    on_host = attention_on_host(meta, opts, max_tensor)
+    on_device = list(caches)
+    for n_kv in on_host:
+        on_device.remove(n_kv)
+    graph = _graph(meta, opts, on_device, device=True)
     per_stream = sorted({c // n_seq for c in kv_cells(meta, opts)})
     masks = sum(per_stream) * n_ubatch * (2 if fa else 4)
     row = meta.embedding_length * n_ubatch * 4
     if fa:
-        graph -= n_ubatch * 4 * _int(meta.head_count, 0) * meta.key_length + row
+        graph -= n_ubatch * 4 * q + row
     host_full = masks + (3 if fa else 4) * row + logits
+    if on_host:
+        n_kv = max(on_host)
+        n_head_kv = max(meta.head_count_kv_per_layer(), default=0)
+        kind = effective_kv_type(opts, meta)
+        views = n_kv * (
+            _row_bytes(kind, meta.key_length * n_head_kv)
+            + _row_bytes(kind, meta.value_length * n_head_kv)
+        )
+        scores = 0 if fa else n_kv * n_ubatch * _int(meta.head_count, 0) * 4
+        host_full += scores + views + n_ubatch * 4 * q
     largest_kv = max(kv_layer_bytes(meta, opts), default=0)
     return graph, graph + row + largest_kv, host_full, host_full + row
 
@@ -336,11 +423,14 @@ def estimate(
     projector_bytes: int = 0,
     adapter_bytes: int = 0,
     draft: MetadataLike | None = None,
+    max_tensor: int = 0,
 ) -> MemoryEstimate:
     """What a runner of ``meta`` with ``opts`` needs, split the way placement moves it.
 
     ``draft``: the draft model's header (``opts.draft``); its estimate, with the target's
     context, slots and batch and no prompt cache of its own, rides in ``MemoryEstimate.draft``.
+    ``max_tensor``: the largest tensor the GPUs take (``Device.max_tensor``, 0: no limit); the
+    attention over a cache too big for it is computed in system memory (:func:`gpu_compute_buffers`).
     """
     n_layer = meta.block_count
     layer_weights = [0] * n_layer
@@ -377,7 +467,9 @@ def estimate(
         output_shared = embd_weight
         output += embd_weight
     kv_layers = kv_layer_bytes(meta, opts)
-    gpu_full, gpu_partial, host_full, host_partial = gpu_compute_buffers(meta, opts)
+    gpu_full, gpu_partial, host_full, host_partial = gpu_compute_buffers(
+        meta, opts, max_tensor=max_tensor
+    )
     return MemoryEstimate(
         weights=sum(layer_weights),
         kv=sum(kv_layers),
@@ -396,5 +488,9 @@ def estimate(
         host_compute_full=host_full,
         host_compute_partial=host_partial,
         output_tensor=output_tensor,
-        draft=estimate(draft, replace(opts, cache_ram_mib=0, draft="")) if draft is not None else None,
+        draft=(
+            estimate(draft, replace(opts, cache_ram_mib=0, draft=""), max_tensor=max_tensor)
+            if draft is not None
+            else None
+        ),
     )
