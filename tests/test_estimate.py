@@ -25,8 +25,15 @@ from pathlib import Path
 
 import pytest
 
-from trioshed.core.estimate import batch_sizes, effective_kv_type, estimate, kv_cells, swa_layers
-from trioshed.core.model import Device, MiB, RunnerOptions
+from trioshed.core.estimate import (
+    attention_on_host,
+    batch_sizes,
+    effective_kv_type,
+    estimate,
+    kv_cells,
+    swa_layers,
+)
+from trioshed.core.model import Device, GiB, MiB, RunnerOptions
 from trioshed.models.gguf_meta import GGUFMetadata, read_metadata
 from trioshed.runner.binary import LlamaBinary, describe_build
 from trioshed.runner.command import embedding_flags
@@ -127,10 +134,14 @@ EMBEDDING_CASES = [(name, s) for name in ("tiny-cls", "tiny-rank") for s in EMBE
 # on a GPU should.
 VULKAN_EMBEDDING_CASES = [("tiny-cls", EMBEDDING_SETTINGS[1]), ("tiny-rank", EMBEDDING_SETTINGS[2])]
 # Each flash-attention cache type makes lavapipe compile gemma3's 256-wide attention shaders
-# anew (1.5-2.5 min each on this loaded 2-core machine): two cases, the tiny models cover the rest.
+# anew (1.5-2.5 min each on this loaded 2-core machine): f16 and q8_0 only, the tiny models cover
+# the rest. The automatic context's buckets up to the trained 32,768, with flash attention off and
+# on: without it, the 256 MiB of scores at 32,768 cells exceed lavapipe's 128 MiB and that
+# attention runs on the CPU (``attention_on_host``); 128 MiB at 16,384 stay on the device.
 GEMMA_VULKAN_SETTINGS = [
     Setting(2048, 1, "f16", False),
     Setting(8192, 4, "q8_0", True),
+    *(Setting(ctx, 1, "f16", fa) for ctx in (8192, 16384, 32768) for fa in (False, True)),
 ]
 
 
@@ -260,7 +271,7 @@ def check_vulkan(name: str, model: Path, setting: Setting, device: Device, env: 
     real = report.memory
     assert real is not None, f"no buffer sizes in the log of {report.argv}"
     VULKAN_DEVICES.add(f"`{device.name}`")
-    est = estimate(meta, setting.options())
+    est = estimate(meta, setting.options(), max_tensor=device.max_tensor)
     big_output = bool(device.max_tensor) and est.output_tensor > device.max_tensor
     est_model = est.weights + est.output - (est.output_tensor if big_output else 0)
     est_gpu_compute = est.gpu_compute(full=True)
@@ -328,6 +339,33 @@ def test_gemma3_swa_layers_and_cells(gemma_model) -> None:
     assert cells[0] == 1024 * 4  # window 512 + ubatch 512, per slot
     small = kv_cells(meta, RunnerOptions(num_ctx=300, num_parallel=1))
     assert small[5] == 512 and small[0] == 512  # padded to 256, window capped by the context
+
+
+def test_attention_too_big_for_the_device_is_counted_on_the_host(gemma_model) -> None:
+    """gemma3-270m on lavapipe (128 MiB): without flash attention the full cache's scores are
+    4 heads x 512 tokens x n_kv x 4 bytes; at 32,768 cells (256 MiB) llama.cpp runs that attention
+    on the CPU, at 16,384 (exactly 128 MiB) it stays on the device."""
+    meta = read_metadata(gemma_model)
+    lavapipe = 128 * MiB
+    off = RunnerOptions(num_ctx=32768)
+    on = RunnerOptions(num_ctx=32768, flash_attention=True)
+    assert attention_on_host(meta, off, lavapipe) == (32768,)  # the window's 1,024 cells stay
+    assert attention_on_host(meta, RunnerOptions(num_ctx=16384), lavapipe) == ()
+    assert attention_on_host(meta, on, lavapipe) == ()  # no scores; the f16 mask is 32 MiB
+    assert attention_on_host(meta, off, 0) == attention_on_host(meta, off, 4 * GiB - 1) == ()
+    free, bound = estimate(meta, off), estimate(meta, off, max_tensor=lavapipe)
+    assert bound.compute_full == free.compute_full and bound.kv == free.kv  # the CPU's own figures
+    # host: the scores, the copies of the layer's K and V views (f16, 256 wide) and of Q (f32)
+    moved = 32768 * 512 * 4 * 4 + 2 * 32768 * 256 * 2 + 512 * 1024 * 4
+    assert bound.host_compute(full=True) - free.host_compute(full=True) == moved
+    assert bound.host_compute(full=False) - free.host_compute(full=False) == moved
+    # device: neither those scores nor the full cache's mask (the window's 2 MiB one stays)
+    full_mask = 32768 * 512 * 4
+    assert free.gpu_compute(full=True) - bound.gpu_compute(full=True) > 32768 * 512 * 4 * 4 + full_mask - 16 * MiB
+    assert bound.gpu_compute(full=True) < 24 * MiB  # llama.cpp: 19.51 MiB
+    # the estimate of a draft model sees the same device
+    draft = estimate(meta, off, draft=meta, max_tensor=lavapipe).draft
+    assert draft is not None and draft.host_compute(full=True) == bound.host_compute(full=True)
 
 
 def test_layers_and_tied_output(tiny_models) -> None:

@@ -17,6 +17,7 @@ from trioshed.core.model import Device, GiB, MemoryEstimate, MiB, Placement, Run
 from trioshed.core.placement import place
 from trioshed.devices import DeviceSource, discover
 from trioshed.devices.vulkan import (
+    HARDWARE_MAX_TENSOR,
     SOFTWARE_MAX_TENSOR,
     list_runner_devices,
     parse_devices,
@@ -77,9 +78,12 @@ def test_software_devices_are_ignored_unless_asked_for(fake_binary: str, no_nvml
     # every physical device found by its index, and the runners get the same numbering
     assert soft.runner_env == (("GGML_VK_VISIBLE_DEVICES", "0,1"),)
     assert [(d.id, d.library, d.name, d.max_tensor) for d in soft.gpus] == [
-        ("vulkan:0", "vulkan", "NVIDIA GeForce RTX 4090", 0),
+        ("vulkan:0", "vulkan", "NVIDIA GeForce RTX 4090", HARDWARE_MAX_TENSOR),
         ("vulkan:1", "vulkan", "llvmpipe (LLVM 15.0.6, 256 bits)", SOFTWARE_MAX_TENSOR),
     ]
+    # the estimate, made before a device is chosen, assumes the strictest limit
+    assert soft.max_tensor == SOFTWARE_MAX_TENSOR and plain.max_tensor == HARDWARE_MAX_TENSOR == 4 * GiB - 1
+    assert discover(None).max_tensor == 0  # CPU only: no limit
     # capacity is what was free when listed: trioshed accounts the rest from its reservations
     assert soft.gpus[0].total == soft.gpus[0].free == 23000 * MiB
     assert soft.poll() == soft.gpus and not soft.recovers_vram
@@ -107,7 +111,10 @@ def test_an_nvml_card_is_counted_once_and_launched_as_its_vulkan_twin(
     source = discover(binary=fake_binary, env={}, vulkan_software=True)
     assert source.kind == "nvml+vulkan"
     # the card once, polled by NVML, named as the Vulkan-only build knows it; lavapipe beside it
-    assert [(d.id, d.free) for d in source.gpus] == [("vulkan:0", 20000 * MiB), ("vulkan:1", 2048 * MiB)]
+    assert [(d.id, d.free, d.max_tensor) for d in source.gpus] == [
+        ("vulkan:0", 20000 * MiB, HARDWARE_MAX_TENSOR),  # a Vulkan device's limit: llama.cpp's Vulkan backend runs it
+        ("vulkan:1", 2048 * MiB, SOFTWARE_MAX_TENSOR),
+    ]
     assert source._handles == (handle, None) and source.recovers_vram
 
 

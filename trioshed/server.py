@@ -49,25 +49,28 @@ from trioshed.usage.recorder import UsageRecorder
 log = logging.getLogger(__name__)
 
 
-def estimate_model(spec: ModelSpec, options: RunnerOptions) -> MemoryEstimate:
+def estimate_model(spec: ModelSpec, options: RunnerOptions, max_tensor: int = 0) -> MemoryEstimate:
     """Read the GGUF header (cached) and estimate; adapters and projector by file size.
+    ``max_tensor``: the GPUs' largest tensor (``DeviceSource.max_tensor``; 0: no limit).
 
     Called for every request: cached by the files' identity (path, mtime, size) and the options.
     """
     files = (spec.path, *spec.adapters, *((spec.projector,) if spec.projector else ()))
     stats = tuple((f, st.st_mtime_ns, st.st_size) for f in files for st in (os.stat(f),))
-    return _estimate_cached(stats, len(spec.adapters), options)
+    return _estimate_cached(stats, len(spec.adapters), options, max_tensor)
 
 
 @functools.lru_cache(maxsize=256)
 def _estimate_cached(
-    files: tuple[tuple[str, int, int], ...], n_adapters: int, options: RunnerOptions
+    files: tuple[tuple[str, int, int], ...], n_adapters: int, options: RunnerOptions, max_tensor: int
 ) -> MemoryEstimate:
     meta = read_metadata(files[0][0])
     adapters = sum(size for _, _, size in files[1 : 1 + n_adapters])
     projector = sum(size for _, _, size in files[1 + n_adapters :])
     draft = read_metadata(options.draft) if options.draft else None
-    return estimate(meta, options, projector_bytes=projector, adapter_bytes=adapters, draft=draft)
+    return estimate(
+        meta, options, projector_bytes=projector, adapter_bytes=adapters, draft=draft, max_tensor=max_tensor
+    )
 
 
 @dataclass
@@ -116,7 +119,7 @@ def build_scheduler(
         devices=devices,
         remote=remote,
         factory=partial(open_llama_server, config=launch),
-        estimator=estimate_model,
+        estimator=partial(estimate_model, max_tensor=devices.max_tensor),
         place=placement.place,
         max_queue=settings.max_queue,
         max_extra_wait=settings.max_extra_wait,

@@ -66,7 +66,7 @@ async def store_models(st: AppState) -> list[dict[str, Any]]:
             meta = await st.metadata(spec)
             facts = await trio.to_thread.run_sync(details_now, spec)
             options = st.runner_options(spec, {})
-            est = estimate(meta, options)
+            est = estimate(meta, options, max_tensor=source.max_tensor)
             now = place(est, free_gpus, system_free=system.free, overhead=overhead)
             alone = capacity(est, gpus, system_total=system.total, overhead=overhead)
             entry.update({

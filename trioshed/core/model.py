@@ -40,9 +40,10 @@ class Device:
     total: int
     free: int
     name: str = ""
-    #: The largest tensor the device takes (0: no limit known). llama.cpp's Vulkan backend keeps a
-    #: weight bigger than the device's ``maxStorageBufferRange`` in system memory (lavapipe:
-    #: 128 MiB, so gemma3's 170 MiB tied output stays on the CPU).
+    #: The largest tensor the device takes (0: no limit known). llama.cpp's Vulkan backend refuses
+    #: an op with a tensor bigger than the device's ``maxStorageBufferRange``, so such a weight
+    #: stays in system memory (lavapipe: 128 MiB, so gemma3's 170 MiB tied output stays on the
+    #: CPU) and such an attention runs on the CPU (``core.estimate.attention_on_host``).
     max_tensor: int = 0
 
     @property

@@ -18,6 +18,7 @@ import psutil
 
 from trioshed.core.model import Device
 from trioshed.devices.vulkan import (
+    HARDWARE_MAX_TENSOR,
     SOFTWARE_MAX_TENSOR,
     VULKAN_LIBRARY,
     ListedDevice,
@@ -68,6 +69,12 @@ class DeviceSource:
 
     def system(self) -> Device:
         return self.fixed_system or system_memory()
+
+    @property
+    def max_tensor(self) -> int:
+        """The smallest ``Device.max_tensor`` of the GPUs (0: none has a limit): the memory
+        estimate is made before placement picks a device, so it assumes the strictest one."""
+        return min((d.max_tensor for d in self.gpus if d.max_tensor), default=0)
 
     @property
     def recovers_vram(self) -> bool:
@@ -122,7 +129,7 @@ def discover(
             vulkan.remove(twin)
             if listing is not None and not listing.has_cuda:  # a Vulkan-only build runs it as VulkanN
                 gpus[i] = replace(card, id=f"{VULKAN_LIBRARY}:{twin.index}", library=VULKAN_LIBRARY,
-                                  index=twin.index)  # fmt: skip
+                                  index=twin.index, max_tensor=vulkan_device(twin).max_tensor)  # fmt: skip
         gpus += [vulkan_device(d) for d in vulkan]
         handles += [None] * len(vulkan)
         kind = "nvml+vulkan" if vulkan else "nvml"
@@ -145,7 +152,7 @@ def vulkan_device(listed: ListedDevice) -> Device:
         total=listed.free,
         free=listed.free,
         name=listed.description,
-        max_tensor=SOFTWARE_MAX_TENSOR if listed.software else 0,
+        max_tensor=SOFTWARE_MAX_TENSOR if listed.software else HARDWARE_MAX_TENSOR,
     )
 
 

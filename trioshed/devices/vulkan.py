@@ -36,7 +36,7 @@ import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from trioshed.core.model import MiB
+from trioshed.core.model import GiB, MiB
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +45,16 @@ LIST_TIMEOUT = 30.0
 MAX_DEVICES = 16  # GGML_VK_MAX_DEVICES
 SAME_CARD_TOLERANCE = 0.10
 VISIBLE = "GGML_VK_VISIBLE_DEVICES"
-#: The largest buffer lavapipe binds (its ``maxStorageBufferRange``, llvmpipe's 2**27): a bigger
-#: weight stays on the CPU (measured: gemma3-270m's 170 MiB tied output). Hardware drivers allow
-#: about 4 GiB, more than any tensor trioshed has met: no limit is assumed for them.
+#: The largest tensor lavapipe takes (its ``maxStorageBufferRange``, llvmpipe's 2**27): llama.cpp's
+#: Vulkan backend refuses any op with a bigger tensor (``supports_op``), so a bigger weight stays on
+#: the CPU (measured: gemma3-270m's 170 MiB tied output) and so does attention whose scores are
+#: bigger (gemma3-270m at 32,768 cells without flash attention: 256 MiB; see core/estimate.py).
 SOFTWARE_MAX_TENSOR = 128 * MiB
+#: The limit assumed for hardware drivers: ``maxStorageBufferRange`` is a 32-bit number, so at
+#: most 4 GiB (desktop drivers commonly report that), and llama-server's listing says neither the
+#: driver's value nor whether its 64-bit indexing lifts it. Counting a bigger tensor's work in
+#: system memory keeps the estimate from falling under on the host side.
+HARDWARE_MAX_TENSOR = 4 * GiB - 1
 
 _LINE = re.compile(r"^\s*([A-Za-z_]+?)(\d+)\s*:\s*(.*?)\s*\((\d+) MiB, (\d+) MiB free\)\s*$")
 _SOFTWARE = re.compile(r"llvmpipe|lavapipe|swiftshader|softpipe", re.IGNORECASE)
