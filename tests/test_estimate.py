@@ -145,6 +145,10 @@ GEMMA_VULKAN_SETTINGS = [
     Setting(2048, 1, "f16", False),
     Setting(8192, 4, "q8_0", True),
     *(Setting(ctx, 1, "f16", fa) for ctx in (8192, 16384, 32768) for fa in (False, True)),
+    # Beyond the trained context (llama-server runs it; trioshed would lower num_ctx): 512 MiB of
+    # scores, and with flash attention a 256 MiB f16 mask, send that attention to the CPU too.
+    Setting(65536, 1, "f16", False),
+    Setting(262144, 1, "f16", True),
 ]
 
 
