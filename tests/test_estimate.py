@@ -12,7 +12,9 @@ The table of every case is printed and written to ``bench/results/estimate-vs-ll
 
 The Vulkan cases load every layer on a Vulkan device (lavapipe in CI; ``-ngl 99 --device Vulkan0
 --no-warmup``: the buffers are reserved and reported before the warm-up run, so no shader is
-compiled) and compare each buffer with the GPU terms of the estimate: the device's model and KV
+compiled) and compare each buffer with the GPU terms of the estimate for the device's largest
+tensor (``Device.max_tensor``: on lavapipe, 128 MiB, the attention of long contexts runs on the
+CPU and its buffers are in system memory): the device's model and KV
 buffers within 3 %, its compute buffer and the host compute buffer (``Vulkan_Host compute`` plus
 the logits output buffer) -5 %/+10 % (or 2 MiB), as the CPU totals.
 """

@@ -337,7 +337,8 @@ def attention_on_host(meta: MetadataLike, opts: RunnerOptions, max_tensor: int) 
     attention, reading the K and V views of the cache (``n_kv`` rows each) and the mask
     (``n_kv x n_ubatch``, f32, or f16 with flash attention). Measured on lavapipe (128 MiB),
     gemma3-270m without flash attention: 256 MiB of scores at 32,768 cells run on the CPU,
-    128 MiB at 16,384 stay (the limit is inclusive).
+    128 MiB at 16,384 stay (a tensor of exactly the limit still fits); with flash attention, the
+    256 MiB f16 mask at 262,144 cells sends it to the CPU too.
     """
     if max_tensor <= 0:
         return ()
