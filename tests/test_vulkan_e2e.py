@@ -185,3 +185,32 @@ async def test_gemma3_whole_and_partial(
                 assert effective_kv_type(runner.options) == "f16"
                 if layers == 19 and device.max_tensor:
                     assert by_backend["CPU_Mapped"] == pytest.approx(170 * MiB, rel=0.01)  # token_embd, once
+
+
+async def test_gemma3_at_its_trained_context_computes_long_attention_on_the_host(
+    tmp_path: Path,
+    gemma_model: Path,
+    vulkan_device: tuple[Device, dict[str, str]],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """gemma3-270m at 32,768 tokens without flash attention: each full-context layer's scores
+    (256 MiB) are over lavapipe's largest tensor, so llama.cpp computes that attention on the CPU
+    and its buffers are in system memory. The scheduler's estimate knows the device's limit, and
+    the plan matches llama.cpp's buffers on both sides."""
+    device, _ = vulkan_device
+    if not device.max_tensor or device.max_tensor >= 256 * MiB:
+        pytest.skip(f"{device.name} takes the 256 MiB scores: nothing moves to the host")
+    caplog.set_level(logging.DEBUG, logger="trioshed.runner.output")
+    store, _ = _store(tmp_path, "gemma3-270m", gemma_model)
+    with trio.fail_after(240):
+        async with (
+            open_test_server(store, vulkan_software=True) as server,
+            httpx.AsyncClient(base_url=server.base_url, timeout=200) as http,
+        ):
+            size_vram = await _load(http, "gemma3-270m", num_ctx=32768)
+            (runner,) = server.scheduler.statistics().runners
+            assert runner.pid is not None and runner.placement is not None
+            assert runner.options.num_ctx == 32768 and not runner.options.flash_attention
+            assert _offloaded(caplog, runner.pid) == (19, 19)
+            by_backend = check_against_plan(runner, gemma_model, device, size_vram)
+            assert by_backend["Vulkan_Host"] > 256 * MiB  # the scores are in system memory
