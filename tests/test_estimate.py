@@ -22,7 +22,7 @@ the logits output buffer) -5 %/+10 % (or 2 MiB), as the CPU totals.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -333,6 +333,22 @@ def test_estimate_matches_llama_cpp_vulkan_gemma3(
     setting: Setting, gemma_model, vulkan_device: tuple[Device, dict[str, str]]
 ) -> None:
     check_vulkan("gemma3-270m", gemma_model, setting, *vulkan_device)
+
+
+FORCED_LIMIT = 100 * MiB  # under lavapipe's 128 MiB, over gemma3's 65 MiB model buffer
+
+
+@pytest.mark.slow
+def test_estimate_matches_llama_cpp_vulkan_gemma3_under_a_lower_limit(
+    gemma_model, vulkan_device: tuple[Device, dict[str, str]]
+) -> None:
+    """The device's limit is what decides: ``GGML_VK_FORCE_MAX_BUFFER_SIZE`` lowers llama.cpp's
+    Vulkan limit to 100 MiB, and the 128 MiB of scores at 16,384 cells, which lavapipe takes, run
+    on the CPU too; the estimate with ``max_tensor`` 100 MiB says so."""
+    device, env = vulkan_device
+    forced = replace(device, max_tensor=FORCED_LIMIT)
+    env = {**env, "GGML_VK_FORCE_MAX_BUFFER_SIZE": str(FORCED_LIMIT)}
+    check_vulkan("gemma3-270m-max100MiB", gemma_model, Setting(16384, 1, "f16", False), forced, env)
 
 
 # Pure checks (no process) -------------------------------------------------------------------
