@@ -331,8 +331,9 @@ def attention_on_host(meta: MetadataLike, opts: RunnerOptions, max_tensor: int) 
     tensor over ``max_tensor`` bytes leaves to the CPU (0: no limit).
 
     llama.cpp's Vulkan backend refuses an op when one of its tensors is larger than the device
-    binds (``supports_op``: ``maxStorageBufferRange``, unless the driver has 64-bit indexing,
-    and the largest buffer), and the scheduler then runs it on the CPU. The attention ops of a
+    binds (``supports_op``: its largest buffer and ``maxStorageBufferRange``; lowering the first
+    with ``GGML_VK_FORCE_MAX_BUFFER_SIZE`` moves the op as measured), and the scheduler then runs
+    it on the CPU. The attention ops of a
     cache are the scores ``n_kv x n_ubatch x n_head`` f32 and their softmax without flash
     attention, reading the K and V views of the cache (``n_kv`` rows each) and the mask
     (``n_kv x n_ubatch``, f32, or f16 with flash attention). Measured on lavapipe (128 MiB),
