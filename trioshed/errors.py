@@ -17,7 +17,8 @@
     ├── LoadCooldown (503, Retry-After)  the model failed to load recently; retried after a back-off
     ├── EventStreamsBusy (503, Retry-After)  GET /api/events already streams to its most pages
     ├── InsufficientMemory (507)         the model cannot fit even with every other model unloaded
-    │   └── PinnedModelsInTheWay         it would fit only by evicting models pinned in models.toml
+    │   ├── PinnedModelsInTheWay         it would fit only by evicting models pinned in models.toml
+    │   └── ContextOutOfMemory           the request needs a larger context than fits in memory
     ├── RemoteUnavailable (503)          the model fits only with an RPC server that is down
     ├── DraftUnusable (500)              models.toml's draft model is missing, unreadable, or its
     │                                    vocabulary differs from the target's
@@ -164,10 +165,11 @@ class LoadCooldown(TrioshedError):
 class InsufficientMemory(TrioshedError):
     status = 507
 
-    def __init__(self, model: str, needed: int, available: int, reason: str = "") -> None:
+    def __init__(self, model: str, needed: int, available: int, reason: str = "", *, num_ctx: int = 0) -> None:
         gib = 1024**3
+        at = f" at a context of {num_ctx:,} tokens" if num_ctx else ""
         message = (
-            f"model '{model}' needs an estimated {needed / gib:.2f} GiB but the largest capacity "
+            f"model '{model}' needs an estimated {needed / gib:.2f} GiB{at} but the largest capacity "
             f"available is {available / gib:.2f} GiB even with every other model unloaded"
         )
         if reason:
@@ -191,6 +193,24 @@ class PinnedModelsInTheWay(InsufficientMemory):
         self.needed = needed
         self.available = 0
         self.pinned = pinned
+
+
+class ContextOutOfMemory(InsufficientMemory):
+    """An automatic context was made smaller to fit the memory (``trioshed.core.context``), and
+    the request, counted exactly, needs more than the largest context that fits: Ollama's
+    "model requires more memory than is available", with the tokens and the memory."""
+
+    def __init__(self, model: str, prompt_tokens: int, fits: int, tried: int, cause: str) -> None:
+        TrioshedError.__init__(
+            self,
+            f"model '{model}' requires more memory than is available for this request: its prompt is "
+            f"{prompt_tokens:,} tokens, and the largest context that fits is {fits:,} tokens ({tried:,} "
+            f"tokens: {cause}); use a shorter prompt, a smaller model or quantization, or unload other models",
+        )
+        self.needed = 0
+        self.available = 0
+        self.prompt_tokens = prompt_tokens
+        self.fits = fits
 
 
 class RemoteUnavailable(TrioshedError):

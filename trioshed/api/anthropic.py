@@ -97,13 +97,14 @@ async def messages() -> Response:
         body["system"] = model.system  # the store's SYSTEM, as the Ollama routes give it
     up = _with_defaults(messages_upstream(body, chat_template=templated, thinking_capable=can_think), prepared.defaults)
     await require_capabilities(model, name, messages_needs(body), action="chat")  # after the body's own checks
-    options, need = await fit_loaded(st.scheduler, prepared, up.upstream.path, up.upstream.body)
+    options, need, floor = await fit_loaded(st.scheduler, prepared, up.upstream.path, up.upstream.body)
     if up.stream:
         return await leased_stream(st.scheduler, model, options, prepared.keep_alive,
                                    lambda lease: _relay(lease, up, name), "text/event-stream",
-                                   before=lambda lease: ensure_fits(lease, up.upstream.path, up.upstream.body, need))  # fmt: skip
+                                   before=lambda lease: ensure_fits(lease, up.upstream.path, up.upstream.body, need),
+                                   floor=floor)  # fmt: skip
     translator = _translator(up, name)
-    async with st.scheduler.acquire(model, options, prepared.keep_alive) as lease:
+    async with st.scheduler.acquire(model, options, prepared.keep_alive, floor=floor) as lease:
         await ensure_fits(lease, up.upstream.path, up.upstream.body, need)
         async with open_upstream(lease, up.upstream.path, up.upstream.body) as batches:
             async for lines in batches:

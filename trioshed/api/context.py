@@ -10,19 +10,25 @@ the prompt too long (``exceed_context_size_error``), :func:`context_error` turns
 the same error;
 its own words ("llama-server answered…") never reach a client
 (:func:`trioshed.api.protocols.errors.context_error`).
+
+Where the automatic context was made smaller to fit the memory (the scheduler's ``floor``, its
+lease's ``shrunk``), the same count decides: a prompt the smaller runner holds is served, one it
+does not is a 507 (:class:`~trioshed.errors.ContextOutOfMemory`) naming its tokens and the memory,
+since every size between was just found not to fit; one longer than the size asked for (the
+model's trained context) is the 400 as before.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from trioshed.api.preamble import Prepared
 from trioshed.api.upstream import post_upstream
-from trioshed.core.context import PER_MESSAGE, bucket, slot_context
+from trioshed.core.context import FLOOR, PER_MESSAGE, bucket, slot_context
 from trioshed.core.model import RunnerOptions
-from trioshed.errors import ContextTooLong, TrioshedError
+from trioshed.errors import ContextOutOfMemory, ContextTooLong, TrioshedError
 from trioshed.scheduler import Lease, Scheduler
 
 _CHAT_PATHS = ("/v1/chat/completions", "/chat/completions")
@@ -56,9 +62,11 @@ async def prompt_tokens(lease: Lease, path: str, body: dict[str, Any] | bytes) -
 
 
 async def ensure_fits(lease: Lease, path: str, body: dict[str, Any] | bytes, need: int) -> None:
-    """Raise ContextTooLong when ``body``'s prompt does not fit the leased runner's slot; a
-    request whose upper bound ``need`` fits is not counted. A count that fails for another
-    reason is left to llama-server (whose own error is translated the same way)."""
+    """Raise ContextTooLong when ``body``'s prompt does not fit the leased runner's slot (or
+    ContextOutOfMemory, a 507, where the runner's context was made smaller to fit the memory
+    and the size asked for would hold it); a request whose upper bound ``need`` fits is not
+    counted. A count that fails for another reason is left to llama-server (whose own error is
+    translated the same way)."""
     n_ctx = slot_context(lease.options)
     if need <= n_ctx:
         return
@@ -68,8 +76,15 @@ async def ensure_fits(lease: Lease, path: str, body: dict[str, Any] | bytes, nee
         if isinstance(exc, ContextTooLong):
             raise
         return
-    if n is not None and n >= n_ctx:
-        raise ContextTooLong(n, n_ctx)
+    if n is None or n < n_ctx:
+        return
+    shrunk = lease.shrunk
+    if shrunk is not None:
+        asked, tried, why = shrunk
+        if n < slot_context(replace(lease.options, num_ctx=asked)):
+            raise ContextOutOfMemory(lease.model.name, n, n_ctx, tried, why)
+        n_ctx = slot_context(replace(lease.options, num_ctx=asked))
+    raise ContextTooLong(n, n_ctx)
 
 
 def _has_media(messages: Any) -> bool:
@@ -84,37 +99,47 @@ def _has_media(messages: Any) -> bool:
     return False
 
 
-async def fit_loaded(
-    scheduler: Scheduler, prepared: Prepared, path: str, body: dict[str, Any] | bytes
-) -> tuple[RunnerOptions, int]:
+class Fit(NamedTuple):
+    """How to lease a request (:func:`fit_loaded`)."""
+
+    options: RunnerOptions
+    need: int  # the upper bound to give :func:`ensure_fits` (0: counted already)
+    floor: int  # the smallest automatic num_ctx it may load at (0: never lowered; Scheduler.acquire)
+
+
+async def fit_loaded(scheduler: Scheduler, prepared: Prepared, path: str, body: dict[str, Any] | bytes) -> Fit:
     """The options to lease ``prepared`` by, counting its prompt on the model's loaded runner
     when its automatic context would otherwise reload it at a larger size: a prompt the runner
     holds (with its output budget) is served there, one longer than the model takes is refused
     (ContextTooLong) without a load, and one between grows the context to the bucket of its
     exact count, not of the byte bound. Without a loaded runner, or with ``num_ctx`` set, the
     options are returned as they are (a load counts later, :func:`ensure_fits`). Also returned:
-    the ``need`` to give :func:`ensure_fits` (0 once counted here)."""
+    the ``need`` to give :func:`ensure_fits` (0 once counted here) and the ``floor`` to lease
+    by: an automatic size not counted may be made as small as :data:`FLOOR` to fit the memory,
+    one counted no smaller than the bucket of its count."""
     options = prepared.options
+    unsized = Fit(options, prepared.need, min(FLOOR, options.num_ctx) if prepared.automatic else 0)
     loaded = scheduler.loaded_options(prepared.model) if prepared.automatic else None
     if loaded is None or loaded.num_ctx >= options.num_ctx:
-        return options, prepared.need
+        return unsized
     on_loaded = replace(options, num_ctx=loaded.num_ctx)
     if not can_serve_options(loaded, on_loaded):
-        return options, prepared.need
+        return unsized
     async with scheduler.acquire(prepared.model, on_loaded, prepared.keep_alive) as lease:
         try:
             n = await prompt_tokens(lease, path, body)
         except ContextTooLong:
             raise
         except TrioshedError:
-            return options, prepared.need
+            return unsized
     if n is None:
-        return options, prepared.need
+        return unsized
     if n >= slot_context(options):
         raise ContextTooLong(n, slot_context(options))
     if n + prepared.output < slot_context(on_loaded):
-        return on_loaded, 0
-    return replace(options, num_ctx=min(options.num_ctx, bucket(n + prepared.output + PER_MESSAGE))), 0
+        return Fit(on_loaded, 0, on_loaded.num_ctx)
+    grown = replace(options, num_ctx=min(options.num_ctx, bucket(n + prepared.output + PER_MESSAGE)))
+    return Fit(grown, 0, grown.num_ctx)
 
 
 def can_serve_options(have: RunnerOptions, want: RunnerOptions) -> bool:

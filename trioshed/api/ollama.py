@@ -103,11 +103,11 @@ async def _serve(kind: ollama.Kind) -> Response:
     top = body.get("top_logprobs")
     translator = OllamaStream(kind, model.name, prefill=upstream.prefill, top_logprobs=top if isinstance(top, int) else 0)
 
-    options, need = await fit_loaded(st.scheduler, req, upstream.path, upstream.body)
+    options, need, floor = await fit_loaded(st.scheduler, req, upstream.path, upstream.body)
     if body.get("stream", True) is False:
         # One JSON answer upstream too: llama-server sends no per-token events to parse.
         whole = {k: v for k, v in upstream.body.items() if k != "stream_options"} | {"stream": False}
-        async with st.scheduler.acquire(model, options, keep_alive) as lease:
+        async with st.scheduler.acquire(model, options, keep_alive, floor=floor) as lease:
             await ensure_fits(lease, upstream.path, whole, need)
             translator.feed(await post_upstream(lease, upstream.path, whole))
             if not translator.finished:
@@ -124,7 +124,7 @@ async def _serve(kind: ollama.Kind) -> Response:
     return await leased_stream(
         st.scheduler, model, options, keep_alive,
         lambda lease: _ollama_stream(lease, upstream, translator, started), NDJSON,
-        before=lambda lease: ensure_fits(lease, upstream.path, upstream.body, need),
+        before=lambda lease: ensure_fits(lease, upstream.path, upstream.body, need), floor=floor,
     )  # fmt: skip
 
 

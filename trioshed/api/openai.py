@@ -126,12 +126,12 @@ async def _proxy(
     body, name, model, options, keep_alive = req.body, req.name, req.model, req.options, req.keep_alive
     streaming = bool(body.get("stream", False))
     upstream: dict[str, Any] | bytes = req.raw if req.raw is not None else {**body, "model": model.name}
-    need = 0
+    need = floor = 0
     if req.prepared is not None:
-        options, need = await fit_loaded(st.scheduler, req.prepared, path, upstream)
+        options, need, floor = await fit_loaded(st.scheduler, req.prepared, path, upstream)
     fits = lambda lease: ensure_fits(lease, path, upstream, need)  # noqa: E731
     if not streaming:
-        async with st.scheduler.acquire(model, options, keep_alive) as lease:
+        async with st.scheduler.acquire(model, options, keep_alive, floor=floor) as lease:
             await fits(lease)
             status, raw = await post_upstream_raw(lease, path, upstream)
         if status == 400 and (too_long := context_error(raw)) is not None:
@@ -155,7 +155,7 @@ async def _proxy(
         relay = lambda lease: _relay_as_chat(lease, upstream, name)  # noqa: E731
     else:
         relay = lambda lease: _relay(lease, path, upstream, name, legacy)  # noqa: E731
-    return await leased_stream(st.scheduler, model, options, keep_alive, relay, "text/event-stream", before=fits)
+    return await leased_stream(st.scheduler, model, options, keep_alive, relay, "text/event-stream", before=fits, floor=floor)
 
 
 @bp.post("/v1/chat/completions")

@@ -50,10 +50,10 @@ async def responses() -> Response:
         path, chat = "/v1/completions", transcript_completion_body(chat)
     st = state()
     frame = Frame(body, name, int(time.time()))
-    options, need = await fit_loaded(st.scheduler, req, path, chat)
+    options, need, floor = await fit_loaded(st.scheduler, req, path, chat)
     if body.get("stream") is not True:
         whole = {**chat, "model": req.model.name, "stream": False}
-        async with st.scheduler.acquire(req.model, options, req.keep_alive) as lease:
+        async with st.scheduler.acquire(req.model, options, req.keep_alive, floor=floor) as lease:
             await ensure_fits(lease, path, whole, need)
             status, raw = await post_upstream_raw(lease, path, whole)
         if status == 400 and (too_long := context_error(raw)) is not None:
@@ -70,7 +70,7 @@ async def responses() -> Response:
     return await leased_stream(
         st.scheduler, req.model, options, req.keep_alive,
         lambda lease: _relay(lease, path, upstream, stream), "text/event-stream",
-        before=lambda lease: ensure_fits(lease, path, upstream, need),
+        before=lambda lease: ensure_fits(lease, path, upstream, need), floor=floor,
     )  # fmt: skip
 
 

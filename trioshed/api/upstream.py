@@ -308,14 +308,17 @@ async def leased_stream(
     body: Callable[[Lease], AsyncIterator[bytes]],
     content_type: str,
     before: Callable[[Lease], Awaitable[None]] | None = None,
+    *,
+    floor: int = 0,
 ) -> Response:
     """Wait for a lease, then answer with the streamed ``body(lease)`` that owns it.
 
     The status is decided before this returns (queue full, cannot fit, load failed raise here,
     and what ``before`` raises with the lease held);
     the lease goes back when the body ends, fails or is closed, or is never started.
+    ``floor``: the smallest automatic context the lease may get (``Scheduler.acquire``).
     """
-    lease = await scheduler.wait_for_lease(model, options, keep_alive)
+    lease = await scheduler.wait_for_lease(model, options, keep_alive, floor=floor)
     try:
         if before is not None:
             await before(lease)  # e.g. a prompt too long for the context: a 400, not a 200

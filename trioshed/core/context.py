@@ -14,6 +14,16 @@ output budget, rounded up to a bucket (4,096, 8,192, 16,384… doubling), at lea
 a loaded runner's context is served by it (a larger runner serves a smaller request); one that
 does not reloads the model at its bucket. Buckets keep the number of distinct sizes, and so of
 reloads, small: at most ``log2(trained / FLOOR) + 1`` sizes per model.
+
+**When it does not fit.** The bound is only a bound (it counts every byte as a token; a real
+tokenizer makes three to four times fewer). Where the bound's bucket does not fit the memory the
+placement can give (the planner's 507), or llama.cpp runs out of memory loading it (its own words:
+``failed to allocate``, ``vk::OutOfDeviceMemoryError``, ``out of memory``), the load is tried at
+the next smaller bucket (:func:`smaller_context`), and so on down to :data:`FLOOR`, or to the
+bucket of the request's exact count where a runner has counted it: the largest size that fits.
+The request is then counted exactly with that runner: a prompt it holds is served, one it does
+not gets a 507 naming the tokens and the memory (every size between was just found not to fit).
+A ``num_ctx`` set by the user is never lowered: it loads as set, or fails.
 """
 
 from __future__ import annotations
@@ -61,6 +71,34 @@ def automatic_context(need: int, trained: int, cap: int = 0) -> int:
     if cap > 0:
         limit = min(limit, max(cap, 4))
     return max(4, min(size, limit))
+
+
+def smaller_context(num_ctx: int, floor: int) -> int | None:
+    """The next automatic size below ``num_ctx`` to try after ``num_ctx`` did not fit: the largest
+    bucket smaller than it, at least ``floor`` (0: the size was set by the user, never lowered);
+    None when nothing smaller is allowed (the request fails)."""
+    if floor <= 0 or num_ctx <= floor:
+        return None
+    size = bucket(num_ctx) // 2  # bucket(n) is the smallest at least n: half of it is below n
+    while size >= num_ctx:  # (below FLOOR, where buckets do not reach)
+        size //= 2
+    return max(floor, size)
+
+
+#: How llama.cpp b10068 says an allocation failed (a buffer, the KV cache, a compute graph; the
+#: Vulkan backend's ``vk::OutOfDeviceMemoryError``; CUDA's and Metal's own words).
+_OUT_OF_MEMORY = (
+    "failed to allocate",
+    "out of memory",
+    "outofdevicememory",
+    "unable to allocate",
+)
+
+
+def out_of_memory(message: str) -> bool:
+    """Whether a failed load's output says it ran out of memory (a smaller context may fit)."""
+    text = message.lower()
+    return any(words in text for words in _OUT_OF_MEMORY)
 
 
 def clamp(options: RunnerOptions, trained: int) -> RunnerOptions:

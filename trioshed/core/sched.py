@@ -625,6 +625,20 @@ def _plan_one(
         sim.set(replace(target, leases=target.leases + 1, last_used=now))
         sim.touched.add(target.id)
         return "dispatched"
+    # Too big even alone (e.g. a larger context than fits): fail now, before evicting a runner
+    # of this model it would replace (the scheduler may then try a smaller automatic context,
+    # which that runner may well serve).
+    capacity = sim.capacity(place, req, system_capacity)
+    if isinstance(capacity, DoesNotFit):
+        error: TrioshedError = InsufficientMemory(
+            req.model.name, capacity.needed, capacity.available, capacity.reason, num_ctx=req.options.num_ctx
+        )
+        if machine.remote_down and isinstance(
+            sim.capacity(place, req, system_capacity, extra_gpus=machine.remote_down), Placement
+        ):
+            error = RemoteUnavailable(req.model.name, tuple(d.name or d.endpoint for d in machine.remote_down))
+        actions.append(Fail(req.id, error))
+        return "failed"
     if same_model:
         # An incompatible runner of this model (other options, adapters, a larger context):
         # reload it once its leases end. One runner per model file at a time, as in the
@@ -652,15 +666,6 @@ def _plan_one(
     cooldown = cooldowns.get(req.model.path)
     if cooldown and cooldown[0] > now:
         actions.append(Fail(req.id, LoadCooldown(req.model.name, cooldown[0] - now, cooldown[1])))
-        return "failed"
-    capacity = sim.capacity(place, req, system_capacity)
-    if isinstance(capacity, DoesNotFit):
-        error: TrioshedError = InsufficientMemory(req.model.name, capacity.needed, capacity.available, capacity.reason)
-        if machine.remote_down and isinstance(
-            sim.capacity(place, req, system_capacity, extra_gpus=machine.remote_down), Placement
-        ):
-            error = RemoteUnavailable(req.model.name, tuple(d.name or d.endpoint for d in machine.remote_down))
-        actions.append(Fail(req.id, error))
         return "failed"
     # As in the reference: with other runners in the way, a model that would get fewer layers
     # on GPUs than it could alone makes room instead of spilling to the CPU.
@@ -763,6 +768,8 @@ def _plan_one(
         return "loading"
     if isinstance(fit_now, DoesNotFit):
         reason = "the rest of the memory is in use by other programs"
-        actions.append(Fail(req.id, InsufficientMemory(req.model.name, fit_now.needed, fit_now.available, reason)))
+        actions.append(Fail(req.id, InsufficientMemory(
+            req.model.name, fit_now.needed, fit_now.available, reason, num_ctx=req.options.num_ctx
+        )))  # fmt: skip
         return "failed"
     return wait(f"{machine.max_loaded} runners loaded (TRIOSHED_MAX_LOADED_MODELS) and none can be evicted", wanted)

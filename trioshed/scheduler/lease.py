@@ -51,6 +51,12 @@ class Lease:
         return self._runner.options
 
     @property
+    def shrunk(self) -> tuple[int, int, str] | None:
+        """Where the request's automatic context was made smaller to fit the memory: the
+        ``num_ctx`` it asked for, the last that did not fit, and why (None: it got what it asked)."""
+        return getattr(self._request, "shrunk", None)
+
+    @property
     def handle(self) -> Any:
         return self._runner.handle
 

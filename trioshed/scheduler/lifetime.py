@@ -78,6 +78,7 @@ class RunnerLifetimes:
         def _note(self, event: str, model: ModelSpec, reason: str = "", seconds: float = 0.0) -> None: ...
         def _wake(self) -> None: ...
         def _fail_waiters(self, runner: Runner, error: TrioshedError) -> None: ...
+        def _retry_smaller(self, runner: Runner, error: LoadFailed) -> bool: ...
 
     async def _runner_life(self, runner: Runner) -> None:
         """Load, serve until stopped (timer cancelled or keep-alive deadline) or crashed, clean up."""
@@ -245,6 +246,10 @@ class RunnerLifetimes:
     def _on_load_failed(self, runner: Runner, exc: LoadFailed) -> None:
         self._counters["load_failures"] += 1
         path = runner.model.path
+        if self._retry_smaller(runner, exc):  # out of memory: a smaller context, now (no cooldown)
+            self._note("load failed", runner.model, exc.message[:300])
+            self._runners.pop(runner.id, None)
+            return
         self._backoff[path] = min(self._backoff.get(path, COOLDOWN_FIRST / 2) * 2, COOLDOWN_MAX)
         self._cooldowns[path] = (trio.current_time() + self._backoff[path], exc.message[:300])
         self._note("load failed", runner.model, exc.message[:300])

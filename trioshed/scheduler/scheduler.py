@@ -30,11 +30,19 @@ import trio
 from trio_util import RepeatedEvent
 
 from trioshed.core import sched
+from trioshed.core.context import out_of_memory, smaller_context
 from trioshed.core.model import MemoryEstimate, ModelSpec, Placement, RunnerOptions
 from trioshed.core.sched import Dispatch, Evict, Fail, Load, Machine, RunnerState
 from trioshed.devices import DeviceSource
 from trioshed.devices.rpc import RemoteDevices
-from trioshed.errors import QueueFull, ShuttingDown, TooManyRequests, TrioshedError
+from trioshed.errors import (
+    InsufficientMemory,
+    LoadFailed,
+    QueueFull,
+    ShuttingDown,
+    TooManyRequests,
+    TrioshedError,
+)
 from trioshed.keys import ANONYMOUS, ApiKey, current_key
 from trioshed.models.gguf_meta import unreadable
 from trioshed.scheduler.events import EventHistory
@@ -102,6 +110,9 @@ class _Request:
     share: float = 0.0  # its start tag in the fair order between tenants
     queued_at: float = 0.0  # Trio's clock: when it reached the scheduler (priority ages from it)
     retries: int = 0  # how many times it was queued again (its runner died or failed its ping)
+    floor: int = 0  # the smallest automatic num_ctx it may be loaded at (0: num_ctx set, never lowered)
+    #: the num_ctx it asked for, the last that did not fit, and why (None: its own num_ctx did)
+    shrunk: tuple[int, int, str] | None = None
 
     @functools.cached_property
     def view(self) -> sched.RequestView:
@@ -120,7 +131,7 @@ class _Request:
         return _Request(
             self.id, self.model, self.options, self.keep_alive, self.estimate, arrived=self.arrived,
             held_since=self.held_since, key=self.key, share=self.share, queued_at=self.queued_at,
-            retries=self.retries + 1,
+            retries=self.retries + 1, floor=self.floor, shrunk=self.shrunk,
         )  # fmt: skip
 
     def held(self, now: float) -> None:
@@ -208,20 +219,26 @@ class Scheduler(RunnerLifetimes):
 
     @asynccontextmanager
     async def acquire(
-        self, model: ModelSpec, options: RunnerOptions, keep_alive: float | None = None
+        self, model: ModelSpec, options: RunnerOptions, keep_alive: float | None = None, *, floor: int = 0
     ) -> AsyncIterator[Lease]:
         """Wait for a runner of ``model`` with ``options`` and hold a slot on it.
 
         Raises QueueFull (503) at once when the queue is full; the planner's errors (507, 503
         cooldown, load failures) when they apply. Cancellation while waiting leaves the queue.
+        ``floor``: the smallest automatic ``num_ctx`` the request may be loaded at. A load that
+        does not fit (the planner's 507) or runs out of memory is tried at the next smaller
+        bucket, down to it (``trioshed.core.context.smaller_context``); the lease then says so
+        (:attr:`Lease.shrunk`). 0: ``num_ctx`` was set, never lowered.
         """
-        lease = await self.wait_for_lease(model, options, keep_alive)
+        lease = await self.wait_for_lease(model, options, keep_alive, floor=floor)
         try:
             yield lease
         finally:
             lease.release()
 
-    async def wait_for_lease(self, model: ModelSpec, options: RunnerOptions, keep_alive: float | None) -> Lease:
+    async def wait_for_lease(
+        self, model: ModelSpec, options: RunnerOptions, keep_alive: float | None, *, floor: int = 0
+    ) -> Lease:
         """A lease on a runner that answers: one idle for PING_IDLE or more is pinged first (the
         reference pings on every reuse); one that does not answer within PING_TIMEOUT is killed
         as hung and the request waits for its replacement (at most PING_RETRIES times).
@@ -229,6 +246,7 @@ class Scheduler(RunnerLifetimes):
         The lease can run the request again on a new runner if this one dies before it answers
         (:meth:`Lease.rerun`)."""
         req = self._admit(model, options, keep_alive)
+        req.floor = min(floor, options.num_ctx)
         req, runner = await self._pinged(req)
         return Lease(self, runner, req.load_duration, req.key.name, req)
 
@@ -653,6 +671,8 @@ class Scheduler(RunnerLifetimes):
                 case Evict(runner=runner_id, reason=reason):
                     self._evict(self._runners[runner_id], reason)
                 case Fail(request=rid, error=error):
+                    if isinstance(error, InsufficientMemory) and self._shrink(requests[rid], _memory(error)):
+                        continue
                     self._note("failed", requests[rid].model)
                     self.events.refused(requests[rid].model.name, error)
                     self._finish(requests[rid], error=error)
@@ -720,8 +740,53 @@ class Scheduler(RunnerLifetimes):
         self._nursery.start_soon(self._runner_life, runner, name=f"runner {req.model.name}")
         return runner
 
+    def _shrink(self, req: _Request, why: str) -> bool:
+        """Place ``req`` once more at the next smaller automatic context, when its floor allows
+        (its load did not fit, or ran out of memory: ``why``); whether it was."""
+        num_ctx = smaller_context(req.options.num_ctx, req.floor)
+        if num_ctx is None:
+            return False
+        options = replace(req.options, num_ctx=num_ctx, num_batch=min(req.options.num_batch, num_ctx))
+        try:
+            estimate = self._estimator(req.model, options)
+        except (OSError, ValueError):
+            return False
+        log.info(
+            "%s at context %d does not fit (%s); trying context %d", req.model.name, req.options.num_ctx, why, num_ctx
+        )
+        req.shrunk = (req.shrunk[0] if req.shrunk else req.options.num_ctx, req.options.num_ctx, why)
+        req.options, req.estimate, req.room_wait = options, estimate, ""
+        req.__dict__.pop("view", None)  # the cached view carries the options
+        if self.record is not None:
+            self.record.append(("smaller context", req.model.short_name))
+        self._wake()
+        return True
+
+    def _retry_smaller(self, runner: Runner, error: LoadFailed) -> bool:
+        """A load failed: when llama.cpp ran out of memory, its waiters with an automatic context
+        above their floor are placed once more at a smaller one, and the others fail. Whether
+        any was (if not, nothing was done: the caller fails them all, with a cooldown)."""
+        if not out_of_memory(f"{error.message}\n{error.stderr_tail}"):
+            return False
+        waiters = [
+            req for req in self._waiting.values()
+            if req.model.path == runner.model.path and sched.can_serve(runner.view(), req.model, req.options)
+        ]  # fmt: skip
+        failed = [req for req in waiters if not self._shrink(req, "llama.cpp ran out of memory loading it")]
+        if len(failed) == len(waiters):
+            return False
+        for req in failed:
+            self._finish(req, error=error)
+        return True
+
     def _fail_waiters(self, runner: Runner, error: TrioshedError) -> None:
         for req in list(self._waiting.values()):
             if req.model.path == runner.model.path and sched.can_serve(runner.view(), req.model, req.options):
                 self._finish(req, error=error)
 
+
+def _memory(error: InsufficientMemory) -> str:
+    """The memory an InsufficientMemory names, in a few words (a smaller context's log and 507)."""
+    if error.needed and error.available:
+        return f"an estimated {_gib(error.needed)} needed, {_gib(error.available)} available"
+    return error.message
