@@ -21,7 +21,7 @@ from tests.test_scheduler import spec
 from trioshed.core.context import out_of_memory, smaller_context
 from trioshed.core.model import Device, MemoryEstimate, ModelSpec, Placement, RunnerOptions
 from trioshed.devices import DeviceSource
-from trioshed.errors import InsufficientMemory, LoadCooldown, LoadFailed
+from trioshed.errors import InsufficientMemory, LoadCooldown, LoadFailed, LoadOutOfMemory
 from trioshed.scheduler import Scheduler
 from trioshed.testing.fake import FakeFactory, FakeRunner, simple_place
 
@@ -86,7 +86,7 @@ def test_the_next_size_is_the_bucket_below_and_never_under_the_floor() -> None:
 
 
 def test_llama_cpps_out_of_memory_words_are_recognised_and_others_are_not() -> None:
-    assert out_of_memory(OOM)
+    assert out_of_memory(f"load_tensors: loading model\n{OOM}\nmain: exiting") == OOM  # the line that says it
     assert out_of_memory("ggml_vulkan: Device memory allocation of size 1 failed. vk::OutOfDeviceMemoryError")
     assert out_of_memory("llama_init_from_model: failed to allocate compute buffers")
     assert out_of_memory("CUDA error: out of memory")
@@ -194,16 +194,22 @@ async def test_only_an_out_of_memory_failure_is_tried_again_smaller(autojump_clo
         assert factory.sizes == [16384]
 
 
-async def test_out_of_memory_down_to_the_floor_then_fails_with_llama_cpps_words(
+async def test_out_of_memory_down_to_the_floor_is_a_507_with_llama_cpps_words_and_no_cooldown(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     factory = OomFactory(limit=2048)  # not even the floor fits
     async with scheduler(factory) as sched:
-        with pytest.raises(LoadFailed, match="failed to allocate"):
+        with pytest.raises(LoadOutOfMemory) as info:
             async with sched.acquire(spec("a"), RunnerOptions(num_ctx=16384), floor=4096):
                 pass
+        assert info.value.status == 507 and isinstance(info.value, InsufficientMemory)
+        assert "a context of 4,096 tokens" in info.value.message and "failed to allocate Vulkan0" in info.value.message
         assert factory.sizes == [16384, 8192, 4096]
         assert sched.statistics().load_failures == 3
+        factory.limit = 4096  # memory freed elsewhere: the next request loads at once (no cooldown)
+        async with sched.acquire(spec("a"), RunnerOptions(num_ctx=4096), floor=4096) as lease:
+            assert lease.options.num_ctx == 4096 and lease.shrunk is None
+        assert factory.sizes == [16384, 8192, 4096, 4096]
 
 
 async def test_of_two_requests_on_one_failed_load_only_the_automatic_one_is_tried_smaller(

@@ -18,7 +18,8 @@
     ├── EventStreamsBusy (503, Retry-After)  GET /api/events already streams to its most pages
     ├── InsufficientMemory (507)         the model cannot fit even with every other model unloaded
     │   ├── PinnedModelsInTheWay         it would fit only by evicting models pinned in models.toml
-    │   └── ContextOutOfMemory           the request needs a larger context than fits in memory
+    │   ├── ContextOutOfMemory           the request needs a larger context than fits in memory
+    │   └── LoadOutOfMemory              llama.cpp ran out of memory loading the smallest context allowed
     ├── RemoteUnavailable (503)          the model fits only with an RPC server that is down
     ├── DraftUnusable (500)              models.toml's draft model is missing, unreadable, or its
     │                                    vocabulary differs from the target's
@@ -211,6 +212,21 @@ class ContextOutOfMemory(InsufficientMemory):
         self.available = 0
         self.prompt_tokens = prompt_tokens
         self.fits = fits
+
+
+class LoadOutOfMemory(InsufficientMemory):
+    """llama.cpp ran out of memory loading an automatic context, and no smaller size holds the
+    request (``line``: llama.cpp's own line saying so, without paths)."""
+
+    def __init__(self, model: str, num_ctx: int, line: str) -> None:
+        TrioshedError.__init__(
+            self,
+            f"model '{model}' requires more memory than is available: it ran out of memory loading a context "
+            f"of {num_ctx:,} tokens, the smallest that holds this request ({line!r}); use a shorter prompt, "
+            "a smaller model or quantization, or unload other models",
+        )
+        self.needed = 0
+        self.available = 0
 
 
 class RemoteUnavailable(TrioshedError):

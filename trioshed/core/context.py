@@ -95,10 +95,14 @@ _OUT_OF_MEMORY = (
 )
 
 
-def out_of_memory(message: str) -> bool:
-    """Whether a failed load's output says it ran out of memory (a smaller context may fit)."""
-    text = message.lower()
-    return any(words in text for words in _OUT_OF_MEMORY)
+def out_of_memory(message: str) -> str:
+    """The line of a failed load's output that says it ran out of memory (a smaller context may
+    fit), at most 200 characters; "" when none does."""
+    for line in message.splitlines():
+        text = line.lower()
+        if any(words in text for words in _OUT_OF_MEMORY):
+            return line.strip()[:200]
+    return ""
 
 
 def clamp(options: RunnerOptions, trained: int) -> RunnerOptions:

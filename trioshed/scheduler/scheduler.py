@@ -38,6 +38,7 @@ from trioshed.devices.rpc import RemoteDevices
 from trioshed.errors import (
     InsufficientMemory,
     LoadFailed,
+    LoadOutOfMemory,
     QueueFull,
     ShuttingDown,
     TooManyRequests,
@@ -764,19 +765,27 @@ class Scheduler(RunnerLifetimes):
 
     def _retry_smaller(self, runner: Runner, error: LoadFailed) -> bool:
         """A load failed: when llama.cpp ran out of memory, its waiters with an automatic context
-        above their floor are placed once more at a smaller one, and the others fail. Whether
-        any was (if not, nothing was done: the caller fails them all, with a cooldown)."""
-        if not out_of_memory(f"{error.message}\n{error.stderr_tail}"):
+        are placed once more at a smaller one, or get a 507 (LoadOutOfMemory) at their floor, and
+        those with a size set fail with ``error``. Whether any was automatic (if not, nothing was
+        done: the caller fails them all, with a cooldown; an automatic size has smaller ones to
+        try instead, and a request that needs less is not turned away meanwhile)."""
+        line = out_of_memory(f"{error.stderr_tail}\n{error.message}")  # llama.cpp's own line first
+        if not line:
             return False
+        line = line.replace(runner.model.path, f"<{runner.model.name}>")  # no path reaches a client
         waiters = [
             req for req in self._waiting.values()
             if req.model.path == runner.model.path and sched.can_serve(runner.view(), req.model, req.options)
         ]  # fmt: skip
-        failed = [req for req in waiters if not self._shrink(req, "llama.cpp ran out of memory loading it")]
-        if len(failed) == len(waiters):
+        if not any(req.floor for req in waiters):
             return False
-        for req in failed:
-            self._finish(req, error=error)
+        for req in waiters:
+            if self._shrink(req, "llama.cpp ran out of memory loading it"):
+                continue
+            failure = LoadOutOfMemory(req.model.name, req.options.num_ctx, line) if req.floor else error
+            self._note("failed", req.model)
+            self.events.refused(req.model.name, failure)
+            self._finish(req, error=failure)
         return True
 
     def _fail_waiters(self, runner: Runner, error: TrioshedError) -> None:
