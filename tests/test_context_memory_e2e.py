@@ -51,9 +51,9 @@ def store(tmp_path: Path) -> Path:
     folder.mkdir()
     write_tiny_model(folder / "t.gguf", context_length=TRAINED)
     write_tiny_model(folder / "wide.gguf", context_length=TRAINED, n_embd=256, n_layer=4, seed=1)
+    write_tiny_model(folder / "short.gguf", context_length=8192, seed=2)  # "t"'s shape, trained on 8,192
     (folder / "models.toml").write_text(
-        '[models.t]\npath = "t.gguf"\noptions = { num_gpu = 99 }\n'
-        '[models.wide]\npath = "wide.gguf"\noptions = { num_gpu = 99 }\n'
+        "".join(f'[models.{name}]\npath = "{name}.gguf"\noptions = {{ num_gpu = 99 }}\n' for name in ("t", "wide", "short"))
     )
     return folder
 
@@ -104,6 +104,17 @@ async def test_a_bound_that_does_not_fit_is_served_at_the_smaller_context_the_re
             ps = (await http.get("/api/ps")).json()["models"]
             assert [(m["name"], m["context_length"]) for m in ps] == [("t:latest", 4096)]
             assert ("evict", "t") not in record
+
+            # Longer than the model takes: still the 400 of a prompt too long for the trained
+            # context, though its runner was made smaller to fit (its 8,192 does not either).
+            oa = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+            with pytest.raises(openai.BadRequestError) as xe:
+                await in_thread(oa.chat.completions.create, model="short", max_tokens=2,
+                                messages=[{"role": "user", "content": "x" * 9000}])  # fmt: skip
+            assert isinstance(xe.value.body, dict) and xe.value.body["code"] == "context_length_exceeded"
+            assert "maximum context length is 8192 tokens" in xe.value.body["message"]
+            ps = (await http.get("/api/ps")).json()["models"]
+            assert ("short:latest", 4096) in [(m["name"], m["context_length"]) for m in ps]
 
 
 async def test_nothing_fits_is_a_507_in_each_protocols_shape(store: Path) -> None:
