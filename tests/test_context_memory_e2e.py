@@ -157,12 +157,24 @@ async def test_nothing_fits_is_a_507_in_each_protocols_shape(store: Path) -> Non
                 smaller_context_words(body["message"])
                 await unload()
 
-            with pytest.raises(anthropic.APIStatusError) as ae:
-                await in_thread(an.messages.create, model="t", max_tokens=8, messages=chat)
-            assert ae.value.status_code == 507
-            error = ae.value.body
-            assert isinstance(error, dict) and error["type"] == "error" and set(error["error"]) == {"type", "message"}
-            smaller_context_words(error["error"]["message"])
+            with pytest.raises(openai.APIStatusError) as xe:  # the Responses API: the same route preamble
+                await in_thread(oa.responses.create, model="t", input=TOO_LONG, max_output_tokens=16)
+            assert xe.value.status_code == 507 and isinstance(xe.value.body, dict)
+            smaller_context_words(xe.value.body["message"])
+            await unload()
+
+            def anthropic_stream() -> None:
+                with an.messages.stream(model="t", max_tokens=8, messages=chat) as events:
+                    list(events)
+
+            for call in (lambda: an.messages.create(model="t", max_tokens=8, messages=chat), anthropic_stream):
+                with pytest.raises(anthropic.APIStatusError) as ae:
+                    await in_thread(call)
+                assert ae.value.status_code == 507
+                error = ae.value.body
+                assert isinstance(error, dict) and error["type"] == "error" and set(error["error"]) == {"type", "message"}
+                smaller_context_words(error["error"]["message"])
+                await unload()
 
             # A model whose smallest context does not fit: the plain 507, nothing loaded.
             with pytest.raises(ollama.ResponseError) as oe:
