@@ -235,6 +235,27 @@ async def test_of_two_requests_on_one_failed_load_only_the_automatic_one_is_trie
         assert factory.sizes == [16384, 8192]
 
 
+async def test_a_smaller_request_that_joined_an_out_of_memory_load_is_loaded_at_its_own_size(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    factory = OomFactory(limit=4096)
+    sizes: dict[str, int] = {}
+    async with scheduler(factory) as sched:
+
+        async def ask(name: str, num_ctx: int, floor: int) -> None:
+            async with sched.acquire(spec("a"), RunnerOptions(num_ctx=num_ctx), floor=floor) as lease:
+                sizes[name] = lease.options.num_ctx
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ask, "long", 16384, 4096)
+            await trio.testing.wait_all_tasks_blocked()
+            assert factory.sizes == [16384]
+            nursery.start_soon(ask, "set", 4096, 0)  # joins the larger load: never tried at its own size
+        assert sizes == {"long": 4096, "set": 4096}
+        assert factory.sizes == [16384, 8192, 4096]
+        assert sched.statistics().load_failures == 2
+
+
 async def test_the_smaller_size_never_evicts_a_model_that_the_larger_could_not_have_kept_either(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

@@ -764,11 +764,13 @@ class Scheduler(RunnerLifetimes):
         return True
 
     def _retry_smaller(self, runner: Runner, error: LoadFailed) -> bool:
-        """A load failed: when llama.cpp ran out of memory, its waiters with an automatic context
-        are placed once more at a smaller one, or get a 507 (LoadOutOfMemory) at their floor, and
-        those with a size set fail with ``error``. Whether any was automatic (if not, nothing was
-        done: the caller fails them all, with a cooldown; an automatic size has smaller ones to
-        try instead, and a request that needs less is not turned away meanwhile)."""
+        """A load failed: when llama.cpp ran out of memory, its waiters that asked a smaller
+        context than the runner's (they joined a larger load) stay queued for their own size;
+        the others with an automatic context are placed once more at a smaller one, or get a
+        507 (LoadOutOfMemory) at their floor, and those with a size set fail with ``error``.
+        Whether any was automatic or smaller (if not, nothing was done: the caller fails them
+        all, with a cooldown; smaller sizes are still to be tried instead, and a request that
+        needs less is not turned away meanwhile)."""
         line = out_of_memory(f"{error.stderr_tail}\n{error.message}")  # llama.cpp's own line first
         if not line:
             return False
@@ -777,15 +779,18 @@ class Scheduler(RunnerLifetimes):
             req for req in self._waiting.values()
             if req.model.path == runner.model.path and sched.can_serve(runner.view(), req.model, req.options)
         ]  # fmt: skip
-        if not any(req.floor for req in waiters):
+        if not any(req.floor or req.options.num_ctx < runner.options.num_ctx for req in waiters):
             return False
         for req in waiters:
+            if req.options.num_ctx < runner.options.num_ctx:
+                continue  # it joined a larger load: its own size is still to be tried
             if self._shrink(req, "llama.cpp ran out of memory loading it"):
                 continue
             failure = LoadOutOfMemory(req.model.name, req.options.num_ctx, line) if req.floor else error
             self._note("failed", req.model)
             self.events.refused(req.model.name, failure)
             self._finish(req, error=failure)
+        self._wake()
         return True
 
     def _fail_waiters(self, runner: Runner, error: TrioshedError) -> None:
