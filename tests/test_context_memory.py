@@ -18,7 +18,7 @@ import trio
 import trio.testing
 
 from tests.test_scheduler import spec
-from trioshed.core.context import out_of_memory, smaller_context
+from trioshed.core.context import Shrunk, out_of_memory, smaller_context
 from trioshed.core.model import Device, MemoryEstimate, ModelSpec, Placement, RunnerOptions
 from trioshed.devices import DeviceSource
 from trioshed.errors import InsufficientMemory, LoadCooldown, LoadFailed, LoadOutOfMemory
@@ -100,8 +100,8 @@ async def test_a_bound_that_does_not_fit_loads_the_largest_bucket_that_does(auto
         async with sched.acquire(spec("a"), RunnerOptions(num_ctx=32768), floor=4096) as lease:
             assert lease.options.num_ctx == 16384
             assert lease.shrunk is not None
-            asked, tried, why = lease.shrunk
-            assert (asked, tried) == (32768, 32768) and "9.00 GiB needed, 6.00 GiB available" in why
+            assert (lease.shrunk.asked, lease.shrunk.tried, lease.shrunk.fits_larger) == (32768, 32768, False)
+            assert "9.00 GiB needed, 6.00 GiB available" in lease.shrunk.why
         assert factory.sizes == [16384]  # never loaded at a size the planner knew would not fit
         assert factory.record.count(("smaller context", "a")) == 1
         # the next request asking for the same size is served by that runner: no reload, no eviction
@@ -163,7 +163,7 @@ async def test_a_load_that_runs_out_of_memory_is_tried_at_the_next_smaller_bucke
     async with scheduler(factory) as sched:
         async with sched.acquire(spec("a"), RunnerOptions(num_ctx=16384), floor=4096) as lease:
             assert lease.options.num_ctx == 8192
-            assert lease.shrunk == (16384, 16384, "llama.cpp ran out of memory loading it")
+            assert lease.shrunk == Shrunk(16384, 16384, "llama.cpp ran out of memory loading it")
         assert factory.sizes == [16384, 8192]
         stats = sched.statistics()
         assert stats.load_failures == 1 and stats.loads == 2
@@ -270,3 +270,51 @@ async def test_the_smaller_size_never_evicts_a_model_that_the_larger_could_not_h
             assert lease.options.num_ctx == 16384
         assert factory.sizes == [4096, 16384]
         assert ("evict", "b") in factory.record
+
+
+@asynccontextmanager
+async def with_system_memory(factory: FakeFactory, gpu: float) -> AsyncIterator[Scheduler]:
+    """Like :func:`scheduler`, with 64 GiB of system memory: what does not fit the GPU spills there."""
+    devices = DeviceSource(
+        (Device("cuda:0", "cuda", 0, int(gpu * GiB), int(gpu * GiB)),), "declared", accounting_only=True,
+        fixed_system=Device("cpu", "cpu", 0, 64 * GiB, 64 * GiB),
+    )  # fmt: skip
+    sched = Scheduler(devices=devices, factory=factory, estimator=estimate, place=simple_place, record=factory.record)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sched.run)
+        yield sched
+        nursery.cancel_scope.cancel()
+    assert factory.live == [], "a runner outlived the scheduler"
+
+
+async def test_a_size_that_would_spill_to_system_memory_is_made_smaller_and_grows_back_on_the_exact_count(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """32,768 cells (9 GiB) would run in system memory; 16,384 (5 GiB) stays on the 6 GiB GPU."""
+    factory = OomFactory(limit=10**9)
+    async with with_system_memory(factory, gpu=6) as sched:
+        async with sched.acquire(spec("a"), RunnerOptions(num_ctx=32768), floor=4096) as lease:
+            assert lease.options.num_ctx == 16384
+            assert lease.shrunk is not None and lease.shrunk.fits_larger
+            assert lease.shrunk.why == "2 of 2 layers would be in system memory"
+            assert factory.sizes == [16384]
+            # counted, it needs more than 16,384: it grows to the bucket of its count, spilling
+            await lease.regrow(32768)
+            assert lease.options.num_ctx == 32768 and lease.shrunk is None
+            assert factory.runner("a").placement.n_gpu_layers == 0  # in system memory, as it must
+        assert factory.sizes == [16384, 32768]
+        assert sched.statistics().leased == 0
+
+
+async def test_no_smaller_size_is_tried_when_the_smallest_would_spill_too_or_the_size_was_set(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    factory = OomFactory(limit=10**9)
+    async with with_system_memory(factory, gpu=1.5) as sched:  # not even 4,096 (2 GiB) fits the GPU
+        async with sched.acquire(spec("a"), RunnerOptions(num_ctx=32768), floor=4096) as lease:
+            assert lease.options.num_ctx == 32768 and lease.shrunk is None
+    factory = OomFactory(limit=10**9)
+    async with with_system_memory(factory, gpu=6) as sched:
+        async with sched.acquire(spec("a"), RunnerOptions(num_ctx=32768)) as lease:  # num_ctx set: as set
+            assert lease.options.num_ctx == 32768 and lease.shrunk is None
+        assert factory.sizes == [32768] and ("smaller context", "a") not in factory.record

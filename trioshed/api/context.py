@@ -24,7 +24,7 @@ import json
 from dataclasses import replace
 from typing import Any, NamedTuple
 
-from trioshed.api.preamble import Prepared
+from trioshed.api.preamble import Prepared, output_budget
 from trioshed.api.upstream import post_upstream
 from trioshed.core.context import FLOOR, PER_MESSAGE, bucket, slot_context
 from trioshed.core.model import RunnerOptions
@@ -79,12 +79,15 @@ async def ensure_fits(lease: Lease, path: str, body: dict[str, Any] | bytes, nee
     if n is None or n < n_ctx:
         return
     shrunk = lease.shrunk
-    if shrunk is not None:
-        asked, tried, why = shrunk
-        if n < slot_context(replace(lease.options, num_ctx=asked)):
-            raise ContextOutOfMemory(lease.model.name, n, n_ctx, tried, why)
-        n_ctx = slot_context(replace(lease.options, num_ctx=asked))
-    raise ContextTooLong(n, n_ctx)
+    if shrunk is None:
+        raise ContextTooLong(n, n_ctx)
+    asked = slot_context(replace(lease.options, num_ctx=shrunk.asked))
+    if n >= asked:
+        raise ContextTooLong(n, asked)
+    if not shrunk.fits_larger:  # every size up to the one asked was just found not to fit
+        raise ContextOutOfMemory(lease.model.name, n, n_ctx, shrunk.tried, shrunk.why)
+    output = output_budget(body) if isinstance(body, dict) else 0
+    await lease.regrow(min(shrunk.asked, bucket(n + max(PER_MESSAGE, output))))
 
 
 def _has_media(messages: Any) -> bool:

@@ -28,7 +28,7 @@ A ``num_ctx`` set by the user is never lowered: it loads as set, or fails.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from trioshed.core.model import RunnerOptions
 
@@ -71,6 +71,18 @@ def automatic_context(need: int, trained: int, cap: int = 0) -> int:
     if cap > 0:
         limit = min(limit, max(cap, 4))
     return max(4, min(size, limit))
+
+
+@dataclass(frozen=True)
+class Shrunk:
+    """Where an automatic context was made smaller than the request asked."""
+
+    asked: int  # the num_ctx the request asked for
+    tried: int  # the last num_ctx that was not taken
+    why: str  # why not, in a few words (the memory it needed, or llama.cpp's failure)
+    #: whether that size would fit, only with layers in system memory: a request the smaller
+    #: runner does not hold may still grow to it (else every size between was found not to fit)
+    fits_larger: bool = False
 
 
 def smaller_context(num_ctx: int, floor: int) -> int | None:

@@ -48,11 +48,13 @@ from trioshed.core.model import (
     Placement,
     RunnerOptions,
 )
+from trioshed.core.placement import gpu_layer_count
 from trioshed.errors import (
     InsufficientMemory,
     LoadCooldown,
     PinnedModelsInTheWay,
     RemoteUnavailable,
+    SpillsToSystemMemory,
     TrioshedError,
 )
 
@@ -101,6 +103,10 @@ class RequestView:
     tenant: str = ""  # the API key's name: slots are shared between tenants by weight
     share: float = 0.0  # its start tag in the weighted fair order (FairShare.arrive)
     arrived: float = 0.0  # when it reached the scheduler (priority ages after max_extra_wait)
+    #: its estimate at the smallest automatic context it may be made (None: it may not be made
+    #: smaller): a size that would spill layers to system memory, where that one would not, fails
+    #: with SpillsToSystemMemory for the scheduler to try a smaller one
+    floor_estimate: MemoryEstimate | None = None
 
     @functools.cached_property
     def key(self) -> tuple[object, ...]:
@@ -639,6 +645,13 @@ def _plan_one(
             error = RemoteUnavailable(req.model.name, tuple(d.name or d.endpoint for d in machine.remote_down))
         actions.append(Fail(req.id, error))
         return "failed"
+    if req.floor_estimate is not None and capacity.n_gpu_layers < gpu_layer_count(req.estimate):
+        at_floor = sim.capacity(place, replace(req, floor_estimate=None, estimate=req.floor_estimate), system_capacity)
+        if isinstance(at_floor, Placement) and at_floor.n_gpu_layers > capacity.n_gpu_layers:
+            actions.append(Fail(req.id, SpillsToSystemMemory(
+                req.model.name, req.options.num_ctx, capacity.n_gpu_layers, gpu_layer_count(req.estimate)
+            )))  # fmt: skip
+            return "failed"
     if same_model:
         # An incompatible runner of this model (other options, adapters, a larger context):
         # reload it once its leases end. One runner per model file at a time, as in the

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
 
+from trioshed.core.context import Shrunk
 from trioshed.core.model import ModelSpec, RunnerOptions
 from trioshed.errors import RunnerCrashed
 from trioshed.scheduler.runner import Runner
@@ -27,6 +28,7 @@ class LeaseOwner(Protocol):
     def _release(self, runner: Runner, tenant: str | None = None) -> None: ...
     def evict_after_leases(self, runner: Runner, reason: str) -> None: ...
     async def _wait_again(self, request: Any) -> tuple[Any, Runner]: ...
+    async def _wait_resized(self, request: Any, num_ctx: int) -> tuple[Any, Runner]: ...
 
 
 class Lease:
@@ -51,9 +53,9 @@ class Lease:
         return self._runner.options
 
     @property
-    def shrunk(self) -> tuple[int, int, str] | None:
-        """Where the request's automatic context was made smaller to fit the memory: the
-        ``num_ctx`` it asked for, the last that did not fit, and why (None: it got what it asked)."""
+    def shrunk(self) -> Shrunk | None:
+        """Where the request's automatic context was made smaller to fit the memory, and why
+        (None: it got the size it asked for)."""
         return getattr(self._request, "shrunk", None)
 
     @property
@@ -110,6 +112,23 @@ class Lease:
         self._scheduler._release(self._runner, self._tenant)
         try:
             self._request, self._runner = await self._scheduler._wait_again(self._request)
+        except BaseException:
+            self.released = True  # its slot went back above; nothing is held now
+            raise
+        self.load_duration += self._request.load_duration
+
+    async def regrow(self, num_ctx: int) -> None:
+        """The runner's context was made smaller than the request asked (:attr:`shrunk`) and
+        does not hold it: give its slot back and wait for a runner at ``num_ctx`` (the bucket
+        of its exact count), as any request would; the lease then stands for that one. Before
+        any of the answer was asked for. Raises what waiting for a runner raises (a 507 where
+        that size does not fit). Cancellation: while waiting, the request leaves the queue; the
+        lease is then released."""
+        if self.released or self._request is None:
+            raise RuntimeError("regrow of a lease that holds no request")
+        self._scheduler._release(self._runner, self._tenant)
+        try:
+            self._request, self._runner = await self._scheduler._wait_resized(self._request, num_ctx)
         except BaseException:
             self.released = True  # its slot went back above; nothing is held now
             raise

@@ -22,7 +22,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Callable
-from contextlib import aclosing, asynccontextmanager
+from contextlib import aclosing, asynccontextmanager, suppress
 from dataclasses import dataclass, field, replace
 from typing import NoReturn
 
@@ -30,7 +30,7 @@ import trio
 from trio_util import RepeatedEvent
 
 from trioshed.core import sched
-from trioshed.core.context import out_of_memory, smaller_context
+from trioshed.core.context import Shrunk, out_of_memory, smaller_context
 from trioshed.core.model import MemoryEstimate, ModelSpec, Placement, RunnerOptions
 from trioshed.core.sched import Dispatch, Evict, Fail, Load, Machine, RunnerState
 from trioshed.devices import DeviceSource
@@ -41,6 +41,7 @@ from trioshed.errors import (
     LoadOutOfMemory,
     QueueFull,
     ShuttingDown,
+    SpillsToSystemMemory,
     TooManyRequests,
     TrioshedError,
 )
@@ -112,14 +113,15 @@ class _Request:
     queued_at: float = 0.0  # Trio's clock: when it reached the scheduler (priority ages from it)
     retries: int = 0  # how many times it was queued again (its runner died or failed its ping)
     floor: int = 0  # the smallest automatic num_ctx it may be loaded at (0: num_ctx set, never lowered)
-    #: the num_ctx it asked for, the last that did not fit, and why (None: its own num_ctx did)
-    shrunk: tuple[int, int, str] | None = None
+    floor_estimate: MemoryEstimate | None = None  # its estimate at that size
+    shrunk: Shrunk | None = None  # where its automatic context was made smaller, and why
 
     @functools.cached_property
     def view(self) -> sched.RequestView:
         return sched.RequestView(
             self.id, self.model, self.options, self.estimate, priority=self.model.priority,
             held_since=self.held_since, tenant=self.key.name, share=self.share, arrived=self.queued_at,
+            floor_estimate=self.floor_estimate if self.options.num_ctx > self.floor else None,
         )  # fmt: skip
 
     @property
@@ -132,7 +134,7 @@ class _Request:
         return _Request(
             self.id, self.model, self.options, self.keep_alive, self.estimate, arrived=self.arrived,
             held_since=self.held_since, key=self.key, share=self.share, queued_at=self.queued_at,
-            retries=self.retries + 1, floor=self.floor, shrunk=self.shrunk,
+            retries=self.retries + 1, floor=self.floor, floor_estimate=self.floor_estimate, shrunk=self.shrunk,
         )  # fmt: skip
 
     def held(self, now: float) -> None:
@@ -247,7 +249,7 @@ class Scheduler(RunnerLifetimes):
         The lease can run the request again on a new runner if this one dies before it answers
         (:meth:`Lease.rerun`)."""
         req = self._admit(model, options, keep_alive)
-        req.floor = min(floor, options.num_ctx)
+        self._set_floor(req, floor)
         req, runner = await self._pinged(req)
         return Lease(self, runner, req.load_duration, req.key.name, req)
 
@@ -672,7 +674,9 @@ class Scheduler(RunnerLifetimes):
                 case Evict(runner=runner_id, reason=reason):
                     self._evict(self._runners[runner_id], reason)
                 case Fail(request=rid, error=error):
-                    if isinstance(error, InsufficientMemory) and self._shrink(requests[rid], _memory(error)):
+                    if isinstance(error, InsufficientMemory) and self._shrink(
+                        requests[rid], _memory(error), fits_larger=isinstance(error, SpillsToSystemMemory)
+                    ):
                         continue
                     self._note("failed", requests[rid].model)
                     self.events.refused(requests[rid].model.name, error)
@@ -741,13 +745,37 @@ class Scheduler(RunnerLifetimes):
         self._nursery.start_soon(self._runner_life, runner, name=f"runner {req.model.name}")
         return runner
 
-    def _shrink(self, req: _Request, why: str) -> bool:
+    def _set_floor(self, req: _Request, floor: int) -> None:
+        """``req`` may be made as small as ``floor`` (0: not at all): its estimate there, for the
+        planner to see whether a smaller size keeps its layers on the GPUs."""
+        req.floor = min(floor, req.options.num_ctx)
+        req.floor_estimate = None
+        if 0 < req.floor < req.options.num_ctx:
+            with suppress(OSError, ValueError):  # read at admission already: cached
+                req.floor_estimate = self._estimator(req.model, _sized(req.options, req.floor))
+        req.__dict__.pop("view", None)  # the cached view carries it
+
+    async def _wait_resized(self, req: _Request, num_ctx: int) -> tuple[_Request, Runner]:
+        """``req`` was served by a runner made smaller than it asked (``Lease.regrow``): wait for
+        one at ``num_ctx``, the bucket of its exact count, never smaller."""
+        again = req.again()
+        again.options = _sized(req.options, num_ctx)
+        try:
+            again.estimate = self._estimator(again.model, again.options)
+        except (OSError, ValueError) as exc:
+            raise unreadable(again.model.name, again.model.path, exc) from None
+        again.shrunk = None
+        self._set_floor(again, num_ctx)
+        return await self._pinged(again)
+
+    def _shrink(self, req: _Request, why: str, *, fits_larger: bool = False) -> bool:
         """Place ``req`` once more at the next smaller automatic context, when its floor allows
-        (its load did not fit, or ran out of memory: ``why``); whether it was."""
+        (its load did not fit, ran out of memory, or would spill layers to system memory where
+        a smaller one would not, ``fits_larger``: ``why``); whether it was."""
         num_ctx = smaller_context(req.options.num_ctx, req.floor)
         if num_ctx is None:
             return False
-        options = replace(req.options, num_ctx=num_ctx, num_batch=min(req.options.num_batch, num_ctx))
+        options = _sized(req.options, num_ctx)
         try:
             estimate = self._estimator(req.model, options)
         except (OSError, ValueError):
@@ -755,7 +783,7 @@ class Scheduler(RunnerLifetimes):
         log.info(
             "%s at context %d does not fit (%s); trying context %d", req.model.name, req.options.num_ctx, why, num_ctx
         )
-        req.shrunk = (req.shrunk[0] if req.shrunk else req.options.num_ctx, req.options.num_ctx, why)
+        req.shrunk = Shrunk(req.shrunk.asked if req.shrunk else req.options.num_ctx, req.options.num_ctx, why, fits_larger)
         req.options, req.estimate, req.room_wait = options, estimate, ""
         req.__dict__.pop("view", None)  # the cached view carries the options
         if self.record is not None:
@@ -799,8 +827,14 @@ class Scheduler(RunnerLifetimes):
                 self._finish(req, error=error)
 
 
+def _sized(options: RunnerOptions, num_ctx: int) -> RunnerOptions:
+    return replace(options, num_ctx=num_ctx, num_batch=min(options.num_batch, num_ctx))
+
+
 def _memory(error: InsufficientMemory) -> str:
     """The memory an InsufficientMemory names, in a few words (a smaller context's log and 507)."""
+    if isinstance(error, SpillsToSystemMemory):
+        return error.reason
     if error.needed and error.available:
         return f"an estimated {_gib(error.needed)} needed, {_gib(error.available)} available"
     return error.message
