@@ -191,3 +191,40 @@ async def test_nothing_fits_is_a_507_in_each_protocols_shape(store: Path) -> Non
             assert "at a context of 4,096 tokens" in ae.value.body["error"]["message"]
             assert "llama-server" not in ae.value.body["error"]["message"]
             assert not [m for m in (await http.get("/api/ps")).json()["models"] if m["name"] == "wide:latest"]
+
+
+async def test_a_bound_that_would_spill_to_system_memory_loads_smaller_and_grows_to_the_exact_count(
+    store: Path,
+) -> None:
+    """Without num_gpu, what does not fit the GPU is split with system memory: the bound's 8,192
+    would put layers there, 4,096 keeps them all on the GPU. A request that 4,096 holds is
+    served there; one it does not is grown to the bucket of its exact count, split as it must."""
+    gpu = await gpu_between(store)
+    (store / "models.toml").unlink()
+    with trio.fail_after(240):
+        record: list[tuple[str, str]] = []
+        async with open_test_server(store, devices=(gpu,), cache_ram=0, record=record) as server, httpx.AsyncClient(
+            base_url=server.base_url, timeout=60
+        ) as http:
+
+            async def loaded() -> list[tuple[int, bool]]:
+                models = (await http.get("/api/ps")).json()["models"]
+                return [(m["context_length"], m["runner"]["n_gpu_layers"] == 3) for m in models]  # 2 layers + output
+
+            answer = await http.post("/api/generate", json={"model": "t", **FITS})
+            assert answer.status_code == 200, answer.text
+            assert await loaded() == [(4096, True)]  # every layer on the GPU
+            assert ("smaller context", "t") in record
+            await http.post("/api/generate", json={"model": "t", "keep_alive": 0})
+            assert await loaded() == []
+
+            # Not loaded, 6,000 tokens: loaded at 4,096, counted there, grown to 8,192 (split).
+            oa = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+            record.clear()
+            stream = await in_thread(oa.completions.create, model="t", prompt=TOO_LONG, max_tokens=4, stream=True)
+            chunks = await in_thread(list, stream)
+            assert chunks and chunks[-1].choices[0].finish_reason == "length"
+            assert await loaded() == [(8192, False)]
+            assert [e for e in record if e[0] in ("load", "smaller context")] == [
+                ("smaller context", "t"), ("load", "t"), ("load", "t"),
+            ]  # fmt: skip
