@@ -12,10 +12,12 @@ its own words ("llama-server answered…") never reach a client
 (:func:`trioshed.api.protocols.errors.context_error`).
 
 Where the automatic context was made smaller to fit the memory (the scheduler's ``floor``, its
-lease's ``shrunk``), the same count decides: a prompt the smaller runner holds is served, one it
-does not is a 507 (:class:`~trioshed.errors.ContextOutOfMemory`) naming its tokens and the memory,
-since every size between was just found not to fit; one longer than the size asked for (the
-model's trained context) is the 400 as before.
+lease's ``shrunk``), the same count decides: a prompt the smaller runner holds is served; one it
+does not grows the runner to the bucket of its count (``Lease.regrow``) where the larger size
+would only have split the model with system memory, and is a 507
+(:class:`~trioshed.errors.ContextOutOfMemory`) naming its tokens and the memory where every size
+between was just found not to fit; one longer than the size asked for (the model's trained
+context) is the 400 as before.
 """
 
 from __future__ import annotations
