@@ -318,3 +318,29 @@ async def test_no_smaller_size_is_tried_when_the_smallest_would_spill_too_or_the
         async with sched.acquire(spec("a"), RunnerOptions(num_ctx=32768)) as lease:  # num_ctx set: as set
             assert lease.options.num_ctx == 32768 and lease.shrunk is None
         assert factory.sizes == [32768] and ("smaller context", "a") not in factory.record
+
+
+async def test_a_spill_with_no_smaller_estimate_after_all_loads_split_rather_than_fail(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The smaller size's estimate cannot be read (the header changed under it): the request is
+    loaded at its own size, split with system memory, never refused for a split it could run."""
+
+    def flaky(model: ModelSpec, options: RunnerOptions) -> MemoryEstimate:
+        if options.num_ctx == 16384:
+            raise ValueError("header changed")
+        return estimate(model, options)
+
+    factory = OomFactory(limit=10**9)
+    devices = DeviceSource(
+        (Device("cuda:0", "cuda", 0, 6 * GiB, 6 * GiB),), "declared", accounting_only=True,
+        fixed_system=Device("cpu", "cpu", 0, 64 * GiB, 64 * GiB),
+    )  # fmt: skip
+    sched = Scheduler(devices=devices, factory=factory, estimator=flaky, place=simple_place, record=factory.record)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sched.run)
+        async with sched.acquire(spec("a"), RunnerOptions(num_ctx=32768), floor=4096) as lease:
+            assert lease.options.num_ctx == 32768 and lease.shrunk is None
+        assert factory.sizes == [32768]
+        nursery.cancel_scope.cancel()
+    assert factory.live == []

@@ -678,6 +678,11 @@ class Scheduler(RunnerLifetimes):
                         requests[rid], _memory(error), fits_larger=isinstance(error, SpillsToSystemMemory)
                     ):
                         continue
+                    if isinstance(error, SpillsToSystemMemory):  # no smaller size after all: load it split
+                        requests[rid].floor_estimate = None
+                        requests[rid].__dict__.pop("view", None)
+                        self._wake()
+                        continue
                     self._note("failed", requests[rid].model)
                     self.events.refused(requests[rid].model.name, error)
                     self._finish(requests[rid], error=error)
