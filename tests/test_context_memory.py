@@ -256,20 +256,40 @@ async def test_a_smaller_request_that_joined_an_out_of_memory_load_is_loaded_at_
         assert sched.statistics().load_failures == 2
 
 
-async def test_the_smaller_size_never_evicts_a_model_that_the_larger_could_not_have_kept_either(
+async def test_a_smaller_size_that_fits_beside_the_loaded_models_is_tried_before_evicting_them(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    """"b" (3 GiB + 1 GiB at 4,096) is loaded. "a" asks 32,768 (9 GiB): it cannot fit even alone,
-    so it is made smaller to the largest bucket that fits the GPU alone, 16,384 (5 GiB), which
-    evicts "b" as any 5 GiB model would; the larger size was never loaded."""
+    """"b" (3 GiB + 1 GiB at 4,096) is loaded on the 6 GiB GPU. "a" asks 32,768 (9 GiB): it
+    cannot fit even alone; 16,384 (5 GiB) fits only by evicting "b", and 8,192 (3 GiB) too, but
+    4,096 (2 GiB) fits beside it: loaded there, "b" kept. Counted and found to need more, the
+    request grows to the bucket of its count, which evicts "b" as any 5 GiB model would."""
     factory = OomFactory(limit=10**9)
     async with scheduler(factory) as sched:
         async with sched.acquire(spec("b"), RunnerOptions(num_ctx=4096)):
             pass
         async with sched.acquire(spec("a"), RunnerOptions(num_ctx=32768), floor=4096) as lease:
+            assert lease.options.num_ctx == 4096
+            assert lease.shrunk is not None and lease.shrunk.fits_larger
+            assert (lease.shrunk.asked, lease.shrunk.tried) == (32768, 8192)
+            assert lease.shrunk.why == "would not fit beside the models loaded now"
+            assert ("evict", "b") not in factory.record and sched.statistics().loaded == 2
+            await lease.regrow(16384)
             assert lease.options.num_ctx == 16384
-        assert factory.sizes == [4096, 16384]
+        assert factory.sizes == [4096, 4096, 16384]
         assert ("evict", "b") in factory.record
+
+
+async def test_with_nothing_in_the_way_the_largest_size_that_fits_is_loaded_evicting_nothing(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """"b" at 4,096 (4 GiB) on a 12 GiB GPU: "a" at 16,384 (5 GiB) fits beside it as asked."""
+    factory = OomFactory(limit=10**9)
+    async with scheduler(factory, gpu=12) as sched:
+        async with sched.acquire(spec("b"), RunnerOptions(num_ctx=4096)):
+            pass
+        async with sched.acquire(spec("a"), RunnerOptions(num_ctx=16384), floor=4096) as lease:
+            assert lease.options.num_ctx == 16384 and lease.shrunk is None
+        assert ("evict", "b") not in factory.record and ("smaller context", "a") not in factory.record
 
 
 @asynccontextmanager
@@ -296,7 +316,7 @@ async def test_a_size_that_would_spill_to_system_memory_is_made_smaller_and_grow
         async with sched.acquire(spec("a"), RunnerOptions(num_ctx=32768), floor=4096) as lease:
             assert lease.options.num_ctx == 16384
             assert lease.shrunk is not None and lease.shrunk.fits_larger
-            assert lease.shrunk.why == "2 of 2 layers would be in system memory"
+            assert lease.shrunk.why == "would put 2 of 2 layers in system memory"
             assert factory.sizes == [16384]
             # counted, it needs more than 16,384: it grows to the bucket of its count, spilling
             await lease.regrow(32768)

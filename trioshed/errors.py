@@ -19,7 +19,7 @@
     ├── InsufficientMemory (507)         the model cannot fit even with every other model unloaded
     │   ├── PinnedModelsInTheWay         it would fit only by evicting models pinned in models.toml
     │   ├── ContextOutOfMemory           the request needs a larger context than fits in memory
-    │   ├── SpillsToSystemMemory         (the planner's) an automatic context that a smaller one keeps on the GPUs
+    │   ├── SmallerContextPreferred      (the planner's) a smaller automatic context would not split or evict
     │   └── LoadOutOfMemory              llama.cpp ran out of memory loading the smallest context allowed
     ├── RemoteUnavailable (503)          the model fits only with an RPC server that is down
     ├── DraftUnusable (500)              models.toml's draft model is missing, unreadable, or its
@@ -215,20 +215,17 @@ class ContextOutOfMemory(InsufficientMemory):
         self.fits = fits
 
 
-class SpillsToSystemMemory(InsufficientMemory):
+class SmallerContextPreferred(InsufficientMemory):
     """The planner's word to the scheduler: an automatic context that would put layers in system
-    memory where a smaller one would keep them all on the GPUs. The scheduler tries the smaller
-    one; a client sees it only if that cannot be done."""
+    memory, or evict other models, where a smaller one would not (``reason``). The scheduler
+    tries the smaller one; no client sees it (where it cannot, the request is planned at its own
+    size)."""
 
-    def __init__(self, model: str, num_ctx: int, gpu_layers: int, layers: int) -> None:
-        TrioshedError.__init__(
-            self,
-            f"model '{model}' at a context of {num_ctx:,} tokens would put {layers - gpu_layers} of its {layers} "
-            "layers in system memory",
-        )
+    def __init__(self, model: str, num_ctx: int, reason: str) -> None:
+        TrioshedError.__init__(self, f"model '{model}' at a context of {num_ctx:,} tokens {reason}")
         self.needed = 0
         self.available = 0
-        self.reason = f"{layers - gpu_layers} of {layers} layers would be in system memory"
+        self.reason = reason
 
 
 class LoadOutOfMemory(InsufficientMemory):

@@ -54,7 +54,7 @@ from trioshed.errors import (
     LoadCooldown,
     PinnedModelsInTheWay,
     RemoteUnavailable,
-    SpillsToSystemMemory,
+    SmallerContextPreferred,
     TrioshedError,
 )
 
@@ -104,8 +104,8 @@ class RequestView:
     share: float = 0.0  # its start tag in the weighted fair order (FairShare.arrive)
     arrived: float = 0.0  # when it reached the scheduler (priority ages after max_extra_wait)
     #: its estimate at the smallest automatic context it may be made (None: it may not be made
-    #: smaller): a size that would spill layers to system memory, where that one would not, fails
-    #: with SpillsToSystemMemory for the scheduler to try a smaller one
+    #: smaller): a size that would spill layers to system memory, or evict other models, where
+    #: that one would not, fails with SmallerContextPreferred for the scheduler to try a smaller one
     floor_estimate: MemoryEstimate | None = None
 
     @functools.cached_property
@@ -648,9 +648,9 @@ def _plan_one(
     if req.floor_estimate is not None and capacity.n_gpu_layers < gpu_layer_count(req.estimate):
         at_floor = sim.capacity(place, replace(req, floor_estimate=None, estimate=req.floor_estimate), system_capacity)
         if isinstance(at_floor, Placement) and at_floor.n_gpu_layers > capacity.n_gpu_layers:
-            actions.append(Fail(req.id, SpillsToSystemMemory(
-                req.model.name, req.options.num_ctx, capacity.n_gpu_layers, gpu_layer_count(req.estimate)
-            )))  # fmt: skip
+            layers = gpu_layer_count(req.estimate)
+            reason = f"would put {layers - capacity.n_gpu_layers} of {layers} layers in system memory"
+            actions.append(Fail(req.id, SmallerContextPreferred(req.model.name, req.options.num_ctx, reason)))
             return "failed"
     if same_model:
         # An incompatible runner of this model (other options, adapters, a larger context):
@@ -721,6 +721,16 @@ def _plan_one(
     fit_now = loaded_now()
     if fit_now is None:
         return "loading"
+    if req.floor_estimate is not None and sim.count(projected=False) < machine.max_loaded:
+        # Not now, at its own size: where its smallest size fits beside the runners loaded now
+        # (no eviction, no fewer GPU layers than that size gets alone), try the smaller sizes first.
+        smaller = replace(req, floor_estimate=None, estimate=req.floor_estimate)
+        alone = sim.capacity(place, smaller, system_capacity)
+        beside = sim.place(place, smaller, projected=False)
+        if isinstance(alone, Placement) and isinstance(beside, Placement) and beside.n_gpu_layers >= alone.n_gpu_layers:
+            reason = "would not fit beside the models loaded now"
+            actions.append(Fail(req.id, SmallerContextPreferred(req.model.name, req.options.num_ctx, reason)))
+            return "failed"
     # Not now: make room. Victims in order (idle first, shortest keep-alive, least recently
     # used) until the request fits once they are gone; then drop any victim not needed.
     fit = sim.fits_after(place, req, chosen, best_layers)

@@ -41,7 +41,7 @@ from trioshed.errors import (
     LoadOutOfMemory,
     QueueFull,
     ShuttingDown,
-    SpillsToSystemMemory,
+    SmallerContextPreferred,
     TooManyRequests,
     TrioshedError,
 )
@@ -675,10 +675,10 @@ class Scheduler(RunnerLifetimes):
                     self._evict(self._runners[runner_id], reason)
                 case Fail(request=rid, error=error):
                     if isinstance(error, InsufficientMemory) and self._shrink(
-                        requests[rid], _memory(error), fits_larger=isinstance(error, SpillsToSystemMemory)
+                        requests[rid], _memory(error), fits_larger=isinstance(error, SmallerContextPreferred)
                     ):
                         continue
-                    if isinstance(error, SpillsToSystemMemory):  # no smaller size after all: load it split
+                    if isinstance(error, SmallerContextPreferred):  # no smaller size after all: load it split
                         requests[rid].floor_estimate = None
                         requests[rid].__dict__.pop("view", None)
                         self._wake()
@@ -838,7 +838,7 @@ def _sized(options: RunnerOptions, num_ctx: int) -> RunnerOptions:
 
 def _memory(error: InsufficientMemory) -> str:
     """The memory an InsufficientMemory names, in a few words (a smaller context's log and 507)."""
-    if isinstance(error, SpillsToSystemMemory):
+    if isinstance(error, SmallerContextPreferred):
         return error.reason
     if error.needed and error.available:
         return f"an estimated {_gib(error.needed)} needed, {_gib(error.available)} available"
