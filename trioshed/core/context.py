@@ -18,13 +18,14 @@ reloads, small: at most ``log2(trained / FLOOR) + 1`` sizes per model.
 **When it does not fit.** The bound is only a bound (it counts every byte as a token; a real
 tokenizer makes three to four times fewer). Where the bound's bucket does not fit the memory the
 placement can give (the planner's 507), would put layers in system memory where a smaller one
-keeps them all on the GPUs, or llama.cpp runs out of memory loading it (its own words: ``failed
-to allocate``, ``vk::OutOfDeviceMemoryError``, ``out of memory``), the load is tried at the next
-smaller bucket (:func:`smaller_context`), and so on down to :data:`FLOOR`, or to the bucket of
-the request's exact count where a runner has counted it. The request is then counted exactly
-with that runner (:class:`Shrunk` says why it is smaller): a prompt it holds is served; one it
-does not grows the runner to the bucket of its count where the larger size only spilled, and
-gets a 507 naming the tokens and the memory where every size between was found not to fit.
+keeps them all on the GPUs, would evict loaded models where the smallest fits beside them, or
+llama.cpp runs out of memory loading it (its own words: ``failed to allocate``,
+``vk::OutOfDeviceMemoryError``, ``out of memory``), the load is tried at the next smaller bucket
+(:func:`smaller_context`), and so on down to :data:`FLOOR`, or to the bucket of the request's
+exact count where a runner has counted it. The request is then counted exactly with that runner
+(:class:`Shrunk` says why it is smaller): a prompt it holds is served; one it does not grows the
+runner to the bucket of its count where the larger size only spilled or evicted, and gets a 507
+naming the tokens and the memory where every size between was found not to fit.
 A ``num_ctx`` set by the user is never lowered: it loads as set, or fails.
 """
 
