@@ -228,3 +228,43 @@ async def test_a_bound_that_would_spill_to_system_memory_loads_smaller_and_grows
             assert [e for e in record if e[0] in ("load", "smaller context")] == [
                 ("smaller context", "t"), ("load", "t"), ("load", "t"),
             ]  # fmt: skip
+
+
+async def test_a_smaller_context_that_fits_beside_a_loaded_model_is_taken_before_evicting_it(store: Path) -> None:
+    """A GPU for two runners at 4,096, or one at 8,192: "t"'s bound asks 8,192 while "short" is
+    loaded; 4,096 fits beside it and holds the request, so nothing is evicted."""
+    (store / "models.toml").unlink()
+    async with open_test_server(store, cache_ram=0) as probe:
+        spec = ModelStore(store).resolve("t")
+        big = Device("cuda:0", "cuda", 0, 1 << 40, 1 << 40)
+        sizes = []
+        for need in (4096, 8192):
+            options = probe.state.runner_options(spec, {}, need=need)
+            placed = place(estimate_model(spec, options), [big], system_free=1 << 40)
+            sizes.append(placed.vram_total)  # type: ignore[union-attr]
+    small, large = sizes
+    assert large < 2 * small + small // 2 < small + large, (small, large)
+    total = 2 * small + small // 2
+    gpu = Device("cuda:0", "cuda", 0, total, total)
+    with trio.fail_after(240):
+        record: list[tuple[str, str]] = []
+        async with open_test_server(store, devices=(gpu,), cache_ram=0, record=record) as server, httpx.AsyncClient(
+            base_url=server.base_url, timeout=60
+        ) as http:
+
+            async def loaded() -> set[tuple[str, int]]:
+                return {(m["name"], m["context_length"]) for m in (await http.get("/api/ps")).json()["models"]}
+
+            first = await http.post("/api/generate", json={"model": "short", "prompt": "hi", "options": {"num_predict": 2}, "stream": False})
+            assert first.status_code == 200
+            answer = await http.post("/api/generate", json={"model": "t", **FITS})
+            assert answer.status_code == 200, answer.text
+            assert await loaded() == {("short:latest", 4096), ("t:latest", 4096)}
+            assert ("evict", "short") not in record and ("smaller context", "t") in record
+
+            # one that 4,096 does not hold: counted on the loaded runner, grown, evicting as it must
+            longer = await http.post("/api/generate", json={"model": "t", "prompt": TOO_LONG, "raw": True,
+                                                             "stream": False, "options": {"num_predict": 4}})  # fmt: skip
+            assert longer.status_code == 200, longer.text
+            assert await loaded() == {("t:latest", 8192)}
+            assert ("evict", "short") in record
