@@ -40,6 +40,8 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+import sys
+from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -111,7 +113,7 @@ class SavedSlot:
 
     name: str
     key_id: str
-    tokens: tuple[int, ...]
+    tokens: Sequence[int]  # an array('i'): 4 bytes a token held in memory, not a tuple's 36
     size: int
     checksum: int  # zlib.crc32 of the whole file
     saved_at: float
@@ -126,9 +128,10 @@ class Match:
     reused: int
 
 
-def slot_file_tokens(head: bytes) -> tuple[int, ...]:
+def slot_file_tokens(head: bytes) -> array[int]:
     """The tokens at the start of a slot file (``magic, version, n_tokens, tokens[n]``, little
-    endian ``u32``/``i32``). Raises ValueError when ``head`` is not such a file or is cut short."""
+    endian ``u32``/``i32``), as an ``array('i')``: the store holds every saved file's tokens in
+    memory. Raises ValueError when ``head`` is not such a file or is cut short."""
     if len(head) < 12:
         raise ValueError("not a slot file: shorter than its header")
     magic, version, n = struct.unpack_from("<III", head)
@@ -138,7 +141,10 @@ def slot_file_tokens(head: bytes) -> tuple[int, ...]:
         raise ValueError(f"slot file version {version}, this build writes {SLOT_FILE_VERSION}")
     if len(head) < 12 + 4 * n:
         raise ValueError(f"slot file cut short: {n} tokens announced")
-    return struct.unpack_from(f"<{n}i", head, 12)
+    tokens = array("i", head[12 : 12 + 4 * n])
+    if sys.byteorder == "big":
+        tokens.byteswap()
+    return tokens
 
 
 def entry_name(key_id: str, tokens: Sequence[int]) -> str:

@@ -21,6 +21,7 @@ import secrets
 import threading
 import time
 import zlib
+from collections.abc import Sequence
 from pathlib import Path
 
 from trioshed.core.kvcache import (
@@ -59,7 +60,7 @@ def _crc_of(path: Path) -> int:
     return crc
 
 
-def _read_tokens(path: Path) -> tuple[int, ...]:
+def _read_tokens(path: Path) -> Sequence[int]:
     with open(path, "rb") as f:
         head = f.read(12)
         if len(head) == 12:
