@@ -62,6 +62,20 @@ def test_the_timeline_is_bounded_and_says_idle_once() -> None:
     assert len(timeline._ahead) <= 61
 
 
+def test_an_hour_of_a_steady_server_shares_what_did_not_change() -> None:
+    # The sampler builds new tuples (and new label strings) every second; a steady hour must
+    # cost the samples alone, not an hour of copies of the same memory and queue.
+    timeline = Timeline()
+    for second in range(100):
+        memory = [("cpu", "a" + PROMPT_CACHE, 8 * MiB + 1), ("cpu", "a", 300 * MiB + 1)]
+        timeline.record(second, {"a": 2}, memory if second < 60 else [*memory, ("gpu0", "b", 1)])
+    samples = timeline.after(0)
+    assert all(s.memory is samples[0].memory and s.waiting is samples[0].waiting for s in samples[:60])
+    assert samples[60].memory is not samples[59].memory and samples[60].memory[-1] == ("gpu0", "b", 1)
+    assert all(s.memory is samples[60].memory for s in samples[60:])
+    assert not hasattr(samples[0], "__dict__")  # slots: no per-sample dict
+
+
 def _runner(model: str, usage: tuple[tuple[str, int], ...], cache_mib: int) -> RunnerStats:
     return RunnerStats(
         id=1, model=model, path="/m.gguf", state="ready", leases=0, slots=1, waiting=0, evicting=False, pid=1,

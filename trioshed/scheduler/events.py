@@ -98,7 +98,7 @@ TIMELINE = 3600  # samples held: one a second, the last hour
 AHEAD = 120  # seconds not sampled yet whose tokens are held (a request reaching past the sampler)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Sample:
     """One second of the server, for the status page's pictures.
 
@@ -171,6 +171,15 @@ class Timeline:
             0, second, tuple(sorted(tokens.items())), tuple(sorted((m, n) for m, n in waiting.items() if n)),
             tuple(sorted(memory)),
         )
+        if self._samples:
+            # What is held rarely changes from one second to the next: an equal part is the
+            # previous sample's own object, so an hour of a steady server costs the samples alone.
+            before = self._samples[-1]
+            sample = replace(
+                sample,
+                waiting=before.waiting if sample.waiting == before.waiting else sample.waiting,
+                memory=before.memory if sample.memory == before.memory else sample.memory,
+            )
         if sample.idle and self._samples and self._samples[-1].idle:
             return  # idle stays idle: one sample says so
         self._samples.append(replace(sample, seq=self._bump()))
