@@ -57,6 +57,7 @@ from bench.procs import (
     open_trioshed,
     run_until_signalled,
 )
+from trioshed.api.protocols.openai_chat import transcript_completion_body
 
 FLAGS = RunnerFlags(threads=1, parallel=4, ctx_per_slot=4096)
 #: Speculation settings compared (llama-server b10068 flags).
@@ -65,6 +66,12 @@ ARMS: dict[str, list[str]] = {
     "ngram-simple": ["--spec-type", "ngram-simple"],
     "ngram-simple-n4": ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "4",
                         "--spec-ngram-simple-size-m", "16"],
+    "ngram-simple-n8": ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "8",
+                        "--spec-ngram-simple-size-m", "16"],
+    "ngram-simple-n12": ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "12",
+                         "--spec-ngram-simple-size-m", "16"],
+    "ngram-simple-n8-m8": ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "8",
+                           "--spec-ngram-simple-size-m", "8"],
     "ngram-map-k": ["--spec-type", "ngram-map-k"],
     "ngram-map-k4v": ["--spec-type", "ngram-map-k4v"],
     "ngram-mod": ["--spec-type", "ngram-mod"],
@@ -125,6 +132,7 @@ class Arm:
     server: Server
     model: str  # the ``model`` field of requests
     runner_pid: int = 0  # the llama-server process whose CPU time is counted
+    transcript: bool = False  # send trioshed's transcript to /v1/completions instead of the chat
     samples: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
     def runner(self) -> psutil.Process:
@@ -154,7 +162,7 @@ async def one_stream(http: httpx.AsyncClient, url: str, body: dict[str, Any], pi
                 continue
             event = json.loads(line[6:])
             for choice in event.get("choices") or ():
-                piece = (choice.get("delta") or {}).get("content")
+                piece = (choice.get("delta") or {}).get("content") or choice.get("text")
                 if piece:
                     now = time.perf_counter()
                     if not first:
@@ -180,6 +188,9 @@ async def one_stream(http: httpx.AsyncClient, url: str, body: dict[str, Any], pi
 async def run_workload(http: httpx.AsyncClient, arm: Arm, workload: str, tokens: int) -> dict[str, Any]:
     bodies = [{**b, "model": arm.model} for b in workload_bodies(workload, tokens)]
     url = arm.server.base_url + "/v1/chat/completions"
+    if arm.transcript:  # what trioshed sends for a model without a chat template (Gemma 3 270M)
+        bodies = [transcript_completion_body(b) for b in bodies]
+        url = arm.server.base_url + "/v1/completions"
     pid = arm.runner().pid
     cpu0, t0 = cpu_seconds(pid), time.perf_counter()
     results: list[dict[str, Any]] = [{} for _ in bodies]
@@ -229,10 +240,16 @@ def summarize(arms: Sequence[Arm], base: str = "plain") -> dict[str, dict[str, d
     for workload, rows in out.items():
         b = rows.get(base) or rows.get(_plain_of(base, by_name)) or {}
         for name, row in rows.items():
-            base_row = rows.get(_plain_of(name, by_name), b)
+            base_name = _plain_of(name, by_name)
+            base_row = rows.get(base_name, b)
+            base_samples = by_name[base_name].samples.get(workload, []) if base_name in by_name else []
             for key in ("tps", "tokens_per_cpu_s", "ttft"):
                 v, bv = row.get(key), base_row.get(key)
                 row[key + "_ratio"] = (v / bv) if v and bv else None
+                # per round, against the base arm's sample of the same round: the spread
+                paired = [s[key] / t[key] for s, t in zip(by_name[name].samples[workload], base_samples, strict=False)
+                          if s[key] and t[key]]  # fmt: skip
+                row[key + "_ratio_range"] = (min(paired), max(paired)) if paired else None
         out[workload] = rows
     return out
 
@@ -252,19 +269,25 @@ def markdown(table: dict[str, dict[str, dict[str, Any]]], meta: dict[str, Any]) 
              "tok/s: decode tokens per second (concurrent: aggregate over the batch); "
              "tok/CPU-s: tokens per CPU-second of the llama-server process (single streams: from the first "
              "token to the last; concurrent: the whole batch, prompts included); "
-             "accepted: accepted / drafted tokens.", "",
+             "accepted: accepted / drafted tokens; (lo-hi): the ratio's range over the rounds, each round "
+             "against the base arm's sample of the same round.", "",
              "| workload | arm | tok/s | ratio | tok/CPU-s | ratio | TTFT s | accepted |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
 
     def f(x: float | None, fmt: str) -> str:
         return "-" if x is None else format(x, fmt)
 
+    def spread(r: dict[str, Any], key: str) -> str:
+        lo_hi = r.get(key + "_ratio_range")
+        return f" ({lo_hi[0]:.2f}-{lo_hi[1]:.2f})" if lo_hi and r.get("n", 0) > 1 else ""
+
     for workload, rows in table.items():
         for name, r in rows.items():
             acc = f"{r['draft_accepted']}/{r['draft_n']}" if r["draft_n"] else "-"
             lines.append(
-                f"| {workload} | {name} | {f(r['tps'], '.1f')} | {f(r['tps_ratio'], '.2f')}x | "
-                f"{f(r['tokens_per_cpu_s'], '.1f')} | {f(r['tokens_per_cpu_s_ratio'], '.2f')}x | "
+                f"| {workload} | {name} | {f(r['tps'], '.1f')} | {f(r['tps_ratio'], '.2f')}x{spread(r, 'tps')} | "
+                f"{f(r['tokens_per_cpu_s'], '.1f')} | "
+                f"{f(r['tokens_per_cpu_s_ratio'], '.2f')}x{spread(r, 'tokens_per_cpu_s')} | "
                 f"{f(r['ttft'], '.2f')} | {acc} |"
             )
     return "\n".join(lines) + "\n"
@@ -307,7 +330,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 base_url=f"http://127.0.0.1:{port}", ready_path="/health",
                 log_path=log_dir / f"{name}.log", ready_timeout=180,
             ))  # fmt: skip
-            arms.append(Arm(name, server, "gemma3", runner_pid=server.pid))
+            arms.append(Arm(name, server, "gemma3", runner_pid=server.pid, transcript=args.transcript))
         http = await stack.enter_async_context(httpx.AsyncClient(trust_env=False, timeout=600, verify=False))
         if args.trioshed:
             # trioshed runs one runner per model file: the plain entry gets a link of its own.
@@ -378,6 +401,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=200)
     p.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"of {', '.join(ARMS)}")
     p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--transcript", action="store_true",
+                   help="direct arms get trioshed's transcript on /v1/completions (its path for Gemma 3 270M)")
     p.add_argument("--trioshed", action="store_true", help='add trioshed with speculation = "ngram" and with "off"')
     p.add_argument("--out", type=Path, default=None, help="write FILE.json and FILE.md")
     args = p.parse_args(argv)
