@@ -5,7 +5,10 @@ Arms are ``llama-server`` processes started with the same binary and runner flag
 the bench (``-t 1``, ``-np 4``, 4,096 tokens per slot, CPU only) plus one speculation setting each;
 with ``--trioshed`` two more arms are trioshed itself, serving the same file as two models from a
 ``models.toml``: one with ``speculation = "ngram"`` (trioshed's measured n-gram setting) and one
-with ``speculation = "off"``.
+with ``speculation = "off"``. With ``--transcript`` the direct arms get what trioshed sends for a
+model without a chat template like Gemma 3 270M (the conversation as a plain transcript on
+``/v1/completions``), so that they answer the same prompts as the trioshed arms; without it they
+chat through llama-server's fallback template.
 
 Workloads (chat completions, streamed, prompt cache on as in real use):
 
@@ -24,8 +27,11 @@ first, over the time from the first to the last), time to first token, tokens pe
 the ``llama-server`` process (``/proc`` user + system time, the fairer figure under contention),
 drafted and accepted tokens (llama-server's ``timings``), each as a ratio to the plain arm.
 
+Each ratio also has its range over the rounds, every round against the base arm's sample of the
+same round (on a shared machine the spread says what a ratio can resolve).
+
 Run: ``python -m bench.speculation [--rounds 3] [--tokens 200] [--arms plain,ngram-simple,...]
-[--trioshed] [--out FILE]``.
+[--transcript] [--trioshed] [--out FILE]``.
 """
 
 from __future__ import annotations
