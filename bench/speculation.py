@@ -78,6 +78,10 @@ ARMS: dict[str, list[str]] = {
                          "--spec-ngram-simple-size-m", "16"],
     "ngram-simple-n8-m8": ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "8",
                            "--spec-ngram-simple-size-m", "8"],
+    # with --swa-full, as trioshed runs Gemma 3 when warm returns are on
+    "plain-swa-full": ["--swa-full"],
+    "ngram-simple-n12-swa-full": ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "12",
+                                  "--spec-ngram-simple-size-m", "16", "--swa-full"],
     "ngram-map-k": ["--spec-type", "ngram-map-k"],
     "ngram-map-k4v": ["--spec-type", "ngram-map-k4v"],
     "ngram-mod": ["--spec-type", "ngram-mod"],
