@@ -139,4 +139,12 @@ async def test_a_loaded_runner_counts_before_the_context_grows(tmp_path: Path) -
             assert r.status_code == 400 and r.json()["error"].startswith("the input length exceeds the context length (")
             assert r.json()["error"].endswith(" tokens > 16384 maximum)")
             assert [e for e in record if e[0] == "load"] == [("load", "wide")]  # refused without a load
-            assert (await tokens(huge)) > 16384  # (the pass-through's own lease may load it larger)
+            # Tokenizing and rendering need no context: the loaded runner serves them, however
+            # long the text (its bound would load the model at 16384 otherwise).
+            assert (await tokens(huge)) > 16384
+            r = await http.post("/apply-template", json={"model": "wide", "messages": [{"role": "user", "content": huge}]})
+            assert r.status_code == 200 and huge in r.json()["prompt"]
+            r = await http.post("/detokenize", json={"model": "wide", "tokens": [5] * 6000})
+            assert r.status_code == 200, r.text
+            assert [e for e in record if e[0] == "load"] == [("load", "wide")]
+            assert [r.context_length for r in server.scheduler.statistics().runners] == [4096]

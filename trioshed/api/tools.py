@@ -52,13 +52,14 @@ def _model_name(body: Mapping[str, Any]) -> str:
     return name
 
 
-async def _prepare(body: Mapping[str, Any], name: str) -> Prepared:
+async def _prepare(body: Mapping[str, Any], name: str, need: int | None = None) -> Prepared:
     """The model and runner options; an embedding model's runner is started as embed starts it
-    (its tokenizer is the same), so tokenizing does not reload it."""
-    req = prepare(body, name)
+    (its tokenizer is the same), so tokenizing does not reload it. ``need``: the tokens of
+    context the request takes (None: its text's bound, as any request)."""
+    req = prepare(body, name, need=need)
     has = await model_capabilities(req.model)
     if has is not None and "embedding" in has:
-        req = prepare(body, name, embedding=True)
+        req = prepare(body, name, embedding=True, need=need)
     return req
 
 
@@ -111,7 +112,9 @@ async def _stream(req: Prepared, path: str, body: dict[str, Any] | bytes, rename
 async def _tool(path: str) -> Response:
     body = await read_body()
     name = _model_name(body)
-    req = await _prepare(body, name)
+    # tokenizing or rendering needs no context: the smallest automatic one, which any loaded
+    # runner of the model serves (a 20,000-token prompt is counted without reloading the model)
+    req = await _prepare(body, name, need=0 if path in protocol.CONTEXT_FREE else None)
     upstream = protocol.tool_body(path, body)
     if path == "/detokenize":
         await _check_vocabulary(req.model, upstream.get("tokens") or [])

@@ -62,6 +62,11 @@ TOOL_PATHS = tuple(_TYPED)
 #: The most tokens /detokenize takes in one request (a large body could otherwise carry millions).
 MAX_DETOKENIZE = 1 << 20
 
+#: Routes that read no context (the tokenizer and the chat template): a loaded runner of the
+#: model serves them whatever its context, so that counting a long prompt never reloads the
+#: model at the context that prompt would need.
+CONTEXT_FREE = frozenset({"/tokenize", "/detokenize", "/apply-template"})
+
 
 def tool_body(path: str, req: Mapping[str, Any]) -> dict[str, Any]:
     """The llama-server body for a request to ``path`` (one of :data:`TOOL_PATHS`): ``req``
