@@ -210,21 +210,44 @@ class Server:
     def loads(self) -> tuple[float, float]:
         """Loads started and their summed seconds to ready, from /metrics."""
         text = httpx.get(self.url + "/metrics", timeout=10).text
-        label = re.escape(f'{{model="{MODEL}"}}')
-        n = re.search(r"^trioshed_model_loads_total" + label + r" (\S+)", text, re.M)
-        s = re.search(r"^trioshed_load_duration_seconds_sum" + label + r" (\S+)", text, re.M)
-        return (float(n.group(1)) if n else 0.0, float(s.group(1)) if s else 0.0)
+        n = re.search(r"^trioshed_loads_total (\S+)", text, re.M)
+        s = re.findall(r"^trioshed_load_duration_seconds_sum\{[^}]*\} (\S+)", text, re.M)
+        return (float(n.group(1)) if n else 0.0, sum(map(float, s)))
 
     def ps(self) -> list[int]:
         return [m["context_length"] for m in httpx.get(self.url + "/api/ps", timeout=10).json()["models"]]
 
     def log_loads(self) -> list[str]:
-        return [line for line in self.log.read_text(errors="replace").splitlines() if "loading " in line]
+        """The scheduler's load, evict, unload and ready lines of trioshed's log."""
+        return [line.strip() for line in self.log.read_text(errors="replace").splitlines() if _LIFECYCLE.search(line)]
 
     def tokens(self, text: str) -> int:
         r = httpx.post(self.url + "/tokenize", json={"model": MODEL, "content": text, "add_special": True, "parse_special": True}, timeout=120)
         r.raise_for_status()
         return len(r.json()["tokens"])
+
+
+_LIFECYCLE = re.compile(r"trioshed\.scheduler\.scheduler: (loading|ready|evict|unloaded) ")
+
+
+def swaps(lines: list[str]) -> list[dict[str, Any]]:
+    """Each load in the log's lifecycle lines: its context, seconds from ``loading`` to ``ready``,
+    and from the eviction that made room for it (the swap, unload included) to ``ready``."""
+    out: list[dict[str, Any]] = []
+    evicted = loading = None
+    context = 0
+    for line in lines:
+        at = dt.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        what = _LIFECYCLE.search(line)
+        kind = what.group(1) if what else ""
+        if kind == "evict":
+            evicted = at
+        elif kind == "loading":
+            loading, context = at, int(re.search(r"context (\d+)", line).group(1))  # type: ignore[union-attr]
+        elif kind == "ready" and loading is not None:
+            out.append({"context": context, "load_s": round(at - loading, 3), "swap_s": round(at - (evicted or loading), 3)})
+            evicted = loading = None
+    return out
 
 
 # -- the clients ------------------------------------------------------------------------------
@@ -504,28 +527,33 @@ def write_results(r: dict[str, Any], args: argparse.Namespace, argv: list[str]) 
         f"load average {r['loadavg_1m_before_after'][0]} before, {r['loadavg_1m_before_after'][1]} after; "
         f"trioshed and its llama-server children used {r['server_tree_cpu_s']} CPU seconds; {r['seconds']} s in all.",
         "",
-        "| request | client | prompt tokens (/tokenize) | usage reported | equal | context before → after | loads | TTFT s | load s | prompt read s | resize cost s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| request | prompt tokens (/tokenize) | usage the SDK reported | equal | context before → after | TTFT s "
+        "| prompt read s (llama-server) | resize cost s (TTFT - read) | swap s (log: evict → ready) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    rate = None
-    if (o := r["long"].get("ollama")) and o.get("prompt_eval_s"):
-        rate = o["usage_prompt_tokens"] / o["prompt_eval_s"]
-    ctx = r["context_after_over"]
+    loads = swaps(r["log_loads"])
+    rate, ctx = None, r["context_after_over"]
     for name, label in (("ollama", "Ollama chat"), ("openai", "OpenAI chat"), ("anthropic", "Anthropic agent turn")):
         x = r["long"][name]
-        read = x.get("prompt_eval_s") or (round(x["prompt_tokens"] / rate, 1) if rate else None)
+        read, est = x.get("prompt_eval_s"), ""
+        if read:
+            rate = x["prompt_tokens"] / read
+        elif rate:
+            read, est = round(x["prompt_tokens"] / rate, 1), " (est.)"
         cost = round(x["ttft_s"] - read, 1) if read else None
-        est = "" if "prompt_eval_s" in x else " (est.)"
+        swap = [w["swap_s"] for w in loads if x["context_after"] and w["context"] == x["context_after"][0] and ctx != x["context_after"]]
         lines.append(
-            f"| {label} | `{name}` | {x['prompt_tokens']:,} | {x['usage_prompt_tokens']:,} | {'yes' if x['usage_matches'] else '**no**'} "
-            f"| {ctx} → {x['context_after']} | {x['loads']:.0f} | {x['ttft_s']} | {x['load_s']} | {read}{est} | {cost}{est} |"
+            f"| {label} (`{name}` SDK) | {x['prompt_tokens']:,} | {x['usage_prompt_tokens']:,} | {'yes' if x['usage_matches'] else '**no**'} "
+            f"| {ctx} → {x['context_after']} | {x['ttft_s']} | {read}{est} | {cost}{est} | {', '.join(map(str, swap)) or '-'} |"
         )
         ctx = x["context_after"]
     if b := r.get("baseline_ollama_on_grown"):
         lines.append(
-            f"| the Ollama chat again, grown runner | `ollama` | {b['prompt_tokens']:,} | {b['usage_prompt_tokens']:,} | "
-            f"{'yes' if b['usage_prompt_tokens'] == b['prompt_tokens'] else '**no**'} | {r['context_end']} | {b['loads']:.0f} | {b['ttft_s']} | {b['load_s']} | {b['prompt_eval_s']} | - |"
+            f"| the Ollama chat again on the grown runner | {b['prompt_tokens']:,} | {b['usage_prompt_tokens']:,} | "
+            f"{'yes' if b['usage_prompt_tokens'] == b['prompt_tokens'] else '**no**'} | {r['context_end']} | {b['ttft_s']} "
+            f"| {b['prompt_eval_s']} | {round(b['ttft_s'] - b['prompt_eval_s'], 1)} | - |"
         )
+    lines += ["", "(est.): read at the previous request's rate; the Anthropic stream does not carry llama-server's timings."]
     lines += [
         "",
         f"The agent turn: a system prompt of {r['tools']['system_tokens']:,} tokens, {r['tools']['tokens']:,} of them "
@@ -542,7 +570,7 @@ def write_results(r: dict[str, Any], args: argparse.Namespace, argv: list[str]) 
     lines += [
         f"| `anthropic`, `tools=[...]` (agent turn) | {t.get('status')} | `{t.get('message')}` | {t.get('seconds')} |",
         "",
-        f"Loads they caused: {r['over_loads_added']:.0f} (`/metrics`), {r['over_log_loads_added']} load lines in the log; "
+        f"Loads they caused: {r['over_loads_added']:.0f} (`/metrics`), {r['over_log_loads_added']} lifecycle lines in the log; "
         f"`/api/ps` after them: {r['context_after_over']}.",
         "",
         "## Short requests (seconds to first token, streamed `/api/generate`)",
@@ -554,7 +582,7 @@ def write_results(r: dict[str, Any], args: argparse.Namespace, argv: list[str]) 
         d = r["long"][name]["short_during"]
         lines.append(f"- during the {name} request (asked at s → TTFT s): " + (", ".join(f"{a} → {b}" for a, b in d) or "none"))
     lines += [f"- after: {', '.join(map(str, r['short_after']))}", "", "## Loads (trioshed's log)", ""]
-    lines += [f"    {line.strip()}" for line in r["log_loads"]]
+    lines += [f"    {line[:160]}" for line in r["log_loads"]]
     md.write_text("\n".join(lines) + "\n")
     return md
 
