@@ -342,24 +342,26 @@ def run_anthropic(url: str, system: str, messages: list[dict[str, str]]) -> dict
 
     client = anthropic.Anthropic(base_url=url, api_key="unused", timeout=1800, max_retries=0)
     t0 = time.perf_counter()
-    first = None
+    first = first_event = None
     text = ""
     start: Any = None
     end: Any = None
     stream = client.messages.create(model=MODEL, system=system, messages=messages, max_tokens=8, stream=True,  # type: ignore[arg-type]
                                     extra_body={"temperature": 0})
     for event in stream:
-        if first is None:
-            first = time.perf_counter() - t0
-        if event.type == "message_start":
+        if event.type == "message_start":  # sent before the prompt is read: not the first token
+            first_event = time.perf_counter() - t0
             start = event.message.usage
         elif event.type == "content_block_delta" and event.delta.type == "text_delta":
+            if first is None:
+                first = time.perf_counter() - t0
             text += event.delta.text
         elif event.type == "message_delta":
             end = event.usage
     u = end if end is not None and end.input_tokens is not None else start
     cached = u.cache_read_input_tokens or 0
     return {"ttft_s": round(first or 0.0, 3), "total_s": round(time.perf_counter() - t0, 3), "answer": text,
+            "first_event_s": round(first_event or 0.0, 3),
             "usage_prompt_tokens": u.input_tokens + cached, "usage_input_tokens": u.input_tokens,
             "usage_cache_read_input_tokens": cached}
 
@@ -540,11 +542,14 @@ def write_results(r: dict[str, Any], args: argparse.Namespace, argv: list[str]) 
             rate = x["prompt_tokens"] / read
         elif rate:
             read, est = round(x["prompt_tokens"] / rate, 1), " (est.)"
-        cost = round(x["ttft_s"] - read, 1) if read else None
+        ttft = x["ttft_s"] if x.get("ttft_s") is not None else f"≤ {x['total_s']} (answer done)"
+        if x.get("ttft_s") is None:
+            read, est = "-", ""
+        cost = round(x["ttft_s"] - read, 1) if read and x.get("ttft_s") is not None else None
         swap = [w["swap_s"] for w in loads if x["context_after"] and w["context"] == x["context_after"][0] and ctx != x["context_after"]]
         lines.append(
             f"| {label} (`{name}` SDK) | {x['prompt_tokens']:,} | {x['usage_prompt_tokens']:,} | {'yes' if x['usage_matches'] else '**no**'} "
-            f"| {ctx} → {x['context_after']} | {x['ttft_s']} | {read}{est} | {cost}{est} | {', '.join(map(str, swap)) or '-'} |"
+            f"| {ctx} → {x['context_after']} | {ttft} | {read}{est} | {cost}{est} | {', '.join(map(str, swap)) or '-'} |"
         )
         ctx = x["context_after"]
     if b := r.get("baseline_ollama_on_grown"):
@@ -554,6 +559,8 @@ def write_results(r: dict[str, Any], args: argparse.Namespace, argv: list[str]) 
             f"| {b['prompt_eval_s']} | {round(b['ttft_s'] - b['prompt_eval_s'], 1)} | - |"
         )
     lines += ["", "(est.): read at the previous request's rate; the Anthropic stream does not carry llama-server's timings."]
+    if r.get("note"):
+        lines += ["", f"Note: {r['note']}"]
     lines += [
         "",
         f"The agent turn: a system prompt of {r['tools']['system_tokens']:,} tokens, {r['tools']['tokens']:,} of them "
