@@ -549,7 +549,7 @@ def write_results(r: dict[str, Any], args: argparse.Namespace, argv: list[str]) 
         swap = [w["swap_s"] for w in loads if x["context_after"] and w["context"] == x["context_after"][0] and ctx != x["context_after"]]
         lines.append(
             f"| {label} (`{name}` SDK) | {x['prompt_tokens']:,} | {x['usage_prompt_tokens']:,} | {'yes' if x['usage_matches'] else '**no**'} "
-            f"| {ctx} → {x['context_after']} | {ttft} | {read}{est} | {cost}{est} | {', '.join(map(str, swap)) or '-'} |"
+            f"| {ctx} → {x['context_after']} | {ttft} | {read}{est} | {'-' if cost is None else cost}{est} | {', '.join(map(str, swap)) or '-'} |"
         )
         ctx = x["context_after"]
     if b := r.get("baseline_ollama_on_grown"):
