@@ -61,10 +61,11 @@ class OomFactory(FakeFactory):
 
 
 @asynccontextmanager
-async def scheduler(factory: FakeFactory, gpu: float = 6) -> AsyncIterator[Scheduler]:
+async def scheduler(factory: FakeFactory, gpu: float = 6, system: float = 0) -> AsyncIterator[Scheduler]:
+    """A declared GPU of ``gpu`` GiB and ``system`` GiB of system memory (none: nothing spills)."""
     devices = DeviceSource(
         (Device("cuda:0", "cuda", 0, int(gpu * GiB), int(gpu * GiB)),), "declared", accounting_only=True,
-        fixed_system=Device("cpu", "cpu", 0, 0, 0),
+        fixed_system=Device("cpu", "cpu", 0, int(system * GiB), int(system * GiB)),
     )  # fmt: skip
     sched = Scheduler(devices=devices, factory=factory, estimator=estimate, place=simple_place, record=factory.record)
     async with trio.open_nursery() as nursery:
@@ -295,16 +296,8 @@ async def test_with_nothing_in_the_way_the_largest_size_that_fits_is_loaded_evic
 @asynccontextmanager
 async def with_system_memory(factory: FakeFactory, gpu: float) -> AsyncIterator[Scheduler]:
     """Like :func:`scheduler`, with 64 GiB of system memory: what does not fit the GPU spills there."""
-    devices = DeviceSource(
-        (Device("cuda:0", "cuda", 0, int(gpu * GiB), int(gpu * GiB)),), "declared", accounting_only=True,
-        fixed_system=Device("cpu", "cpu", 0, 64 * GiB, 64 * GiB),
-    )  # fmt: skip
-    sched = Scheduler(devices=devices, factory=factory, estimator=estimate, place=simple_place, record=factory.record)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(sched.run)
+    async with scheduler(factory, gpu, system=64) as sched:
         yield sched
-        nursery.cancel_scope.cancel()
-    assert factory.live == [], "a runner outlived the scheduler"
 
 
 async def test_a_size_that_would_spill_to_system_memory_is_made_smaller_and_grows_back_on_the_exact_count(

@@ -167,19 +167,15 @@ class Timeline:
                 return  # the wall clock went back: keep the timeline monotonic
             last = self._samples.pop()
             tokens = {**dict(last.tokens), **tokens}
-        sample = Sample(
-            0, second, tuple(sorted(tokens.items())), tuple(sorted((m, n) for m, n in waiting.items() if n)),
-            tuple(sorted(memory)),
-        )
+        queued = tuple(sorted((m, n) for m, n in waiting.items() if n))
+        held = tuple(sorted(memory))
         if self._samples:
             # What is held rarely changes from one second to the next: an equal part is the
             # previous sample's own object, so an hour of a steady server costs the samples alone.
             before = self._samples[-1]
-            sample = replace(
-                sample,
-                waiting=before.waiting if sample.waiting == before.waiting else sample.waiting,
-                memory=before.memory if sample.memory == before.memory else sample.memory,
-            )
+            queued = before.waiting if queued == before.waiting else queued
+            held = before.memory if held == before.memory else held
+        sample = Sample(0, second, tuple(sorted(tokens.items())), queued, held)
         if sample.idle and self._samples and self._samples[-1].idle:
             return  # idle stays idle: one sample says so
         self._samples.append(replace(sample, seq=self._bump()))
