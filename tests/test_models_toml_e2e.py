@@ -82,7 +82,8 @@ async def test_preloaded_pinned_parallel_model_with_aliases_and_args(
             options = server.state.runner_options(spec, {})
             # num_batch: never above the context (256)
             assert options == RunnerOptions(
-                num_ctx=256, num_batch=256, num_parallel=2, num_thread=1, cache_ram_mib=0, extra_args=("--no-warmup", "--rope-freq-scale", "1.0")
+                num_ctx=256, num_batch=256, num_parallel=2, num_thread=1, cache_ram_mib=0, extra_args=("--no-warmup", "--rope-freq-scale", "1.0"),
+                speculation="ngram",
             )
             async with server.scheduler.acquire(spec, options) as first:
                 with trio.fail_after(5):

@@ -51,24 +51,34 @@ def test_the_setting_and_its_default() -> None:
 
 
 def test_the_default_and_what_ngram_means(tmp_path: Path) -> None:
-    """Measured (docs/benchmarks.md): off by default (free text ran ~10 % slower through trioshed);
-    "ngram" is a 12-token lookup with drafts of up to 16 tokens. A model that says nothing runs
-    without speculation, one that says "ngram" with exactly those flags."""
+    """Measured (docs/benchmarks.md): on by default, as "ngram", a 12-token lookup with drafts of
+    up to 16 tokens. A model that says nothing runs with exactly those flags, one that says "off"
+    without; a model that writes no text (an embedding model) has nothing to draft."""
     from trioshed.api.state import AppState
     from trioshed.models.stores import Stores
 
-    assert DEFAULT == "off" and Settings().speculation == "off"
+    assert DEFAULT == "ngram" and Settings().speculation == "ngram"
     assert NGRAM == ("--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "12",
                      "--spec-ngram-simple-size-m", "16")  # fmt: skip
     write_tiny_model(tmp_path / "a.gguf")
-    (tmp_path / "models.toml").write_text('[models.on]\npath = "a.gguf"\nspeculation = "ngram"\n')
+    write_tiny_model(tmp_path / "e.gguf", pooling_type=1, chat_template="")
+    (tmp_path / "models.toml").write_text(
+        '[models.off]\npath = "a.gguf"\nspeculation = "off"\n\n[models.embed]\npath = "e.gguf"\nspeculation = "ngram"\n'
+    )
     stores = Stores(tmp_path)
     state = AppState(settings=Settings(models=tmp_path), store=stores, scheduler=None)  # type: ignore[arg-type]
-    plain = build_command("/bin/llama-server", MODEL, state.runner_options(stores.resolve("a"), {}), Placement(0), port=1)
-    assert not any(a.startswith("--spec") for a in plain)
-    on = build_command("/bin/llama-server", MODEL, state.runner_options(stores.resolve("on"), {}), Placement(0), port=1)
+
+    def argv(name: str, settings: Settings | None = None) -> list[str]:
+        state.settings = settings or Settings(models=tmp_path)
+        return build_command("/bin/llama-server", MODEL, state.runner_options(stores.resolve(name), {}), Placement(0), port=1)
+
+    on = argv("a")
     assert on[on.index("--spec-type") : on.index("--spec-type") + len(NGRAM)] == list(NGRAM)
-    assert Settings.from_env({"TRIOSHED_SPECULATION": "ngram"}).speculation == "ngram"
+    assert not any(a.startswith("--spec") for a in argv("off"))
+    assert state.runner_options(stores.resolve("embed"), {}).speculation == "off"
+    assert not any(a.startswith("--spec") for a in argv("embed"))
+    everywhere_off = Settings.from_env({"TRIOSHED_MODELS": str(tmp_path), "TRIOSHED_SPECULATION": "off"})
+    assert not any(a.startswith("--spec") for a in argv("a", everywhere_off))
 
 
 def test_flags_for_each_kind() -> None:

@@ -15,9 +15,11 @@ from trioshed.api.limits import check_runner_options
 from trioshed.config import Settings
 from trioshed.core.context import FLOOR, automatic_context, clamp
 from trioshed.core.model import MiB, ModelSpec, RunnerOptions
+from trioshed.core.speculation import OFF
 from trioshed.errors import BadRequest, DraftUnusable, TrioshedError
 from trioshed.keys import ApiKey
 from trioshed.logtail import LogTail
+from trioshed.models.capabilities import generates
 from trioshed.models.create import Creator
 from trioshed.models.gguf_meta import GGUFMetadata, cached_metadata, read_metadata, unreadable
 from trioshed.models.stores import Stores
@@ -97,7 +99,7 @@ class AppState:
             cache_ram_mib=s.cache_ram // MiB,
             swa_full=s.kv_cache_budget > 0,  # warm returns: a restored SWA slot is reused only so
             extra_args=model.args,
-            speculation=model.speculation or s.speculation,
+            speculation=self._speculation(model),
             draft=self._draft_path(model),
         )
         if "--cache-ram" in model.args:  # models.toml's own size wins, and is the one counted
@@ -120,6 +122,18 @@ class AppState:
         if options.num_ctx < 4:
             options = replace(options, num_ctx=4)
         return clamp(options, trained)
+
+    def _speculation(self, spec: ModelSpec) -> str:
+        """The model's speculation setting, else the server's; off for a model that writes no
+        text (embedding, rerank): nothing to draft."""
+        speculation = spec.speculation or self.settings.speculation
+        if speculation == OFF:
+            return OFF
+        try:
+            meta = cached_metadata(spec.path) or read_metadata(spec.path)
+        except (OSError, ValueError):
+            return speculation  # the load reports the unreadable file
+        return speculation if generates(meta.fields, (t.name for t in meta.tensors)) else OFF
 
     def trained_context(self, spec: ModelSpec) -> int:
         """The model's trained context (0: unknown, its header unreadable: the estimator and

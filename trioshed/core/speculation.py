@@ -1,7 +1,12 @@
 """Speculative decoding: which kind a runner uses, and the llama-server flags for it (pure).
 
-llama-server b10068 verifies drafted tokens against the model itself, so at temperature 0 the
-tokens are those of plain decoding; only the speed changes. Two sources of drafts:
+llama-server b10068 verifies drafted tokens against the model itself, so a draft only changes
+the speed; at temperature 0 the tokens are those of plain decoding up to rounding: on the CPU a
+verification batch goes through other kernels than a single token (for repacked weights, and
+for attention without flash attention), which round differently, and where two candidates are
+nearly tied the other one can win. Batch-invariant runners
+(``RunnerOptions.batch_invariant``: flash attention, weights not repacked) give the same tokens
+with speculation as without. Two sources of drafts:
 
 * **n-gram** (``--spec-type ngram-*``): drafts from the tokens already in the context (the
   prompt and the answer so far). No second model, no memory worth counting; it pays when the
@@ -38,10 +43,10 @@ NGRAM: tuple[str, ...] = (
 )  # fmt: skip
 #: What a speculation setting may say.
 CHOICES = (OFF, "ngram", *NGRAM_TYPES)
-#: The default. On only if it was never more than ~3 % slower on any workload measured: the
-#: 12-token lookup ran copied code at 1.66x through trioshed but free-form text at 0.88x and
-#: 0.91x tokens per CPU-second in two runs (docs/benchmarks.md), so it is off unless asked for.
-DEFAULT = "off"
+#: The default: on only if no workload measured was more than ~3 % slower with it. Through
+#: trioshed on a quiet 2-core machine the 12-token lookup ran copied code at ~1.9x tokens/s and
+#: no workload slower than plain, free-form text included (docs/benchmarks.md).
+DEFAULT = "ngram"
 
 
 def parse_speculation(value: object) -> str:

@@ -47,6 +47,13 @@ def is_reranker(fields: Mapping[str, Any], tensor_names: Iterable[str] = ()) -> 
     return any(name.startswith(_CLASSIFIER_PREFIX) for name in tensor_names)
 
 
+def generates(fields: Mapping[str, Any], tensor_names: Iterable[str] = ()) -> bool:
+    """Whether the model writes text: neither a reranker nor a model with a pooling of its own
+    (an embedding model such as BERT)."""
+    arch = str(fields.get("general.architecture", ""))
+    return not is_reranker(fields, tensor_names) and f"{arch}.pooling_type" not in fields
+
+
 def capabilities(
     fields: Mapping[str, Any],
     template: str,
@@ -56,10 +63,11 @@ def capabilities(
     tensor_names: Iterable[str] = (),
 ) -> list[str]:
     arch = str(fields.get("general.architecture", ""))
-    if is_reranker(fields, tensor_names):
+    names = tuple(tensor_names)
+    if is_reranker(fields, names):
         found = ["rerank"]
     else:
-        found = ["embedding" if f"{arch}.pooling_type" in fields else "completion"]
+        found = ["completion" if generates(fields, names) else "embedding"]
     if f"{arch}.vision.block_count" in fields or projector:
         found.append("vision")
     if _TOOLS.search(template):
