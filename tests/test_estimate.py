@@ -53,11 +53,14 @@ class Setting:
     fa: bool
     #: An embedding or rerank runner: its micro-batch is the whole context (``batch_sizes``).
     embedding: bool = False
+    #: TRIOSHED_BATCH_INVARIANT: no repacked copy of the weights (``--no-repack``).
+    batch_invariant: bool = False
 
     @property
     def id(self) -> str:
         embd = "-embd" if self.embedding else ""
-        return f"ctx{self.num_ctx}-np{self.num_parallel}-{self.kv}-fa{'on' if self.fa else 'off'}{embd}"
+        invariant = "-norepack" if self.batch_invariant else ""
+        return f"ctx{self.num_ctx}-np{self.num_parallel}-{self.kv}-fa{'on' if self.fa else 'off'}{embd}{invariant}"
 
     def options(self) -> RunnerOptions:
         return RunnerOptions(
@@ -67,6 +70,7 @@ class Setting:
             flash_attention=self.fa,
             num_thread=1,
             embedding=self.embedding,
+            batch_invariant=self.batch_invariant,
         )
 
     def args(self, meta: GGUFMetadata) -> list[str]:
@@ -79,6 +83,7 @@ class Setting:
             "-fa", "on" if self.fa else "off",
             "--cache-type-k", kv, "--cache-type-v", kv,
             "--batch-size", str(batch_sizes(opts)[0]), *embedding_flags(opts, meta),
+            *(["--no-repack"] if self.batch_invariant else []),
         ]  # fmt: skip
 
 
@@ -106,6 +111,8 @@ GEMMA_SETTINGS = [
     Setting(16384, 1, "f16", False),
     Setting(32768, 1, "f16", False),
     Setting(32768, 1, "f16", True),
+    # batch-invariant runners: flash attention, and no repacked copy of the Q4_K weights
+    Setting(4096, 1, "f16", True, batch_invariant=True),
 ]
 
 VULKAN_HEADING = "# Memory estimate vs llama.cpp (Vulkan, every layer on `Vulkan0`)"

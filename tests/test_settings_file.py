@@ -51,6 +51,7 @@ fast_routes = false
 usage_db = "usage/usage.db"
 usage = false
 speculation = false
+batch_invariant = true
 """
 
 
@@ -82,6 +83,7 @@ def test_every_setting_can_be_given_in_the_file(tmp_path: Path) -> None:
     assert s.vulkan_software is True
     assert s.fast_routes is False
     assert s.speculation == "off"  # false: no speculation (the default is "ngram")
+    assert s.batch_invariant is True
     # the file covers every TRIOSHED_* setting there is
     assert set(load_settings_file(path)) - {"port"} == set(SETTING_NAMES)
 

@@ -81,6 +81,34 @@ def test_the_default_and_what_ngram_means(tmp_path: Path) -> None:
     assert not any(a.startswith("--spec") for a in argv("a", everywhere_off))
 
 
+def test_batch_invariant_runners(tmp_path: Path) -> None:
+    """TRIOSHED_BATCH_INVARIANT: flash attention on and no repacked weights (whatever
+    TRIOSHED_FLASH_ATTENTION says), and no repacked copy counted in the estimate."""
+    from trioshed.api.state import AppState
+    from trioshed.models.stores import Stores
+
+    write_tiny_model(tmp_path / "a.gguf")
+    stores = Stores(tmp_path)
+    settings = Settings.from_env({"TRIOSHED_MODELS": str(tmp_path), "TRIOSHED_BATCH_INVARIANT": "true",
+                                  "TRIOSHED_FLASH_ATTENTION": "false"})  # fmt: skip
+    assert settings.batch_invariant and not Settings().batch_invariant
+    state = AppState(settings=settings, store=stores, scheduler=None)  # type: ignore[arg-type]
+    options = state.runner_options(stores.resolve("a"), {})
+    assert options.batch_invariant and options.flash_attention
+    cmd = build_command("/bin/llama-server", MODEL, options, Placement(0), port=1)
+    assert "--no-repack" in cmd and cmd[cmd.index("--flash-attn") + 1] == "on"
+    plain = build_command("/bin/llama-server", MODEL, replace(options, batch_invariant=False), Placement(0), port=1)
+    assert "--no-repack" not in plain
+    meta = read_metadata(write_tiny_model(tmp_path / "q.gguf", weight_type="Q8_0"))
+    q4k = replace(meta, tensors=tuple(replace(t, ggml_type=12) if t.name == "blk.0.ffn_up.weight" else t
+                                      for t in meta.tensors))  # fmt: skip
+    repacked = estimate(q4k, RunnerOptions())
+    assert repacked.cpu_repack > 0
+    assert estimate(q4k, RunnerOptions(batch_invariant=True)).cpu_repack == 0
+    with pytest.raises(ValueError, match="TRIOSHED_BATCH_INVARIANT"):
+        Settings.from_env({"TRIOSHED_BATCH_INVARIANT": "sometimes"})
+
+
 def test_flags_for_each_kind() -> None:
     def argv(options: RunnerOptions, placement: Placement | None = None, **kw: object) -> list[str]:
         return build_command("/bin/llama-server", MODEL, options, placement or Placement(0), port=1, **kw)  # type: ignore[arg-type]

@@ -146,6 +146,57 @@ async def test_same_tokens_on_every_protocol_transcript_path(tmp_path: Path, gem
     assert (alone["choices"][0]["text"], alone["usage"]["completion_tokens"]) == (first.choices[0].text, N)
 
 
+#: Gemma 3 turns, sent raw. With trioshed's default kernels llama-server answers EDIT otherwise
+#: with n-gram speculation than without, after ~115 tokens: a near-tie (two candidates within
+#: 0.06-0.14 of log-probability in the checks behind docs/models.md) decided differently in a
+#: verification batch. REPEAT is drafted and accepted.
+EDIT = ("<start_of_turn>user\nRewrite this Python code with the function `fits` renamed to `fits_on`, "
+        "and output the whole file:\n\n" + CODE + "<end_of_turn>\n<start_of_turn>model\n")  # fmt: skip
+REPEAT = ("<start_of_turn>user\nRepeat this Python code exactly, nothing else:\n\n" + CODE
+          + "<end_of_turn>\n<start_of_turn>model\n")  # fmt: skip
+LONG = 160
+
+
+async def _raw_answers(base_url: str, model: str) -> list[tuple[str, int | None]]:
+    """EDIT and REPEAT on OpenAI's completions and Ollama's raw generate (streamed)."""
+    oai = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+    ol = ollama.Client(host=base_url)
+    opts = {"temperature": 0, "num_predict": LONG}
+    out: list[tuple[str, int | None]] = []
+    for prompt in (EDIT, REPEAT):
+        comp = await in_thread(oai.completions.create, model=model, prompt=prompt, temperature=0, max_tokens=LONG)
+        out.append((comp.choices[0].text, comp.usage.completion_tokens if comp.usage else None))
+        chunks = await in_thread(lambda p=prompt: list(ol.generate(model=model, prompt=p, raw=True, stream=True, options=opts)))
+        out.append(("".join(c.response for c in chunks), chunks[-1].eval_count))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("no_leaked_runner")
+async def test_batch_invariant_runners_answer_as_without_speculation(tmp_path: Path, gemma_model: Path) -> None:
+    """TRIOSHED_BATCH_INVARIANT (flash attention, weights not repacked): a token's numbers do not
+    depend on the batch it is computed in, so the answers with speculation are the answers
+    without, token for token, where the default kernels differ."""
+
+    def alone(args: list[str]) -> str:
+        with running_llama_server(gemma_model, [*DIRECT_ARGS, *args], timeout=120) as direct:
+            body = {"prompt": EDIT, "max_tokens": LONG, "temperature": 0}
+            return str(httpx.post(f"{direct.url}/v1/completions", json=body, timeout=300).json()["choices"][0]["text"])
+
+    # Precondition: with the default kernels this prompt shows the difference.
+    assert await trio.to_thread.run_sync(alone, list(NGRAM)) != await trio.to_thread.run_sync(alone, [])
+    store = _store(tmp_path, gemma_model)
+    with trio.fail_after(420):
+        async with open_test_server(store, context_length=2048, num_parallel=1, batch_invariant=True) as server:
+            spec = await _raw_answers(server.base_url, "spec")
+            ps = await _ps(server.base_url)
+            stats = ps["spec:latest"]["runner"]["speculation_stats"]
+            assert stats["drafted"] > 0 and stats["accepted"] > 0
+            plain = await _raw_answers(server.base_url, "plain")
+    assert spec == plain
+    assert all(count is not None and 0 < count <= LONG for _, count in spec)
+
+
 @pytest.mark.slow
 @pytest.mark.usefixtures("no_leaked_runner")
 async def test_same_tokens_on_the_template_path(tmp_path: Path) -> None:

@@ -225,6 +225,9 @@ class Settings:
     #: Speculative decoding for every runner unless models.toml says otherwise
     #: (trioshed.core.speculation: off, ngram, or an n-gram kind by llama.cpp's name).
     speculation: str = SPECULATION_DEFAULT
+    #: Runners with batch-invariant kernels: flash attention on and weights not repacked, so a
+    #: token's numbers do not depend on the batch it is computed in (RunnerOptions.batch_invariant).
+    batch_invariant: bool = False
 
     @classmethod
     def from_env(
@@ -354,6 +357,7 @@ _PARSERS: dict[str, Callable[[str], object]] = {
     "vulkan_software": _bool,
     "fast_routes": _bool,
     "speculation": parse_speculation,
+    "batch_invariant": _bool,
 }
 SETTING_NAMES = tuple(_PARSERS)
 

@@ -95,12 +95,13 @@ class AppState:
             num_parallel=model.num_parallel or s.num_parallel,
             num_thread=s.num_thread,
             kv_cache_type=s.kv_cache_type,
-            flash_attention=s.flash_attention,
+            flash_attention=s.flash_attention or s.batch_invariant,
             cache_ram_mib=s.cache_ram // MiB,
             swa_full=s.kv_cache_budget > 0,  # warm returns: a restored SWA slot is reused only so
             extra_args=model.args,
             speculation=self._speculation(model),
             draft=self._draft_path(model),
+            batch_invariant=s.batch_invariant,
         )
         if "--cache-ram" in model.args:  # models.toml's own size wins, and is the one counted
             at = model.args.index("--cache-ram")

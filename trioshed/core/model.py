@@ -95,6 +95,10 @@ class RunnerOptions:
     speculation: str = "off"
     #: A draft model's GGUF file (``--model-draft``; "" = none), placed and counted with the target.
     draft: str = ""
+    #: Kernels whose result for a token does not depend on the batch it is computed in
+    #: (``--no-repack``, with flash attention on): the same tokens at temperature 0 with or
+    #: without speculation; no repacked copy of the weights to count.
+    batch_invariant: bool = False
 
     @property
     def kv_cells(self) -> int:

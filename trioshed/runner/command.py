@@ -192,6 +192,8 @@ def build_command(
     argv += embedding_flags(options, meta)
     if options.use_mmap is False:
         argv += ["--no-mmap"]
+    if options.batch_invariant:
+        argv += ["--no-repack"]
     for adapter in model.adapters:
         argv += ["--lora", adapter]
     if model.projector:
