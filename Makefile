@@ -51,7 +51,7 @@ bench-full: $(STAMP)
 	$(PY) -m bench.compare --full
 
 bench-speculation: $(STAMP)
-	$(PY) -m bench.speculation --rounds 3 --tokens 128 --arms plain,ngram-simple-n12 --transcript --trioshed
+	$(PY) -m bench.speculation --rounds 5 --tokens 192 --arms plain --transcript --trioshed
 
 # 15 minutes of mixed load and scheduled faults on real children; every request accounted for
 # (SOAK_ARGS="--minutes 3" for a shorter run)

@@ -352,6 +352,8 @@ async def open_trioshed(
         "TRIOSHED_MAX_QUEUE": str(max_queue),
         "TRIOSHED_KEEP_ALIVE": keep_alive,
         "TRIOSHED_LLAMA_SERVER": binary,
+        # like the direct llama-servers it is compared with; bench.speculation measures it
+        "TRIOSHED_SPECULATION": "off",
     })  # fmt: skip
     env.update(extra_env or {})
     argv = [sys.executable, "-m", "trioshed", "serve"]

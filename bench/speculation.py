@@ -4,8 +4,8 @@ per workload, interleaved in one run.
 Arms are ``llama-server`` processes started with the same binary and runner flags as the rest of
 the bench (``-t 1``, ``-np 4``, 4,096 tokens per slot, CPU only) plus one speculation setting each;
 with ``--trioshed`` two more arms are trioshed itself, serving the same file as two models from a
-``models.toml``: one with ``speculation = "ngram"`` (trioshed's measured n-gram setting) and one
-with ``speculation = "off"``. With ``--transcript`` the direct arms get what trioshed sends for a
+``models.toml``: one with no ``speculation`` key (trioshed's default, ``"ngram"``) and one with
+``speculation = "off"``. With ``--transcript`` the direct arms get what trioshed sends for a
 model without a chat template like Gemma 3 270M (the conversation as a plain transcript on
 ``/v1/completions``), so that they answer the same prompts as the trioshed arms; without it they
 chat through llama-server's fallback template.
@@ -17,7 +17,7 @@ Workloads (chat completions, streamed, prompt cache on as in real use):
 | code-repeat | repeat 2,500 characters of Python | 0 |
 | code-edit | the same code with one function renamed | 0 |
 | long-chat | the next answer after ~1,500 tokens of chat history | 0 |
-| free | a short story | 0.8 (seeded) |
+| free | a story, a letter or an essay (one per round, in turn) | 0.8 (seeded per round) |
 | json | ten records as JSON | 0 |
 | concurrent | 4 streams at once (free, json, code-edit, long-chat) on 4 slots | 0 / 0.8 |
 
@@ -64,6 +64,7 @@ from bench.procs import (
     run_until_signalled,
 )
 from trioshed.api.protocols.openai_chat import transcript_completion_body
+from trioshed.core.speculation import DEFAULT as SPECULATION_DEFAULT
 
 FLAGS = RunnerFlags(threads=1, parallel=4, ctx_per_slot=4096)
 #: Speculation settings compared (llama-server b10068 flags).
@@ -82,6 +83,9 @@ ARMS: dict[str, list[str]] = {
     "plain-swa-full": ["--swa-full"],
     "ngram-simple-n12-swa-full": ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "12",
                                   "--spec-ngram-simple-size-m", "16", "--swa-full"],
+    # speculation on, with a lookup so long that it never drafts: the cost of having it on
+    "never-swa-full": ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "200",
+                       "--spec-ngram-simple-size-m", "16", "--swa-full"],
     "ngram-map-k": ["--spec-type", "ngram-map-k"],
     "ngram-map-k4v": ["--spec-type", "ngram-map-k4v"],
     "ngram-mod": ["--spec-type", "ngram-mod"],
@@ -104,6 +108,14 @@ REPLY = (
 )
 
 
+#: Free-form asks, one per round in turn (with a seed per round).
+FREE = (
+    "Write a short story about a lighthouse keeper and a storm.",
+    "Write a letter to a friend about a week spent walking in the mountains.",
+    "Write a short essay on why cities plant trees along their streets.",
+)
+
+
 def _chat_history() -> list[dict[str, str]]:
     messages = [{"role": "system", "content": "You are a patient geography teacher."}]
     for i in range(8):
@@ -113,21 +125,23 @@ def _chat_history() -> list[dict[str, str]]:
     return messages
 
 
-def workload_bodies(name: str, tokens: int) -> list[dict[str, Any]]:
-    """The request bodies of one workload (several for the concurrent one)."""
+def workload_bodies(name: str, tokens: int, rnd: int = 0) -> list[dict[str, Any]]:
+    """The request bodies of one workload (several for the concurrent one) in round ``rnd``: the
+    story's seed changes with the round (every arm gets the same one in a round), so free text
+    is judged on several stories, not one."""
     user = {"role": "user"}
     bodies = {
         "code-repeat": {"messages": [{**user, "content": "Repeat this Python code exactly, nothing else:\n\n" + CODE}]},
         "code-edit": {"messages": [{**user, "content": "Rewrite this Python code with the function `fits` renamed "
                                     "to `fits_on`, and output the whole file:\n\n" + CODE}]},
         "long-chat": {"messages": _chat_history()},
-        "free": {"messages": [{**user, "content": "Write a short story about a lighthouse keeper and a storm."}],
-                 "temperature": 0.8, "seed": 7},
+        "free": {"messages": [{**user, "content": FREE[rnd % len(FREE)]}],
+                 "temperature": 0.8, "seed": 7 + rnd},
         "json": {"messages": [{**user, "content": "Output a JSON array of ten users, each with id, name, email, "
                                "age and city. Only the JSON."}]},
     }  # fmt: skip
     if name == "concurrent":
-        return [b for n in ("free", "json", "code-edit", "long-chat") for b in workload_bodies(n, tokens)]
+        return [b for n in ("free", "json", "code-edit", "long-chat") for b in workload_bodies(n, tokens, rnd)]
     body = {"temperature": 0, "max_tokens": tokens, "stream": True, "stream_options": {"include_usage": True},
             **bodies[name]}  # fmt: skip
     return [body]
@@ -195,8 +209,8 @@ async def one_stream(http: httpx.AsyncClient, url: str, body: dict[str, Any], pi
     }
 
 
-async def run_workload(http: httpx.AsyncClient, arm: Arm, workload: str, tokens: int) -> dict[str, Any]:
-    bodies = [{**b, "model": arm.model} for b in workload_bodies(workload, tokens)]
+async def run_workload(http: httpx.AsyncClient, arm: Arm, workload: str, tokens: int, rnd: int = 0) -> dict[str, Any]:
+    bodies = [{**b, "model": arm.model} for b in workload_bodies(workload, tokens, rnd)]
     url = arm.server.base_url + "/v1/chat/completions"
     if arm.transcript:  # what trioshed sends for a model without a chat template (Gemma 3 270M)
         bodies = [transcript_completion_body(b) for b in bodies]
@@ -346,13 +360,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             # trioshed runs one runner per model file: the plain entry gets a link of its own.
             os.link(model, work / "models" / "gemma3-plain.gguf")
             (work / "models" / "models.toml").write_text(
-                '[models.gemma3]\npath = "gemma3.gguf"\nspeculation = "ngram"\n\n'
+                '[models.gemma3]\npath = "gemma3.gguf"\n\n'
                 '[models.gemma3-plain]\npath = "gemma3-plain.gguf"\nspeculation = "off"\n', encoding="utf-8")  # fmt: skip
             server = await stack.enter_async_context(open_trioshed(
                 work / "models", FLAGS, log_dir, max_loaded=2,
-                extra_env={"TRIOSHED_CACHE_RAM": "0"},
+                extra_env={"TRIOSHED_CACHE_RAM": "0", "TRIOSHED_SPECULATION": SPECULATION_DEFAULT},
             ))  # fmt: skip
-            for name, m in (("trioshed-plain", "gemma3-plain"), ("trioshed-ngram", "gemma3")):
+            for name, m in (("trioshed-plain", "gemma3-plain"), ("trioshed-default", "gemma3")):
                 arms.append(Arm(name, server, m, runner_pid=await _trioshed_runner_pid(server, http, m)))
         for arm in arms:  # warm every prompt into the cache, and the first-request paths
             for workload in args.workloads:
@@ -361,7 +375,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             for workload in args.workloads:
                 k = rnd % len(arms)
                 for arm in arms[k:] + arms[:k]:
-                    sample = await run_workload(http, arm, workload, args.tokens)
+                    sample = await run_workload(http, arm, workload, args.tokens, rnd)
                     arm.samples.setdefault(workload, []).append(sample)
                     print(f"round {rnd + 1} {workload:12} {arm.name:16} tok/s {sample['tps'] or 0:6.1f}  "
                           f"tok/CPU-s {sample['tokens_per_cpu_s'] or 0:6.1f}  "
@@ -413,7 +427,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--transcript", action="store_true",
                    help="direct arms get trioshed's transcript on /v1/completions (its path for Gemma 3 270M)")
-    p.add_argument("--trioshed", action="store_true", help='add trioshed with speculation = "ngram" and with "off"')
+    p.add_argument("--trioshed", action="store_true", help='add trioshed with its default speculation and with "off"')
     p.add_argument("--out", type=Path, default=None, help="write FILE.json and FILE.md")
     args = p.parse_args(argv)
     args.arms = [a for a in args.arms.split(",") if a]

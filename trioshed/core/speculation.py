@@ -44,7 +44,7 @@ NGRAM: tuple[str, ...] = (
 #: What a speculation setting may say.
 CHOICES = (OFF, "ngram", *NGRAM_TYPES)
 #: The default: on only if no workload measured was more than ~3 % slower with it. Through
-#: trioshed on a quiet 2-core machine the 12-token lookup ran copied code at ~1.9x tokens/s and
+#: trioshed on a quiet 2-core machine the 12-token lookup ran copied code at ~1.7x tokens/s and
 #: no workload slower than plain, free-form text included (docs/benchmarks.md).
 DEFAULT = "ngram"
 
