@@ -226,7 +226,8 @@ class Settings:
     #: (trioshed.core.speculation: off, ngram, or an n-gram kind by llama.cpp's name).
     speculation: str = SPECULATION_DEFAULT
     #: Runners with batch-invariant kernels: flash attention on and weights not repacked, so a
-    #: token's numbers do not depend on the batch it is computed in (RunnerOptions.batch_invariant).
+    #: token checked in a verification batch gets the numbers it gets alone
+    #: (RunnerOptions.batch_invariant).
     batch_invariant: bool = False
 
     @classmethod

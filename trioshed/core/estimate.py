@@ -443,7 +443,8 @@ def estimate(
     output_weight = 0
     repack = 0
     for t in meta.tensors:
-        if not opts.batch_invariant and t.ggml_type in REPACKED_TYPES and len(t.shape) == 2 and t.shape[1] % 8 == 0:
+        repackable = t.ggml_type in REPACKED_TYPES and len(t.shape) == 2 and t.shape[1] % 8 == 0
+        if repackable and not opts.batch_invariant:  # --no-repack keeps no second copy
             if not t.name.startswith(_INPUT_PREFIXES):  # looked up by row, never multiplied
                 repack += t.nbytes
         m = _LAYER.match(t.name)

@@ -95,9 +95,9 @@ class RunnerOptions:
     speculation: str = "off"
     #: A draft model's GGUF file (``--model-draft``; "" = none), placed and counted with the target.
     draft: str = ""
-    #: Kernels whose result for a token does not depend on the batch it is computed in
-    #: (``--no-repack``, with flash attention on): the same tokens at temperature 0 with or
-    #: without speculation; no repacked copy of the weights to count.
+    #: Kernels that give a token checked in a verification batch the numbers it gets alone
+    #: (``--no-repack``, with flash attention on; measured on the CPU): the same tokens at
+    #: temperature 0 with or without speculation; no repacked copy of the weights to count.
     batch_invariant: bool = False
 
     @property
