@@ -174,9 +174,9 @@ async def _raw_answers(base_url: str, model: str) -> list[tuple[str, int | None]
 @pytest.mark.slow
 @pytest.mark.usefixtures("no_leaked_runner")
 async def test_batch_invariant_runners_answer_as_without_speculation(tmp_path: Path, gemma_model: Path) -> None:
-    """TRIOSHED_BATCH_INVARIANT (flash attention, weights not repacked): a token's numbers do not
-    depend on the batch it is computed in, so the answers with speculation are the answers
-    without, token for token, where the default kernels differ."""
+    """TRIOSHED_BATCH_INVARIANT (flash attention, weights not repacked): a token checked in a
+    verification batch gets the numbers it gets alone, so the answers with speculation are the
+    answers without, token for token, where the default kernels differ."""
 
     def alone(args: list[str]) -> str:
         with running_llama_server(gemma_model, [*DIRECT_ARGS, *args], timeout=120) as direct:

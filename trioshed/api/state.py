@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -31,6 +32,12 @@ from trioshed.usage.recorder import UsageRecorder
 
 if TYPE_CHECKING:  # imported by the first pull: with its HTTP client, memory an idle server never needs
     from trioshed.models.pull import Puller
+
+@functools.lru_cache(maxsize=64)
+def _writes_text(header: GGUFMetadata) -> bool:
+    """:func:`generates` once per header read, not per request (it scans the tensor names)."""
+    return generates(header.fields, (t.name for t in header.tensors))
+
 
 _RUNNER_FIELDS = {"num_ctx", "num_batch", "num_gpu", "main_gpu", "use_mmap", "num_thread"}
 
@@ -90,6 +97,7 @@ class AppState:
         clamped to the model's trained context, and ``num_batch`` to ``num_ctx``.
         """
         s = self.settings
+        header = self._header(model)
         options = RunnerOptions(
             num_ctx=s.context_length or FLOOR,
             num_parallel=model.num_parallel or s.num_parallel,
@@ -99,7 +107,7 @@ class AppState:
             cache_ram_mib=s.cache_ram // MiB,
             swa_full=s.kv_cache_budget > 0,  # warm returns: a restored SWA slot is reused only so
             extra_args=model.args,
-            speculation=self._speculation(model),
+            speculation=self._speculation(model, header),
             draft=self._draft_path(model),
             batch_invariant=s.batch_invariant,
         )
@@ -117,45 +125,48 @@ class AppState:
             options = replace(options, **merged)  # type: ignore[arg-type]
         except TypeError as exc:
             raise BadRequest(f"invalid runner option: {exc}") from None
-        trained = self.trained_context(model)
+        trained = self.trained_context(model, header)
         if not s.context_length and "num_ctx" not in merged:
             options = replace(options, num_ctx=automatic_context(need, trained, s.context_max))
         if options.num_ctx < 4:
             options = replace(options, num_ctx=4)
         return clamp(options, trained)
 
-    def _speculation(self, spec: ModelSpec) -> str:
+    @staticmethod
+    def _header(spec: ModelSpec) -> GGUFMetadata | None:
+        """The model's GGUF header (None: unreadable; the estimator and the load report that).
+        Read once per file as it is now (cached: a stat), ~40 ms the first time for gemma3."""
+        try:
+            return cached_metadata(spec.path) or read_metadata(spec.path)
+        except (OSError, ValueError):
+            return None
+
+    def _speculation(self, spec: ModelSpec, header: GGUFMetadata | None) -> str:
         """The model's speculation setting, else the server's; off for a model that writes no
         text (embedding, rerank): nothing to draft."""
         speculation = spec.speculation or self.settings.speculation
-        if speculation == OFF:
-            return OFF
-        try:
-            meta = cached_metadata(spec.path) or read_metadata(spec.path)
-        except (OSError, ValueError):
-            return speculation  # the load reports the unreadable file
-        return speculation if generates(meta.fields, (t.name for t in meta.tensors)) else OFF
+        if speculation == OFF or header is None:  # an unreadable file: the load reports it
+            return speculation
+        return speculation if _writes_text(header) else OFF
 
-    def trained_context(self, spec: ModelSpec) -> int:
-        """The model's trained context (0: unknown, its header unreadable: the estimator and
-        the load report that). The header is read once per file (cached), ~40 ms for gemma3.
+    @staticmethod
+    def trained_context(spec: ModelSpec, header: GGUFMetadata | None) -> int:
+        """The model's trained context (0: unknown, its ``header`` unreadable).
 
         ``models.toml`` args that scale RoPE themselves (``--rope-scaling``, ``--rope-scale``,
         ``--yarn-orig-ctx``) are the user's word: ``--rope-scale N`` multiplies the trained
         context by N, the others lift the limit (0)."""
-        try:
-            meta = cached_metadata(spec.path) or read_metadata(spec.path)
-        except (OSError, ValueError):
+        if header is None:
             return 0
         args = spec.args
         if "--rope-scale" in args:
             try:
-                return int(meta.context_length * float(args[args.index("--rope-scale") + 1]))
+                return int(header.context_length * float(args[args.index("--rope-scale") + 1]))
             except (IndexError, ValueError):
                 return 0
         if "--rope-scaling" in args or "--yarn-orig-ctx" in args:
             return 0
-        return meta.trained_context
+        return header.trained_context
 
     def _draft_path(self, model: ModelSpec) -> str:
         """The GGUF file of ``model``'s draft model ("" = none), resolved in the store now."""
