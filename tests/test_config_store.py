@@ -10,7 +10,8 @@ import pytest
 from trioshed.config import Settings, parse_bytes, parse_devices, parse_duration, parse_host
 from trioshed.core.model import ModelSpec, Placement, RunnerOptions
 from trioshed.errors import BadRequest, ModelNotFound
-from trioshed.models.store import ModelStore, split_name
+from trioshed.models.names import split_name
+from trioshed.models.store import ModelStore
 from trioshed.runner.command import build_command, llama_device_name
 
 

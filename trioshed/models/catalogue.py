@@ -38,6 +38,7 @@ from types import MappingProxyType
 from trioshed.config import parse_duration
 from trioshed.core.speculation import OFF, parse_speculation
 from trioshed.errors import BadRequest
+from trioshed.models.names import full_name
 
 #: llama-server flags a model may add through ``args``, with the number of values each takes.
 #: Only flags that change neither what trioshed decides (model, port, context, slots, batch,
@@ -150,14 +151,6 @@ class Catalogue:
     @property
     def preload(self) -> tuple[Entry, ...]:
         return tuple(e for e in self.entries if e.preload)
-
-
-def full_name(name: str) -> str:
-    """``"qwen"`` → ``"qwen:latest"``; raises BadRequest for a name the store would refuse."""
-    from trioshed.models.store import split_name
-
-    base, tag = split_name(name)
-    return f"{base}:{tag}"
 
 
 def load_catalogue(path: Path, root: Path | None = None) -> Catalogue:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import re
 import stat as stat_module
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,27 +27,9 @@ from pathlib import Path
 from trioshed.core.model import ModelSpec
 from trioshed.errors import BadRequest, Forbidden, ModelNotFound
 from trioshed.models.catalogue import Catalogue, Entry, load_catalogue
+from trioshed.models.names import is_name_part, split_name
 
 log = logging.getLogger(__name__)
-
-MAX_NAME = 255  # a file name's limit on Linux filesystems
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-_TAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-
-
-def split_name(name: str) -> tuple[str, str]:
-    """``"gemma3-270m:latest"`` → ``("gemma3-270m", "latest")``; names that could escape → 400."""
-    if not isinstance(name, str) or not name.strip():
-        raise BadRequest("model is required")
-    if len(name) > MAX_NAME:
-        raise BadRequest(f"invalid model name: {len(name)} characters, the limit is {MAX_NAME}")
-    base, _, tag = name.strip().partition(":")
-    tag = tag or "latest"
-    if "/" in base or "\\" in base or ".." in base or not _NAME.match(base) or not _TAG.match(tag):
-        raise BadRequest(
-            f"invalid model name {name!r}: use letters, digits, '.', '_' and '-' with an optional ':tag'"
-        )
-    return base, tag
 
 
 @dataclass
@@ -176,7 +157,7 @@ class ModelStore:
         # is_file and two resolves per file were ~17 system calls each).
         for found_file in entries:
             stem = found_file.name[: -len(".gguf")]
-            if not _NAME.match(stem):
+            if not is_name_part(stem):
                 continue
             try:
                 st = found_file.stat()  # follows a symlink

@@ -27,10 +27,11 @@ from typing import Any
 from trioshed.core.model import ModelSpec
 from trioshed.errors import BadRequest, Conflict, Forbidden, ModelNotFound
 from trioshed.models.blobs import write_manifest
-from trioshed.models.catalogue import Catalogue, full_name, parse_catalogue
+from trioshed.models.catalogue import Catalogue, parse_catalogue
+from trioshed.models.names import full_name, split_name
 from trioshed.models.ollama_store import OllamaManifest, OllamaStore, is_ollama_store, parse_name
 from trioshed.models.pull_plan import PULLED, manifest_path_parts
-from trioshed.models.store import ModelStore, split_name
+from trioshed.models.store import ModelStore
 
 Backend = ModelStore | OllamaStore
 

@@ -32,6 +32,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from trioshed.models.tiny_gguf import write_tiny_model
 from trioshed.runner.binary import (
     LlamaBinary,
     bundled_llama_server,
@@ -121,8 +122,6 @@ def _free_port() -> int:
 
 def probe(binary: LlamaBinary, timeout: float = 120.0) -> str | None:
     """Load a tiny model with ``binary``; None when it answers /health, else what went wrong."""
-    from trioshed.testing.tiny import write_tiny_model
-
     with tempfile.TemporaryDirectory() as tmp:
         model = write_tiny_model(Path(tmp) / "probe.gguf")
         port = _free_port()
