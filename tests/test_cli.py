@@ -7,14 +7,22 @@ import json
 import os
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 import trio
 
-from trioshed import __version__, cli_format
-from trioshed.cli import COMMANDS, build_parser, main
+from trioshed import __version__
+from trioshed.cli import COMMANDS, build_parser, main, run_command
+from trioshed.cli import format as cli_format
+from trioshed.cli.chat import CHAT_HELP, chat
+from trioshed.cli.client import CommandError
+from trioshed.cli.queries import cmd_list, cmd_show
+from trioshed.config import Settings
 from trioshed.testing.llama import free_port
 from trioshed.testing.server import open_test_server
 
@@ -390,3 +398,88 @@ def test_serves_help_gives_the_defaults_docs_settings_gives() -> None:
         default = text.split(": ")[0]  # "0: 3 per GPU, 3 on CPU" -> "0"
         row = re.search(rf"^\| `{name}` \| `([^`]+)`", docs, flags=re.M)
         assert row is not None and row[1] == default, (name, default)
+
+
+# --- each verb alone: a function of its flags and the settings (in-process, a fake server) ------
+
+
+class FakeOllama(BaseHTTPRequestHandler):
+    """Answers ``/api/tags`` and ``/api/chat`` (streamed, echoing the last message), 404 for any
+    other model to show; each request body is kept in ``seen``."""
+
+    seen: list[tuple[str, dict[str, object]]] = []
+
+    def _answer(self, status: int, lines: list[dict[str, object]]) -> None:
+        body = b"".join(json.dumps(line).encode() + b"\n" for line in lines)
+        self.send_response(status)
+        self.send_header("Content-Type", "application/x-ndjson")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:
+        self.seen.append((self.path, {}))
+        models = [{"name": "tiny:latest", "digest": "sha256:" + "e" * 64, "size": 9_400, "modified_at": "2026-12-04T10:00:00Z"}]
+        self._answer(200, [{"models": models}])
+
+    def do_POST(self) -> None:
+        request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.seen.append((self.path, request))
+        if self.path != "/api/chat":
+            self._answer(404, [{"error": f"model '{request['model']}' not found"}])
+        elif not request["messages"]:
+            self._answer(200, [{"done": True}])
+        else:
+            said = request["messages"][-1]["content"]
+            self._answer(200, [{"message": {"content": "you said "}}, {"message": {"content": said}, "done": True}])
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def fake_server() -> Iterator[Settings]:
+    """The settings of a client asking a :class:`FakeOllama` in a thread of this process."""
+    FakeOllama.seen = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeOllama)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield Settings(host="127.0.0.1", port=server.server_address[1])
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def test_a_verb_is_a_function_of_its_flags_and_settings(fake_server: Settings, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cmd_list(build_parser().parse_args(["list"]), fake_server) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[1].split()[:4] == ["tiny:latest", "eeeeeeeeeeee", "9.4", "KB"]
+    show = build_parser().parse_args(["show", "nope"])
+    with pytest.raises(CommandError, match="model 'nope' not found"):
+        cmd_show(show, fake_server)
+    assert run_command(cmd_show, show, fake_server) == 1  # main's one error line, exit status 1
+    assert capsys.readouterr().err == "Error: model 'nope' not found\n"
+    nobody = Settings(host="127.0.0.1", port=free_port())
+    assert run_command(cmd_list, build_parser().parse_args(["ls"]), nobody) == 1
+    assert "could not connect to trioshed at 127.0.0.1:" in capsys.readouterr().err
+
+
+def test_the_chat_reads_its_lines_from_the_caller(fake_server: Settings, capsys: pytest.CaptureFixture[str]) -> None:
+    lines = iter(["/?", "hello", '"""two', 'lines"""', "/clear", "/nope", "again"])
+
+    def read(prompt: str) -> str:
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+
+    assert chat(build_parser().parse_args(["run", "m", "--keepalive", "10m"]), fake_server, read=read) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(CHAT_HELP) and "you said hello\n\n" in out and "you said two\nlines\n\n" in out
+    assert "Cleared session context\nUnknown command '/nope'. Type /? for help\nyou said again\n" in out
+    chats = [body for path, body in FakeOllama.seen if path == "/api/chat"]
+    assert chats[0] == {"model": "m", "messages": [], "keep_alive": "10m"}  # the model loaded first
+    assert [m["content"] for m in chats[2]["messages"]] == ["hello", "you said hello", "two\nlines"]  # type: ignore[index]
+    assert chats[3]["messages"] == [{"role": "user", "content": "again"}]  # after /clear

@@ -126,7 +126,7 @@ async def test_trioshed_pull_with_and_without_a_server(model_store: Path, gguf: 
 
 
 def test_the_progress_view() -> None:
-    from trioshed.cli_progress import PullView
+    from trioshed.cli.progress import PullView
 
     lines = [{"status": "pulling manifest"},
              {"status": "pulling aaaaaaaaaaaa", "digest": "sha256:" + "a" * 64, "total": 2000, "completed": 0},

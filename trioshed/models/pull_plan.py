@@ -53,15 +53,6 @@ _HF_PATH_PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._+-]*$")
 _TEXT_MEDIA = {o.MEDIA_PARAMS, o.MEDIA_TEMPLATE, o.MEDIA_SYSTEM, o.MEDIA_LICENSE, "application/vnd.ollama.image.messages"}
 
 
-def human_bytes(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if value < 1000 or unit == "TB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1000
-    return f"{n} B"  # pragma: no cover - the loop always returns
-
-
 @dataclass(frozen=True)
 class Target:
     """A name to pull: where it comes from (``"ollama"`` or ``"hf"``) and how it is stored."""

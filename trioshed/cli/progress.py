@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trioshed.models.pull_plan import human_bytes
+from trioshed.cli.format import human_bytes
 
 BAR = 40
 

@@ -15,7 +15,8 @@ FOREVER_YEAR = 2300
 
 
 def human_bytes(n: int) -> str:
-    """Ollama's ``format.HumanBytes``: decimal units, whole numbers from 10 up (``291 MB``)."""
+    """Ollama's ``format.HumanBytes``: decimal units, whole numbers from 10 up (``291 MB``); the
+    sizes of ``list`` and ``ps`` and of a pull's progress bars."""
     value = float(n)
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if value < 1000 or unit == "TB":
