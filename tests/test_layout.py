@@ -37,7 +37,6 @@ EXEMPT: dict[str, str] = {
 TEMPORARY_EXEMPT: dict[str, str] = {
     "trioshed/scheduler/scheduler.py": "being split",
     "trioshed/core/sched.py": "being split",
-    "trioshed/cli.py": "being split",
 }
 
 #: Third-party packages of the HTTP edge, allowed only under ``trioshed/api/``.
