@@ -136,6 +136,11 @@ def test_one_header_cache_by_the_files_identity(tmp_path: Path, monkeypatch: pyt
     os.remove(path)
     assert header_of(spec) is header  # the identity the store resolved: no system call
     assert cached_metadata(path) is None  # the file as it is now: gone
+    real = write_tiny_model(tmp_path / "real.gguf")
+    (tmp_path / "link.gguf").symlink_to(real)
+    st = real.stat()
+    linked = ModelSpec("l:latest", str(tmp_path / "link.gguf"), size=st.st_size, modified=st.st_mtime)
+    assert header_of(linked) is read_metadata(real) is read_metadata(tmp_path / "link.gguf")  # one file, one header
     monkeypatch.setattr(gguf_meta, "CACHE_SIZE", 2)  # bounded, oldest out first
     others = [read_metadata(write_tiny_model(tmp_path / f"{i}.gguf")) for i in range(3)]
     assert cached_metadata(tmp_path / "0.gguf") is None and cached_metadata(tmp_path / "2.gguf") is others[2]

@@ -298,13 +298,16 @@ def read_metadata(path: str | os.PathLike[str], *, size: int = 0, modified: floa
     Raises :class:`GGUFError` for files that are not GGUF v2/v3 or are cut short, and ``OSError``
     (``FileNotFoundError``…) when the file cannot be opened.
     """
-    meta = cached_metadata(path, size=size, modified=modified)
-    if meta is not None:
-        return meta
-    key = _identity(path)
-    meta = parse_file(key[0], key[1])
-    _remember(key, meta)
     if size and modified:
+        meta = _headers.get((os.fspath(path), size, modified))
+        if meta is not None:
+            return meta
+    key = _identity(path)
+    meta = _headers.get(key)
+    if meta is None:
+        meta = parse_file(key[0], key[1])
+        _remember(key, meta)
+    if size and modified:  # the caller's name for the file may not be its real path
         _remember((os.fspath(path), size, modified), meta)
     return meta
 
