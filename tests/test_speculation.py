@@ -15,15 +15,13 @@ from trioshed.core.placement import place
 from trioshed.core.speculation import (
     CHOICES,
     DEFAULT,
-    NGRAM,
     drafted_accepted,
-    ngram_args,
     parse_speculation,
 )
 from trioshed.models.catalogue import parse_catalogue
 from trioshed.models.gguf_meta import read_metadata
 from trioshed.models.vocab import incompatibility
-from trioshed.runner.command import build_command
+from trioshed.runner.command import NGRAM, build_command, ngram_args
 from trioshed.runner.memlog import parse_memory_log
 from trioshed.testing.tiny import write_tiny_model
 

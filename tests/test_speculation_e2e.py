@@ -18,7 +18,7 @@ import openai
 import pytest
 import trio
 
-from trioshed.core.speculation import NGRAM
+from trioshed.runner.command import NGRAM
 from trioshed.testing.llama import running_llama_server
 from trioshed.testing.server import open_test_server
 from trioshed.testing.tiny import write_tiny_model

@@ -1,10 +1,5 @@
-"""What a request must satisfy before any handler runs, and the bounds on runner options (pure).
-
-Runner options choose a process (``num_ctx`` sizes its KV cache, ``num_gpu`` its placement): an
-absurd value would load, or evict to make room for, a runner that serves nobody. So values no
-model can use are refused with 400 before the scheduler sees them; within the bounds, Ollama's
-meaning holds (``num_gpu`` above the layer count offloads everything, ``num_ctx`` 1-3 becomes 4).
-"""
+"""What a request must satisfy before any handler runs (pure). The bounds on runner options
+are the runner options' own (:data:`trioshed.core.runner_options.RUNNER_BOUNDS`)."""
 
 from __future__ import annotations
 
@@ -19,24 +14,6 @@ from trioshed.errors import BadRequest, UnsupportedMediaType
 # (Ollama's own docs use ``curl -d``, i.e. application/x-www-form-urlencoded) and no type at all.
 JSON_CONTENT_TYPES = ("application/json", "text/plain", "application/x-www-form-urlencoded", "application/octet-stream")
 
-MAX_NUM_CTX = 1 << 24  # 16 Mi tokens: above every model's training context (Llama 4 Scout: 10 M)
-MAX_NUM_GPU = 1 << 16  # layers; "999" (= all) is a common idiom, no model has 65 Ki layers
-MAX_NUM_THREAD = 1 << 12
-MAX_NUM_BATCH = 1 << 20
-
-# name -> (lowest, highest) accepted
-RUNNER_BOUNDS: dict[str, tuple[int, int]] = {
-    "num_ctx": (1, MAX_NUM_CTX),
-    "num_gpu": (-1, MAX_NUM_GPU),
-    "main_gpu": (0, 1 << 10),
-    "num_thread": (0, MAX_NUM_THREAD),
-    # llama-server's warm-up decodes 2 tokens in one batch: num_batch 1 aborts it at start-up
-    # (GGML_ASSERT n_tokens_all <= n_batch, found by fuzzing), and the model's load back-off then
-    # refused everyone's requests for it
-    "num_batch": (2, MAX_NUM_BATCH),
-}
-
-
 def check_content_type(content_type: str | None, method: str) -> None:
     """A body-carrying request must say JSON (or one of the lenient defaults) if it says anything."""
     if method not in ("POST", "PUT", "PATCH") or not content_type:
@@ -45,15 +22,6 @@ def check_content_type(content_type: str | None, method: str) -> None:
     if mime in JSON_CONTENT_TYPES or mime.endswith("+json"):
         return
     raise UnsupportedMediaType(f"unsupported Content-Type {mime!r}: send the request body as application/json")
-
-
-def check_runner_options(options: Mapping[str, Any]) -> None:
-    """Raise BadRequest for a runner option outside :data:`RUNNER_BOUNDS` (types are checked
-    where options are parsed)."""
-    for name, (low, high) in RUNNER_BOUNDS.items():
-        value = options.get(name)
-        if isinstance(value, int) and not isinstance(value, bool) and not low <= value <= high:
-            raise BadRequest(f"option {name}={value} is out of range: use {low} to {high}")
 
 
 def check_num_predict(value: object) -> None:

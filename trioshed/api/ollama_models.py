@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
-import os
 from datetime import UTC, datetime
 from typing import Any
 
@@ -19,7 +17,7 @@ from trioshed.core.estimate import effective_kv_type, estimate
 from trioshed.core.model import ModelSpec, RunnerOptions
 from trioshed.keys import current_key
 from trioshed.models import modelfile
-from trioshed.models.gguf_meta import human_params, read_metadata
+from trioshed.models.header_cache import header_of, listing_facts
 from trioshed.models.ollama_store import OllamaManifest
 from trioshed.scheduler import RunnerStats
 
@@ -40,22 +38,11 @@ def rfc3339(ts: float) -> str:
 _NO_DETAILS = {"parent_model": "", "format": "gguf", "family": "", "families": None, "parameter_size": "", "quantization_level": ""}
 
 
-@functools.lru_cache(maxsize=4096)
-def _file_details(path: str, identity: tuple[int, int, int, int]) -> tuple[str, str, str]:
-    """(architecture, parameter size, quantization) of a GGUF file as it is now (``identity``:
-    device, inode, mtime, size): a few bytes per model, so a store of thousands lists from
-    memory with one stat each (the full headers' cache holds 64)."""
-    del identity  # part of the cache key only
-    meta = read_metadata(path)
-    return meta.architecture or "", human_params(meta.parameter_count), meta.quantization or ""
-
-
 def details_now(spec: ModelSpec) -> dict[str, Any]:
     """A model's ``details`` as Ollama lists them. Blocking (a stat; the header on a miss): call
     it in a worker thread. A broken or vanished file still lists, with what is known."""
     try:
-        st = os.stat(spec.path)
-        arch, params, quant = _file_details(spec.path, (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size))
+        arch, params, quant = listing_facts(spec.path)
     except Exception as exc:
         log.warning("cannot read metadata of model '%s': %s", spec.name, exc)
         return dict(_NO_DETAILS)
@@ -163,7 +150,7 @@ def _runner_settings_now(
     try:
         kv_type = effective_kv_type(options)
         if spec is not None and kv_type not in ("f16", "f32", "bf16"):  # the header decides only then
-            kv_type = effective_kv_type(options, read_metadata(spec.path))
+            kv_type = effective_kv_type(options, header_of(spec))
     except (OSError, ValueError):
         pass
     out: dict[str, Any] = {

@@ -1,4 +1,5 @@
-"""Speculative decoding: which kind a runner uses, and the llama-server flags for it (pure).
+"""Speculative decoding: which kind a runner uses (pure; llama-server's flags for it are spelled
+in :func:`trioshed.runner.command.speculation_args`).
 
 llama-server b10068 verifies drafted tokens against the model itself, so a draft only changes
 the speed; at temperature 0 the tokens are those of plain decoding up to rounding: on the CPU a
@@ -17,7 +18,7 @@ with speculation as without. Two sources of drafts:
   (:mod:`trioshed.core.estimate`).
 
 A setting (``TRIOSHED_SPECULATION``, ``models.toml``'s ``speculation``) is ``"off"``,
-``"ngram"`` (the n-gram kind and parameters chosen by measurement, :data:`NGRAM`) or one of
+``"ngram"`` (the n-gram kind and parameters chosen by measurement, :data:`MEASURED`) or one of
 llama.cpp's n-gram kinds by name with llama.cpp's defaults (:data:`NGRAM_TYPES`).
 
 Why a long lookup: on the CPU a verification batch is not free. Measured on Gemma 3 270M, a
@@ -31,16 +32,28 @@ context already holds the same 12 tokens: copied code almost always continues as
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 OFF = "off"
 #: llama-server b10068's n-gram kinds (``--spec-type``), usable by name.
 NGRAM_TYPES = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
+
+
+@dataclass(frozen=True)
+class NgramDrafting:
+    """An n-gram drafting choice: llama.cpp's kind, and for ``ngram-simple`` the lookup length
+    (the tokens that must be found earlier in the context) and the longest draft; None:
+    llama.cpp's default."""
+
+    kind: str
+    lookup: int | None = None
+    draft: int | None = None
+
+
 #: What ``"ngram"`` means: the kind and parameters measured best on Gemma 3 270M
 #: (bench/speculation.py; docs/benchmarks.md has the table): drafts of up to 16 tokens, only
 #: after the last 12 tokens are found earlier in the context.
-NGRAM: tuple[str, ...] = (
-    "--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "12", "--spec-ngram-simple-size-m", "16",
-)  # fmt: skip
+MEASURED = NgramDrafting("ngram-simple", lookup=12, draft=16)
 #: What a speculation setting may say.
 CHOICES = (OFF, "ngram", *NGRAM_TYPES)
 #: The default: on only if no workload measured was more than ~3 % slower with it. Through
@@ -65,14 +78,14 @@ def parse_speculation(value: object) -> str:
     raise ValueError(f"use one of {', '.join(CHOICES)} (got {value!r})")
 
 
-def ngram_args(speculation: str) -> list[str]:
-    """The ``--spec-*`` flags for an n-gram setting (none for ``"off"``)."""
+def ngram_drafting(speculation: str) -> NgramDrafting | None:
+    """What an n-gram setting drafts with (None for ``"off"``)."""
     if speculation == OFF:
-        return []
+        return None
     if speculation == "ngram":
-        return list(NGRAM)
+        return MEASURED
     if speculation in NGRAM_TYPES:
-        return ["--spec-type", speculation]
+        return NgramDrafting(speculation)
     raise ValueError(f"unknown speculation {speculation!r}")
 
 

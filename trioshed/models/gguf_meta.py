@@ -23,6 +23,7 @@ import io
 import logging
 import os
 import struct
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -34,14 +35,15 @@ import numpy as np
 from trioshed.core.context import trained_context
 from trioshed.errors import ModelUnreadable
 
-__all__ = ["SMALL_ARRAY", "ArrayInfo", "GGUFError", "GGUFMetadata", "TensorInfo", "read_metadata", "unreadable"]
+__all__ = ["SMALL_ARRAY", "ArrayInfo", "GGUFError", "GGUFMetadata", "TensorInfo", "cached_metadata", "read_metadata", "unreadable"]
 
 log = logging.getLogger(__name__)
 
 #: Arrays with at most this many elements are decoded (as tuples); longer ones become ArrayInfo.
 SMALL_ARRAY = 64
-#: How many parsed files :func:`read_metadata` keeps.
-CACHE_SIZE = 64
+#: How many parsed headers :func:`read_metadata` keeps: every model the status page lists (500)
+#: stays cached, so a listing after the first costs a stat per model.
+CACHE_SIZE = 1024
 
 _GGUF_MAGIC = b"GGUF"
 _VT = gguf.GGUFValueType
@@ -287,40 +289,62 @@ def _int_or_tuple(value: Any) -> int | tuple[int, ...]:
     return int(value)
 
 
-def read_metadata(path: str | os.PathLike[str]) -> GGUFMetadata:
-    """Parse ``path``'s GGUF header; cached by (real path, mtime, size), least recently used out.
+def read_metadata(path: str | os.PathLike[str], *, size: int = 0, modified: float = 0.0) -> GGUFMetadata:
+    """Parse ``path``'s GGUF header, through the one cache of headers (:data:`CACHE_SIZE`).
 
+    ``size`` and ``modified`` (``st_mtime``) are the file's identity as a caller saw it (a
+    :class:`~trioshed.core.model.ModelSpec` as the store resolved it): a hit then costs no system
+    call. Otherwise the file is found by its real path, size and mtime as it is now (a stat).
     Raises :class:`GGUFError` for files that are not GGUF v2/v3 or are cut short, and ``OSError``
     (``FileNotFoundError``…) when the file cannot be opened.
     """
-    real = os.path.realpath(path)
-    st = os.stat(real)
-    key = (real, st.st_mtime_ns, st.st_size)
-    meta = _read_cached(*key)
-    if len(_known) >= CACHE_SIZE:
-        _known.clear()
-    _known[key] = meta
+    if size and modified:
+        meta = _headers.get((os.fspath(path), size, modified))
+        if meta is not None:
+            return meta
+    key = _identity(path)
+    meta = _headers.get(key)
+    if meta is None:
+        meta = parse_file(key[0], key[1])
+        _remember(key, meta)
+    if size and modified:  # the caller's name for the file may not be its real path
+        _remember((os.fspath(path), size, modified), meta)
     return meta
 
 
-_known: dict[tuple[str, int, int], GGUFMetadata] = {}
+#: The one cache of parsed headers, by the file's identity (path, size, mtime), oldest out first.
+#: The lock guards the eviction only (readers run on the event loop and in worker threads).
+_headers: dict[tuple[str, int, float], GGUFMetadata] = {}
+_lock = threading.Lock()
 
 
-def cached_metadata(path: str | os.PathLike[str]) -> GGUFMetadata | None:
-    """The header if :func:`read_metadata` already holds it for the file as it is now (a stat,
-    no read): lets async callers skip the worker thread on the hot path."""
-    real = os.path.realpath(path)
+def cached_metadata(
+    path: str | os.PathLike[str], *, size: int = 0, modified: float = 0.0
+) -> GGUFMetadata | None:
+    """The header if the cache holds it for the file as it is now (a stat, no read), or as the
+    caller saw it (``size`` and ``modified`` given: no system call): lets async callers skip the
+    worker thread on the hot path."""
+    if size and modified:
+        meta = _headers.get((os.fspath(path), size, modified))
+        if meta is not None:
+            return meta
     try:
-        st = os.stat(real)
+        return _headers.get(_identity(path))
     except OSError:
         return None
-    return _known.get((real, st.st_mtime_ns, st.st_size))
 
 
-@functools.lru_cache(maxsize=CACHE_SIZE)
-def _read_cached(real: str, mtime_ns: int, size: int) -> GGUFMetadata:
-    del mtime_ns  # part of the cache key only
-    return parse_file(real, size)
+def _identity(path: str | os.PathLike[str]) -> tuple[str, int, float]:
+    real = os.path.realpath(path)
+    st = os.stat(real)
+    return real, st.st_size, st.st_mtime
+
+
+def _remember(key: tuple[str, int, float], meta: GGUFMetadata) -> None:
+    with _lock:
+        while len(_headers) >= CACHE_SIZE:
+            del _headers[next(iter(_headers))]
+        _headers[key] = meta
 
 
 def parse_file(path: str, size: int | None = None) -> GGUFMetadata:

@@ -1,13 +1,21 @@
-"""The llama-server command line for a model, its runner options and its placement (pure)."""
+"""The llama-server command line for a model, its runner options and its placement (pure).
+
+llama-server's flags are spelled here and nowhere else: :func:`build_command` writes them, and
+:func:`parse_model_args` reads the few in a model's ``models.toml`` args that trioshed must know
+(its prompt cache, its RoPE scaling) into :class:`~trioshed.core.runner_options.ModelArgs`.
+"""
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from trioshed.core.estimate import MetadataLike, batch_sizes
 from trioshed.core.model import ModelSpec, Placement, RunnerOptions, rpc_endpoint
-from trioshed.core.speculation import ngram_args
+from trioshed.core.runner_options import ModelArgs
+from trioshed.core.speculation import ngram_drafting
 from trioshed.models.capabilities import is_reranker, pooling_type
 
 if TYPE_CHECKING:
@@ -68,6 +76,24 @@ def _split(values: tuple[float, ...] | list[int]) -> str:
     return ",".join(f"{x:.4g}" for x in values)
 
 
+def ngram_args(speculation: str) -> list[str]:
+    """The ``--spec-*`` flags for an n-gram setting (none for ``"off"``;
+    :func:`trioshed.core.speculation.ngram_drafting`)."""
+    drafting = ngram_drafting(speculation)
+    if drafting is None:
+        return []
+    argv = ["--spec-type", drafting.kind]
+    if drafting.lookup is not None:
+        argv += ["--spec-ngram-simple-size-n", str(drafting.lookup)]
+    if drafting.draft is not None:
+        argv += ["--spec-ngram-simple-size-m", str(drafting.draft)]
+    return argv
+
+
+#: The flags ``"ngram"`` (the measured default) stands for.
+NGRAM: tuple[str, ...] = tuple(ngram_args("ngram"))
+
+
 def speculation_args(
     options: RunnerOptions, placement: Placement, *, accounting_only: bool = False, kv_cache_type: str = "f16"
 ) -> list[str]:
@@ -89,6 +115,37 @@ def speculation_args(
     if options.flash_attention and kv_cache_type != "f16":
         argv += ["--cache-type-k-draft", kv_cache_type, "--cache-type-v-draft", kv_cache_type]
     return argv
+
+
+@functools.lru_cache(maxsize=256)
+def parse_model_args(args: tuple[str, ...]) -> ModelArgs:
+    """What a model's ``models.toml`` args mean to the runner options.
+
+    ``--cache-ram N`` is the model's own prompt-cache size: taken out of the args (every runner
+    gets an explicit ``--cache-ram``, the size counted in the estimate); one that cannot be read
+    stays in the args and the setting's size is counted. ``--rope-scale N`` multiplies the trained
+    context by N; ``--rope-scaling`` or ``--yarn-orig-ctx`` (or an unreadable ``--rope-scale``)
+    lift its limit: the user scales RoPE themselves.
+    """
+    passed, cache_ram = args, None
+    if "--cache-ram" in args:
+        at = args.index("--cache-ram")
+        try:
+            cache_ram = max(0, int(args[at + 1]))
+            passed = args[:at] + args[at + 2 :]
+        except (IndexError, ValueError):
+            pass
+    scale, unbounded = None, False
+    if "--rope-scale" in args:
+        try:
+            scale = float(args[args.index("--rope-scale") + 1])
+        except (IndexError, ValueError):
+            pass
+        if scale is None or not math.isfinite(scale):
+            scale, unbounded = None, True
+    elif "--rope-scaling" in args or "--yarn-orig-ctx" in args:
+        unbounded = True
+    return ModelArgs(passed=passed, cache_ram_mib=cache_ram, rope_scale=scale, rope_unbounded=unbounded)
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,8 @@ from trioshed._util import single_error
 from trioshed.core.estimate import effective_kv_type, kv_layer_bytes
 from trioshed.core.model import MeasuredMemory, ModelSpec, Placement, RunnerOptions
 from trioshed.errors import LoadFailed
-from trioshed.models.gguf_meta import read_metadata, unreadable
+from trioshed.models.gguf_meta import unreadable
+from trioshed.models.header_cache import read_header
 from trioshed.models.vocab import incompatibility
 from trioshed.runner.client import ConnectionFailed, UpstreamPool
 from trioshed.runner.command import LaunchConfig, build_command
@@ -403,7 +404,7 @@ async def open_llama_server(
     port = free_port()
     server = LlamaServer(model, options, placement, port)
     try:
-        meta = read_metadata(model.path)
+        meta = await read_header(model)  # the one header cache; a miss read in a worker thread
         kv_type = effective_kv_type(options, meta)
     except (OSError, ValueError) as exc:
         raise LoadFailed(unreadable(model.name, model.path, exc).message) from None
