@@ -25,6 +25,7 @@ from trioshed.core.model import RunnerOptions
 from trioshed.core.sched import RunnerState, RunnerView
 from trioshed.errors import ContextOutOfMemory, ContextTooLong, UpstreamError
 from trioshed.keys import ApiKey
+from trioshed.runner.client import ConnectionFailed
 from trioshed.scheduler import RunnerStats
 from trioshed.scheduler.fit import CountOn, PromptFit
 from trioshed.trace import RequestTrace
@@ -210,3 +211,23 @@ async def test_a_size_made_smaller_for_the_memory_grows_on_the_exact_count_or_is
             async with sched.acquire(spec("a"), RunnerOptions(num_ctx=32768), fit=counting(10000, [], need=30000)):
                 raise AssertionError("served")
         assert factory.sizes == [32768, 16384, 8192] and sched.statistics().leased == 0
+
+
+async def test_a_runner_that_hangs_while_it_counts_is_found_in_seconds(autojump_clock: trio.testing.MockClock) -> None:
+    """Watched as a request waiting for its answer is: killed as hung, the count fails, and the
+    request is leased by its bound on a new runner (not held for the stream's idle timeout)."""
+    async with running({"a": 1}) as h:
+        await h.once("a", options=SMALL)
+        h.factory.runner("a").frozen = True
+
+        async def count(on: CountOn) -> int | None:
+            try:
+                await on.upstream.post("/tokenize", b"{}")
+            except ConnectionFailed:
+                return None
+            raise AssertionError("a frozen runner answered")
+
+        started = trio.current_time()
+        async with h.sched.acquire(spec("a"), ASKED, fit=PromptFit(8000, 0, True, count)) as lease:
+            assert lease.options == ASKED
+        assert trio.current_time() - started < 10 and ("unhealthy", "a") in h.record

@@ -10,9 +10,11 @@ refuses, or grows the runner.
 Counting is no request of its own: it takes no slot and no lease, so it never sets a runner's
 keep-alive (a ``keep_alive: 0`` request is not unloaded by its own count and loaded again), nor
 its statistics (``served``, ``came_back``), nor the request's trace (its queue and load waits
-are its lease's); the request queues once. A count on a runner that leaves meanwhile fails,
-and a count that fails is no count: the request is leased by its bound, and llama-server
-checks its prompt (its own error is translated the same way).
+are its lease's); the request queues once. The runner is watched while it counts as while a
+request waits for its answer (``Runner.waiting_for_answer``: a hung one is killed within
+seconds). A count on a runner that leaves or hangs meanwhile fails, and a count that fails is
+no count: the request is leased by its bound, and llama-server checks its prompt (its own
+error is translated the same way).
 """
 
 from __future__ import annotations
@@ -76,13 +78,18 @@ async def fitted_lease(
     sizing = fit.uncounted(options, prompt.need, prompt.automatic)
     on_loaded = fit.count_first(loaded.view() if loaded is not None else None, model, options, prompt.automatic)
     if on_loaded is not None and loaded is not None:
-        tokens = await _count(prompt, CountOn(loaded.model, loaded.options, loaded.handle.upstream))
+        loaded.waiting_for_answer()  # watched as a request is: a hung runner is found in seconds
+        try:
+            tokens = await _count(prompt, CountOn(loaded.model, loaded.options, loaded.handle.upstream))
+        finally:
+            loaded.answered()
         if tokens is not None:
             sizing = fit.sized_by_count(tokens, options, on_loaded, prompt.output)
     held = await lease(sizing.options, sizing.floor)
     try:
         if fit.must_count(sizing.need, held.options):
-            tokens = await _count(prompt, CountOn(held.model, held.options, held.handle.upstream))
+            with held.waiting_for_answer():
+                tokens = await _count(prompt, CountOn(held.model, held.options, held.handle.upstream))
             if tokens is not None and (num_ctx := fit.regrow_to(tokens, held.options, held.shrunk, prompt.output, held.model)):
                 await held.regrow(num_ctx)
     except BaseException:
