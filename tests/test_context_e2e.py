@@ -148,3 +148,29 @@ async def test_a_loaded_runner_counts_before_the_context_grows(tmp_path: Path) -
             assert r.status_code == 200, r.text
             assert [e for e in record if e[0] == "load"] == [("load", "wide")]
             assert [r.context_length for r in server.scheduler.statistics().runners] == [4096]
+
+
+async def test_a_keep_alive_0_request_counted_on_the_loaded_runner_loads_its_model_once(tmp_path: Path) -> None:
+    """Counting a prompt on the loaded runner is no request of its own: a ``keep_alive: 0``
+    request whose bound would reload the model bigger is counted there, served there (the model
+    is not stopped by the count and loaded again), and unloaded after its answer."""
+    folder = tmp_path / "models"
+    folder.mkdir()
+    write_tiny_model(folder / "wide.gguf", context_length=16384)
+    with trio.fail_after(180):
+        async with open_test_server(folder) as server, httpx.AsyncClient(base_url=server.base_url, timeout=120) as http:
+            first = await http.post("/api/generate", json={"model": "wide", "prompt": SHORT, "stream": False,
+                                                           "options": {"num_predict": 1}})  # fmt: skip
+            assert first.status_code == 200, first.text
+            assert [r.context_length for r in server.scheduler.statistics().runners] == [4096]
+            # its bound (bytes, a template's markers, the output) asks 8192; its count fits 4096
+            text = "hi " * 1363 + "h"
+            r = await http.post("/tokenize", json={"model": "wide", "content": text})
+            assert r.status_code == 200 and 4000 < len(r.json()["tokens"]) < 4094
+            r = await http.post("/api/generate", json={"model": "wide", "prompt": text, "stream": False, "raw": True,
+                                                       "keep_alive": 0, "options": {"num_predict": 1}})  # fmt: skip
+            assert r.status_code == 200, r.text
+            stats = await server.scheduler.wait_statistics(lambda s: not s.runners)  # keep_alive 0: unloaded after
+            assert stats.loads == 1, stats  # never loaded again
+            metrics = (await http.get("/metrics")).text
+            assert "trioshed_loads_total 1.0" in metrics

@@ -93,9 +93,8 @@ async def test_per_key_limits_refuse_with_429(autojump_clock: trio.testing.MockC
         outcomes: list[str] = []
 
         async def one() -> None:
-            current_key.set(alice)
             try:
-                async with h.sched.acquire(spec("a"), RunnerOptions()):
+                async with h.sched.acquire(spec("a"), RunnerOptions(), key=alice):
                     outcomes.append("ok")
                     await trio.sleep(5)
             except TooManyRequests as exc:
@@ -128,9 +127,8 @@ async def flood_waits(fair: bool) -> dict[str, list[float]]:
         waits: dict[str, list[float]] = {"alice": [], "bob": []}
 
         async def one(key: ApiKey) -> None:
-            current_key.set(key if fair else ANONYMOUS)
             t0 = trio.current_time()
-            async with h.sched.acquire(spec("a"), two):
+            async with h.sched.acquire(spec("a"), two, key=key if fair else ANONYMOUS):
                 waits[key.name].append(trio.current_time() - t0)
                 await trio.sleep(1)
 
@@ -157,8 +155,7 @@ async def test_a_weight_gives_a_key_that_share(autojump_clock: trio.testing.Mock
         served: list[str] = []
 
         async def one(key: ApiKey) -> None:
-            current_key.set(key)
-            async with h.sched.acquire(spec("a"), one_slot):
+            async with h.sched.acquire(spec("a"), one_slot, key=key):
                 served.append(key.name)
                 await trio.sleep(1)
 

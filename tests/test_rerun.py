@@ -16,7 +16,7 @@ from tests.test_scheduler import running, spec
 from trioshed.api.upstream import open_upstream_bytes, post_upstream_raw
 from trioshed.core.model import RunnerOptions
 from trioshed.errors import LoadCooldown, LoadFailed, RunnerCrashed
-from trioshed.keys import ApiKey, current_key
+from trioshed.keys import ApiKey
 from trioshed.scheduler import Lease
 from trioshed.scheduler.lifetime import HEALTH_INTERVAL, PING_IDLE, PING_TIMEOUT
 from trioshed.testing.fake import FakeRunner
@@ -208,27 +208,24 @@ async def test_a_request_run_again_goes_ahead_of_those_that_came_after_it(autoju
 async def test_a_request_run_again_is_not_refused_by_a_full_queue_or_its_keys_limits(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    token = current_key.set(ApiKey("k", "s", max_concurrent=2, max_queued=1))
-    try:
-        async with running({"a": 1}, max_queue=1) as h:
-            await h.once("a")
-            runner = h.factory.runner("a")
-            runner.head_time = 5.0
-            done: list[bytes] = []
+    key = ApiKey("k", "s", max_concurrent=2, max_queued=1)
+    async with running({"a": 1}, max_queue=1) as h:
+        await h.once("a")
+        runner = h.factory.runner("a")
+        runner.head_time = 5.0
+        done: list[bytes] = []
 
-            async def request() -> None:
-                done.append((await _post(h))[0])
+        async def request() -> None:
+            done.append((await _post(h, key=key))[0])
 
-            async with trio.open_nursery() as n:
-                n.start_soon(request)
-                await runner.sent.wait()
-                n.start_soon(request)  # fills the queue (1) and the key's queued (1)
-                await trio.sleep(1)
-                assert h.sched.statistics().queued == 1
-                runner.crash()
-            assert len(done) == 2 and h.factory.started == 2
-    finally:
-        current_key.reset(token)
+        async with trio.open_nursery() as n:
+            n.start_soon(request)
+            await runner.sent.wait()
+            n.start_soon(request)  # fills the queue (1) and the key's queued (1)
+            await trio.sleep(1)
+            assert h.sched.statistics().queued == 1
+            runner.crash()
+        assert len(done) == 2 and h.factory.started == 2
 
 
 async def test_a_client_that_leaves_while_its_request_waits_to_run_again_leaves_nothing(

@@ -26,7 +26,7 @@ from typing import Any
 
 from quart import Blueprint, Response
 
-from trioshed.api.context import ensure_fits, fit_loaded
+from trioshed.api.context import prompt_fit
 from trioshed.api.preamble import (
     Prepared,
     has_chat_template,
@@ -97,15 +97,13 @@ async def messages() -> Response:
         body["system"] = model.system  # the store's SYSTEM, as the Ollama routes give it
     up = _with_defaults(messages_upstream(body, chat_template=templated, thinking_capable=can_think), prepared.defaults)
     await require_capabilities(model, name, messages_needs(body), action="chat")  # after the body's own checks
-    options, need, floor = await fit_loaded(st.scheduler, prepared, up.upstream.path, up.upstream.body)
+    fit = prompt_fit(prepared, up.upstream.path, up.upstream.body)
     if up.stream:
-        return await leased_stream(st.scheduler, model, options, prepared.keep_alive,
+        return await leased_stream(st.scheduler, model, prepared.options, prepared.keep_alive,
                                    lambda lease: _relay(lease, up, name), "text/event-stream",
-                                   before=lambda lease: ensure_fits(lease, up.upstream.path, up.upstream.body, need),
-                                   floor=floor)  # fmt: skip
+                                   key=prepared.key, fit=fit)  # fmt: skip
     translator = _translator(up, name)
-    async with st.scheduler.acquire(model, options, prepared.keep_alive, floor=floor) as lease:
-        await ensure_fits(lease, up.upstream.path, up.upstream.body, need)
+    async with st.scheduler.acquire(model, prepared.options, prepared.keep_alive, key=prepared.key, fit=fit) as lease:
         async with open_upstream(lease, up.upstream.path, up.upstream.body) as batches:
             async for lines in batches:
                 translator.feed_lines(lines)
@@ -147,7 +145,7 @@ async def count_tokens() -> dict[str, int]:
     if prepared.model.system and not body.get("system"):
         body["system"] = prepared.model.system
     count = count_tokens_upstream(body, chat_template=templated, thinking_capable=can_think)
-    async with st.scheduler.acquire(prepared.model, prepared.options, prepared.keep_alive) as lease:
+    async with st.scheduler.acquire(prepared.model, prepared.options, prepared.keep_alive, key=prepared.key) as lease:
         text = count.text
         if count.template is not None:
             rendered = await post_upstream(lease, "/apply-template", count.template)

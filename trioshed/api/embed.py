@@ -110,12 +110,12 @@ async def embed() -> Response:
     model, options, keep_alive = req.model, req.options, req.keep_alive
     await require_kind(model, body.get("model") or "", "embedding")
     if is_load_only("embed", body):
-        async with st.scheduler.acquire(model, options, keep_alive):
+        async with st.scheduler.acquire(model, options, keep_alive, key=req.key):
             pass
         return _json({"model": model.name, "embeddings": []})
     upstream = protocol.embed_upstream(body)
     truncate = _truncate(body)
-    async with st.scheduler.acquire(model, options, keep_alive) as lease:
+    async with st.scheduler.acquire(model, options, keep_alive, key=req.key) as lease:
         answer = json_answer(await embed_within(lease, upstream.body, input_limit(options), truncate=truncate))
     return _json(
         protocol.embed_response(
@@ -135,7 +135,7 @@ async def embeddings() -> Response:
     req = prepare(body, body.get("model") or "", embedding=True, need=protocol.input_need(body.get("prompt")))
     await require_kind(req.model, body.get("model") or "", "embedding")
     upstream = protocol.embeddings_upstream(body)
-    async with st.scheduler.acquire(req.model, req.options, req.keep_alive) as lease:
+    async with st.scheduler.acquire(req.model, req.options, req.keep_alive, key=req.key) as lease:
         answer = json_answer(await embed_within(lease, upstream.body, input_limit(req.options), truncate=True))
     return _json(protocol.embeddings_response(answer))
 
@@ -146,7 +146,7 @@ async def openai_embeddings() -> Response:
     check_embedding_input(req.body.get("input"))
     await require_kind(req.model, req.name, "embedding")
     upstream, dimensions, encoding = protocol.openai_request(req.body)
-    async with state().scheduler.acquire(req.model, req.options, req.keep_alive) as lease:
+    async with state().scheduler.acquire(req.model, req.options, req.keep_alive, key=req.key) as lease:
         raw = await embed_within(lease, upstream, input_limit(req.options), truncate=False, openai=True)
         upstream_name = lease.model.name
     if dimensions is None and encoding == "float":  # llama-server's answer as it is, renamed

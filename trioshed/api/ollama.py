@@ -16,7 +16,7 @@ from typing import Literal
 
 from quart import Blueprint, Response
 
-from trioshed.api.context import ensure_fits, fit_loaded
+from trioshed.api.context import prompt_fit
 from trioshed.api.preamble import has_chat_template, prepare, read_body, require_capabilities, state
 from trioshed.api.protocols import ollama
 from trioshed.api.protocols.llama import Upstream
@@ -80,7 +80,7 @@ async def _serve(kind: ollama.Kind) -> Response:
             await st.scheduler.unload(model)
             reason = "unload"
         else:
-            async with st.scheduler.acquire(model, options, keep_alive):
+            async with st.scheduler.acquire(model, options, keep_alive, key=req.key):
                 pass
         return Response(
             json.dumps(ollama.load_response(kind, model.name, done_reason=reason, created_at=ollama.now_rfc3339())),
@@ -103,12 +103,11 @@ async def _serve(kind: ollama.Kind) -> Response:
     top = body.get("top_logprobs")
     translator = OllamaStream(kind, model.name, prefill=upstream.prefill, top_logprobs=top if isinstance(top, int) else 0)
 
-    options, need, floor = await fit_loaded(st.scheduler, req, upstream.path, upstream.body)
+    fit = prompt_fit(req, upstream.path, upstream.body)
     if body.get("stream", True) is False:
         # One JSON answer upstream too: llama-server sends no per-token events to parse.
         whole = {k: v for k, v in upstream.body.items() if k != "stream_options"} | {"stream": False}
-        async with st.scheduler.acquire(model, options, keep_alive, floor=floor) as lease:
-            await ensure_fits(lease, upstream.path, whole, need)
+        async with st.scheduler.acquire(model, options, keep_alive, key=req.key, fit=fit) as lease:
             translator.feed(await post_upstream(lease, upstream.path, whole))
             if not translator.finished:
                 raise await truncated(lease)
@@ -123,8 +122,7 @@ async def _serve(kind: ollama.Kind) -> Response:
 
     return await leased_stream(
         st.scheduler, model, options, keep_alive,
-        lambda lease: _ollama_stream(lease, upstream, translator, started), NDJSON,
-        before=lambda lease: ensure_fits(lease, upstream.path, upstream.body, need), floor=floor,
+        lambda lease: _ollama_stream(lease, upstream, translator, started), NDJSON, key=req.key, fit=fit,
     )  # fmt: skip
 
 

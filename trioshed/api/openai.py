@@ -16,7 +16,7 @@ from typing import Any
 import trio
 from quart import Blueprint, Response
 
-from trioshed.api.context import ensure_fits, fit_loaded
+from trioshed.api.context import prompt_fit
 from trioshed.api.preamble import (
     Prepared,
     has_chat_template,
@@ -49,7 +49,7 @@ from trioshed.api.upstream import (
 )
 from trioshed.core.model import ModelSpec, RunnerOptions
 from trioshed.errors import BadRequest, ModelNotFound, TrioshedError
-from trioshed.keys import current_key
+from trioshed.keys import ANONYMOUS, ApiKey, current_key
 from trioshed.scheduler import Lease
 from trioshed.trace import current as current_trace
 
@@ -99,6 +99,11 @@ class OpenAIRequest:
     raw: bytes | None = None
     prepared: Prepared | None = None  # the preamble's answer (its need, output budget...)
 
+    @property
+    def key(self) -> ApiKey:
+        """Whose request (the preamble read the gate's key)."""
+        return self.prepared.key if self.prepared is not None else ANONYMOUS
+
 
 async def openai_request(*, embedding: bool = False, need: Callable[[dict[str, Any]], int] | None = None) -> OpenAIRequest:
     """Parse an OpenAI-style body: model, and trioshed's extras ``keep_alive`` and ``options``.
@@ -126,13 +131,9 @@ async def _proxy(
     body, name, model, options, keep_alive = req.body, req.name, req.model, req.options, req.keep_alive
     streaming = bool(body.get("stream", False))
     upstream: dict[str, Any] | bytes = req.raw if req.raw is not None else {**body, "model": model.name}
-    need = floor = 0
-    if req.prepared is not None:
-        options, need, floor = await fit_loaded(st.scheduler, req.prepared, path, upstream)
-    fits = lambda lease: ensure_fits(lease, path, upstream, need)  # noqa: E731
+    fit = prompt_fit(req.prepared, path, upstream) if req.prepared is not None else None
     if not streaming:
-        async with st.scheduler.acquire(model, options, keep_alive, floor=floor) as lease:
-            await fits(lease)
+        async with st.scheduler.acquire(model, options, keep_alive, key=req.key, fit=fit) as lease:
             status, raw = await post_upstream_raw(lease, path, upstream)
         if status == 400 and (too_long := context_error(raw)) is not None:
             raise too_long
@@ -155,7 +156,7 @@ async def _proxy(
         relay = lambda lease: _relay_as_chat(lease, upstream, name)  # noqa: E731
     else:
         relay = lambda lease: _relay(lease, path, upstream, name, legacy)  # noqa: E731
-    return await leased_stream(st.scheduler, model, options, keep_alive, relay, "text/event-stream", before=fits, floor=floor)
+    return await leased_stream(st.scheduler, model, options, keep_alive, relay, "text/event-stream", key=req.key, fit=fit)
 
 
 @bp.post("/v1/chat/completions")

@@ -24,7 +24,7 @@ from trioshed.config import parse_duration
 from trioshed.core.context import tokens_upper_bound
 from trioshed.core.model import ModelSpec, RunnerOptions
 from trioshed.errors import BadRequest, Forbidden, ModelNotFound
-from trioshed.keys import current_key
+from trioshed.keys import ANONYMOUS, ApiKey, current_key
 from trioshed.models.capabilities import capabilities
 from trioshed.models.gguf_meta import GGUFMetadata
 from trioshed.models.ollama_store import OllamaManifest
@@ -131,6 +131,8 @@ class Prepared:
     #: neither the settings, the model's entry nor the request).
     output: int = 0
     automatic: bool = False
+    #: Whose request: the API key the gate found (the scheduler counts its limits and share).
+    key: ApiKey = ANONYMOUS
 
 
 def prepare(body: Mapping[str, Any], name: str, *, embedding: bool = False, need: int | None = None) -> Prepared:
@@ -155,7 +157,7 @@ def prepare(body: Mapping[str, Any], name: str, *, embedding: bool = False, need
     if embedding:
         options = replace(options, embedding=True)
     automatic = not st.settings.context_length and "num_ctx" not in runner_overrides
-    return Prepared(model, options, keep_alive, defaults, need, output_budget(body), automatic)
+    return Prepared(model, options, keep_alive, defaults, need, output_budget(body), automatic, current_key.get())
 
 
 #: Tokens counted for one image or audio clip sent inline (base64 or a data: URI): what the

@@ -34,7 +34,7 @@ async def rerank() -> Response:
     parsed = protocol.parse(body)
     req = prepare(body, name, embedding=True, need=protocol.need(parsed))
     await require_kind(req.model, name, "rerank")
-    async with state().scheduler.acquire(req.model, req.options, req.keep_alive) as lease:
+    async with state().scheduler.acquire(req.model, req.options, req.keep_alive, key=req.key) as lease:
         status, raw = await post_upstream_raw(lease, "/v1/rerank", protocol.upstream_body(parsed))
     if status != 200:
         tokens = protocol.too_long(status, raw)

@@ -14,7 +14,7 @@ from typing import Any
 
 from quart import Blueprint, Response
 
-from trioshed.api.context import ensure_fits, fit_loaded
+from trioshed.api.context import prompt_fit
 from trioshed.api.preamble import has_chat_template, prepare, read_body, require_capabilities, state
 from trioshed.api.protocols.errors import context_error, message_for, openai_error
 from trioshed.api.protocols.llama import parse_sse_line, upstream_error_message
@@ -50,11 +50,10 @@ async def responses() -> Response:
         path, chat = "/v1/completions", transcript_completion_body(chat)
     st = state()
     frame = Frame(body, name, int(time.time()))
-    options, need, floor = await fit_loaded(st.scheduler, req, path, chat)
+    fit = prompt_fit(req, path, chat)
     if body.get("stream") is not True:
         whole = {**chat, "model": req.model.name, "stream": False}
-        async with st.scheduler.acquire(req.model, options, req.keep_alive, floor=floor) as lease:
-            await ensure_fits(lease, path, whole, need)
+        async with st.scheduler.acquire(req.model, req.options, req.keep_alive, key=req.key, fit=fit) as lease:
             status, raw = await post_upstream_raw(lease, path, whole)
         if status == 400 and (too_long := context_error(raw)) is not None:
             raise too_long
@@ -68,9 +67,8 @@ async def responses() -> Response:
     upstream = {**chat, "model": req.model.name, "stream": True, "stream_options": {"include_usage": True}}
     stream = ResponsesStream(frame)
     return await leased_stream(
-        st.scheduler, req.model, options, req.keep_alive,
-        lambda lease: _relay(lease, path, upstream, stream), "text/event-stream",
-        before=lambda lease: ensure_fits(lease, path, upstream, need), floor=floor,
+        st.scheduler, req.model, req.options, req.keep_alive,
+        lambda lease: _relay(lease, path, upstream, stream), "text/event-stream", key=req.key, fit=fit,
     )  # fmt: skip
 
 

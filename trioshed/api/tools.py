@@ -94,7 +94,7 @@ async def _relay(lease: Lease, path: str, body: dict[str, Any] | bytes, rename: 
 async def _stream(req: Prepared, path: str, body: dict[str, Any] | bytes, rename: str | None) -> Response:
     """Lease a runner, start the stream, and answer with it once llama-server said 200; its
     refusal (a context too small, ...) is the answer's status instead, the lease given back."""
-    lease = await state().scheduler.wait_for_lease(req.model, req.options, req.keep_alive)
+    lease = await state().scheduler.wait_for_lease(req.model, req.options, req.keep_alive, key=req.key)
     pieces = _relay(lease, path, body, rename)
     try:
         await pieces.__anext__()
@@ -124,7 +124,7 @@ async def _tool(path: str) -> Response:
             upstream = {**split_options(req.defaults)[0], **upstream}
         if protocol.infill_streams(upstream):
             return await _stream(req, path, upstream, name)
-    async with state().scheduler.acquire(req.model, req.options, req.keep_alive) as lease:
+    async with state().scheduler.acquire(req.model, req.options, req.keep_alive, key=req.key) as lease:
         status, raw = await post_upstream_raw(lease, path, upstream)
     return _answer(status, raw, req.model.name, name)
 
@@ -193,7 +193,7 @@ async def upstream(rest: str) -> Response:
     target = protocol.upstream_target(path, request.query_string)
     if streaming:
         return await _stream(req, target, payload, None)
-    async with state().scheduler.acquire(req.model, req.options, req.keep_alive) as lease:
+    async with state().scheduler.acquire(req.model, req.options, req.keep_alive, key=req.key) as lease:
         status, headers, raw = await request_upstream(lease, method, target, payload)
     if path == "/props" and status == 200:
         raw = protocol.scrub_props(raw, name)

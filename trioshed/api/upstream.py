@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import (
     AbstractContextManager,
     AsyncExitStack,
@@ -28,8 +28,10 @@ from trioshed.api.drain import bounded
 from trioshed.api.protocols.errors import context_error
 from trioshed.core.model import ModelSpec, RunnerOptions
 from trioshed.errors import RunnerCrashed, RunnerStalled, TrioshedError, UpstreamError
+from trioshed.keys import ANONYMOUS, ApiKey
 from trioshed.runner.client import ConnectionFailed, UpstreamPool
 from trioshed.scheduler import Lease, Scheduler
+from trioshed.scheduler.fit import PromptFit
 from trioshed.trace import current as current_trace
 
 log = logging.getLogger(__name__)
@@ -307,21 +309,19 @@ async def leased_stream(
     keep_alive: float | None,
     body: Callable[[Lease], AsyncIterator[bytes]],
     content_type: str,
-    before: Callable[[Lease], Awaitable[None]] | None = None,
     *,
-    floor: int = 0,
+    key: ApiKey = ANONYMOUS,
+    fit: PromptFit | None = None,
 ) -> Response:
     """Wait for a lease, then answer with the streamed ``body(lease)`` that owns it.
 
-    The status is decided before this returns (queue full, cannot fit, load failed raise here,
-    and what ``before`` raises with the lease held);
+    The status is decided before this returns (queue full, cannot fit, load failed, a prompt
+    too long for the context raise here: a 400, not a 200 that ends in an error event);
     the lease goes back when the body ends, fails or is closed, or is never started.
-    ``floor``: the smallest automatic context the lease may get (``Scheduler.acquire``).
+    ``key``, ``fit``: whose request, and how its prompt is fitted (``Scheduler.acquire``).
     """
-    lease = await scheduler.wait_for_lease(model, options, keep_alive, floor=floor)
+    lease = await scheduler.wait_for_lease(model, options, keep_alive, key=key, fit=fit)
     try:
-        if before is not None:
-            await before(lease)  # e.g. a prompt too long for the context: a 400, not a 200
         response = Response(LeasedBody(lease, body(lease)), content_type=content_type)
         response.headers["Cache-Control"] = "no-cache"
         response.timeout = None  # Quart's RESPONSE_TIMEOUT would cut long token streams

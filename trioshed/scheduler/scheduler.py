@@ -45,9 +45,10 @@ from trioshed.errors import (
     TooManyRequests,
     TrioshedError,
 )
-from trioshed.keys import ANONYMOUS, ApiKey, current_key
+from trioshed.keys import ANONYMOUS, ApiKey
 from trioshed.models.gguf_meta import unreadable
 from trioshed.scheduler.events import EventHistory
+from trioshed.scheduler.fit import PromptFit, fitted_lease
 from trioshed.scheduler.lease import Lease
 from trioshed.scheduler.lifetime import (
     HEALTH_INTERVAL,
@@ -222,33 +223,47 @@ class Scheduler(RunnerLifetimes):
 
     @asynccontextmanager
     async def acquire(
-        self, model: ModelSpec, options: RunnerOptions, keep_alive: float | None = None, *, floor: int = 0
+        self, model: ModelSpec, options: RunnerOptions, keep_alive: float | None = None, *,
+        key: ApiKey = ANONYMOUS, floor: int = 0, fit: PromptFit | None = None,
     ) -> AsyncIterator[Lease]:
         """Wait for a runner of ``model`` with ``options`` and hold a slot on it.
 
         Raises QueueFull (503) at once when the queue is full; the planner's errors (507, 503
         cooldown, load failures) when they apply. Cancellation while waiting leaves the queue.
+        ``key``: whose request (its limits, its share; the HTTP gate's key for a route).
         ``floor``: the smallest automatic ``num_ctx`` the request may be loaded at. A load that
         does not fit (the planner's 507) or runs out of memory is tried at the next smaller
         bucket, down to it (``trioshed.core.context.smaller_context``); the lease then says so
         (:attr:`Lease.shrunk`). 0: ``num_ctx`` was set, never lowered.
+        ``fit``: the request's prompt is counted and fitted to the runner's context, its floor
+        decided with it (:mod:`trioshed.scheduler.fit`): ContextTooLong (400) or
+        ContextOutOfMemory (507) where it does not fit.
         """
-        lease = await self.wait_for_lease(model, options, keep_alive, floor=floor)
+        lease = await self.wait_for_lease(model, options, keep_alive, key=key, floor=floor, fit=fit)
         try:
             yield lease
         finally:
             lease.release()
 
     async def wait_for_lease(
-        self, model: ModelSpec, options: RunnerOptions, keep_alive: float | None, *, floor: int = 0
+        self, model: ModelSpec, options: RunnerOptions, keep_alive: float | None, *,
+        key: ApiKey = ANONYMOUS, floor: int = 0, fit: PromptFit | None = None,
     ) -> Lease:
         """A lease on a runner that answers: one idle for PING_IDLE or more is pinged first (the
         reference pings on every reuse); one that does not answer within PING_TIMEOUT is killed
         as hung and the request waits for its replacement (at most PING_RETRIES times).
 
         The lease can run the request again on a new runner if this one dies before it answers
-        (:meth:`Lease.rerun`)."""
-        req = self._admit(model, options, keep_alive)
+        (:meth:`Lease.rerun`). ``key``, ``floor``, ``fit``: as :meth:`acquire`'s."""
+        if fit is not None:
+            lease = functools.partial(self._lease, model, keep_alive=keep_alive, key=key)
+            return await fitted_lease(fit, model, options, self._ready_runner(model), lease)
+        return await self._lease(model, options, floor, keep_alive=keep_alive, key=key)
+
+    async def _lease(
+        self, model: ModelSpec, options: RunnerOptions, floor: int, *, keep_alive: float | None, key: ApiKey
+    ) -> Lease:
+        req = self._admit(model, options, keep_alive, key)
         self._set_floor(req, floor)
         req, runner = await self._pinged(req)
         return Lease(self, runner, req.load_duration, req.key.name, req)
@@ -277,11 +292,10 @@ class Scheduler(RunnerLifetimes):
             req = req.again()
         return req, await self._wait_for_runner(req)  # as it comes, unpinged
 
-    def _admit(self, model: ModelSpec, options: RunnerOptions, keep_alive: float | None) -> _Request:
-        """A new request, if its key's concurrency limit and its model's file allow it."""
+    def _admit(self, model: ModelSpec, options: RunnerOptions, keep_alive: float | None, key: ApiKey) -> _Request:
+        """A new request of ``key``'s, if its concurrency limit and its model's file allow it."""
         if self._closing or self._nursery is None:
             raise ShuttingDown()
-        key = current_key.get()
         tenant = self._tenants.setdefault(key.name, _Tenant())
         if key.max_concurrent and tenant.queued + tenant.leased >= key.max_concurrent:
             self._refuse(model, TooManyRequests(key.name, "concurrent requests", key.max_concurrent))
@@ -379,11 +393,11 @@ class Scheduler(RunnerLifetimes):
         """The model each runner was started from (a models.toml reload compares them)."""
         return [r.model for r in self._runners.values()]
 
-    def loaded_options(self, model: ModelSpec) -> RunnerOptions | None:
-        """The options of a ready runner of ``model``'s files, not leaving (None: none is up)."""
+    def _ready_runner(self, model: ModelSpec) -> Runner | None:
+        """A ready runner of ``model``'s files, not leaving (None: none is up)."""
         for r in self._runners.values():
             if r.state is RunnerState.READY and not r.stopping and not r.evicting and sched.same_files(r.model, model):
-                return r.options
+                return r
         return None
 
     def close_queue(self) -> None:

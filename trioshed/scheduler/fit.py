@@ -1,0 +1,107 @@
+"""Count-then-fit in the scheduler: a request's prompt counted and fitted while it is leased.
+
+A request that may have to be counted (:mod:`trioshed.core.fit` decides when and what follows)
+comes to :meth:`Scheduler.acquire <trioshed.scheduler.Scheduler.acquire>` with a
+:class:`PromptFit`: its size and a count function from the HTTP edge, which knows how to count
+its protocol's prompt (``/apply-template`` and ``/tokenize``). The scheduler calls it on the
+runner that is to count (:class:`CountOn`), and acts on the count: leases at the size found,
+refuses, or grows the runner.
+
+Counting is no request of its own: it takes no slot and no lease, so it never sets a runner's
+keep-alive (a ``keep_alive: 0`` request is not unloaded by its own count and loaded again), nor
+its statistics (``served``, ``came_back``), nor the request's trace (its queue and load waits
+are its lease's); the request queues once. The runner is watched while it counts as while a
+request waits for its answer (``Runner.waiting_for_answer``: a hung one is killed within
+seconds). A count on a runner that leaves or hangs meanwhile fails, and a count that fails is
+no count: the request is leased by its bound, and llama-server checks its prompt (its own
+error is translated the same way).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from trioshed.core import fit
+from trioshed.core.model import ModelSpec, RunnerOptions
+from trioshed.errors import ContextTooLong, TrioshedError
+from trioshed.scheduler.lease import Lease
+from trioshed.scheduler.runner import Runner
+
+
+class Upstream(Protocol):
+    """What counting needs of a runner's connection pool (``trioshed.runner.client.UpstreamPool``)."""
+
+    async def post(self, path: str, body: bytes) -> tuple[int, bytes]: ...
+
+
+@dataclass(frozen=True)
+class CountOn:
+    """The runner a prompt is counted on: its model, options, and connection pool."""
+
+    model: ModelSpec
+    options: RunnerOptions
+    upstream: Upstream
+
+
+#: Counts a request's prompt on a runner: its tokens, or None where it cannot be counted (a
+#: shape not counted, e.g. media); a TrioshedError is a failed count (other than
+#: ContextTooLong, which refuses the request), as None.
+Count = Callable[[CountOn], Awaitable["int | None"]]
+
+
+@dataclass(frozen=True)
+class PromptFit:
+    """How a request's prompt is fitted to a runner's context."""
+
+    need: int  # at most how many tokens it takes, prompt and output (its bound)
+    output: int  # its output budget (0: not said)
+    automatic: bool  # whether its num_ctx is automatic (set by neither settings, models.toml nor it)
+    count: Count
+
+
+async def fitted_lease(
+    prompt: PromptFit,
+    model: ModelSpec,
+    options: RunnerOptions,
+    loaded: Runner | None,
+    lease: Callable[[RunnerOptions, int], Awaitable[Lease]],
+) -> Lease:
+    """A lease for a request of ``model`` with ``options`` fitted to ``prompt``: counted first
+    on ``loaded`` (the model's ready runner, if any) where its automatic size would reload it
+    larger, then leased (``lease(options, floor)``), and counted on its lease where its bound
+    is more than the slot holds. Raises ContextTooLong or ContextOutOfMemory (the lease given
+    back) where the prompt does not fit, and what leasing raises.
+
+    Cancellation: as leasing; a lease held is given back."""
+    sizing = fit.uncounted(options, prompt.need, prompt.automatic)
+    on_loaded = fit.count_first(loaded.view() if loaded is not None else None, model, options, prompt.automatic)
+    if on_loaded is not None and loaded is not None:
+        loaded.waiting_for_answer()  # watched as a request is: a hung runner is found in seconds
+        try:
+            tokens = await _count(prompt, CountOn(loaded.model, loaded.options, loaded.handle.upstream))
+        finally:
+            loaded.answered()
+        if tokens is not None:
+            sizing = fit.sized_by_count(tokens, options, on_loaded, prompt.output)
+    held = await lease(sizing.options, sizing.floor)
+    try:
+        if fit.must_count(sizing.need, held.options):
+            with held.waiting_for_answer():
+                tokens = await _count(prompt, CountOn(held.model, held.options, held.handle.upstream))
+            if tokens is not None and (num_ctx := fit.regrow_to(tokens, held.options, held.shrunk, prompt.output, held.model)):
+                await held.regrow(num_ctx)
+    except BaseException:
+        held.release()
+        raise
+    return held
+
+
+async def _count(prompt: PromptFit, on: CountOn) -> int | None:
+    try:
+        return await prompt.count(on)
+    except ContextTooLong:
+        raise
+    except TrioshedError:
+        return None
