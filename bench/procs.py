@@ -234,8 +234,9 @@ async def open_server(
     ready_path: str,
     log_path: Path,
     ready_timeout: float = 120.0,
+    cwd: Path | None = None,
 ) -> AsyncIterator[Server]:
-    """Start ``argv`` in its own session, wait for ``base_url + ready_path``, yield, stop.
+    """Start ``argv`` in its own session (in ``cwd``), wait for ``base_url + ready_path``, yield, stop.
 
     Cancellation: a cancel while starting or while in use stops and reaps the tree (shielded)
     before it propagates.
@@ -250,6 +251,7 @@ async def open_server(
             stderr=subprocess.STDOUT,
             env=dict(env),
             start_new_session=True,
+            cwd=cwd,
         )
         _LIVE_GROUPS.add(process.pid)
         try:
@@ -336,9 +338,11 @@ async def open_trioshed(
     models_dir: Path, flags: RunnerFlags, log_dir: Path, *,
     max_loaded: int, max_queue: int = 512, keep_alive: str = "-1",
     extra_env: Mapping[str, str] | None = None, ready_timeout: float = 60.0, ready_path: str = "/api/version",
+    source: Path | None = None, name: str = "",
 ) -> AsyncIterator[Server]:
     """``python -m trioshed serve`` over ``models_dir`` with the same binary and runner flags
-    (``ready_path``: ``/ui`` for a server with API keys, which answers it without one)."""
+    (``ready_path``: ``/ui`` for a server with API keys, which answers it without one;
+    ``source``: another checkout's ``trioshed`` instead of this one, for side-by-side runs)."""
     binary, env = llama_server_binary()
     port = free_port()
     env = dict(env)
@@ -358,9 +362,9 @@ async def open_trioshed(
     env.update(extra_env or {})
     argv = [sys.executable, "-m", "trioshed", "serve"]
     async with open_server(
-        f"trioshed(max {max_loaded})", argv, env=env, base_url=f"http://127.0.0.1:{port}",
+        name or f"trioshed(max {max_loaded})", argv, env=env, base_url=f"http://127.0.0.1:{port}",
         ready_path=ready_path, log_path=log_dir / f"trioshed-max{max_loaded}-{port}.log",
-        ready_timeout=ready_timeout,
+        ready_timeout=ready_timeout, cwd=source,
     ) as server:  # fmt: skip
         yield server
 
