@@ -27,7 +27,7 @@ from trioshed.errors import ContextOutOfMemory, ContextTooLong, UpstreamError
 from trioshed.keys import ApiKey
 from trioshed.runner.client import ConnectionFailed
 from trioshed.scheduler import RunnerStats
-from trioshed.scheduler.fit import CountOn, PromptFit
+from trioshed.scheduler.contracts import CountOn, PromptFit
 from trioshed.trace import RequestTrace
 from trioshed.trace import current as current_trace
 

@@ -4,6 +4,9 @@ same gate (origin, key, rate, size), and a connection closed when the client ask
 
 A real ``trioshed serve`` over the relay bench's stand-in llama-server (no model to load), once
 with the fast routes (the default) and once with ``TRIOSHED_FAST_ROUTES=0``.
+
+Both paths call one request wrapper (``trioshed.api.wrapper``: trace, gate, errors, CORS), so
+the equality holds by construction; this comparison stays as evidence of it, end to end.
 """
 
 from __future__ import annotations

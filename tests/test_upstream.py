@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractContextManager, asynccontextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -23,9 +23,12 @@ import trio
 import trio.testing
 
 from trioshed.api.upstream import open_upstream, post_upstream
-from trioshed.core.model import ModelSpec
-from trioshed.errors import UpstreamError
+from trioshed.core.context import Shrunk
+from trioshed.core.model import MeasuredMemory, ModelSpec, RunnerOptions
+from trioshed.errors import RunnerCrashed, UpstreamError
 from trioshed.runner.client import KEEP_IDLE, UpstreamPool
+from trioshed.runner.process import OutputTail
+from trioshed.runner.slots import RunnerSlots
 from trioshed.runner.wire import ProtocolError, ResponseReader, request_head
 
 _SSE = b"".join(
@@ -112,22 +115,65 @@ class ClosingUpstream:
 
 
 class _Runner:
-    """What a lease's handle offers the upstream hop: the runner's own pooled client."""
+    """A runner handle (:class:`RunnerHandle`, in full) whose upstream is the stand-in server: its
+    own pooled client. There is no child: it never exits and cannot be killed."""
 
     def __init__(self, port: int) -> None:
         self.upstream = UpstreamPool(port)
+        self.base_url = f"http://127.0.0.1:{port}"
+        self.pid: int | None = None
+        self.returncode: int | None = None
+        self.exited = False
+        self.measured: MeasuredMemory | None = None
+        self.speculation = (0, 0)
+        self.slots: RunnerSlots | None = None
+        self.tail = OutputTail()
+
+    async def wait_exited(self) -> int | None:
+        await trio.sleep_forever()
+        return None  # pragma: no cover
+
+    async def health(self) -> bool:
+        return True
+
+    def kill(self) -> None:
+        pass
 
 
 class _Lease:
+    """A lease (:class:`LeaseView`, in full) on the stand-in; not the scheduler's, so a request
+    that fails cannot run again."""
+
     def __init__(self, port: int) -> None:
         self.model = ModelSpec("fake:latest", "/dev/null")
+        self.options = RunnerOptions()
         self.handle = _Runner(port)
-        self.crash = None
+        self.load_duration = 0.0
+        self.crash: RunnerCrashed | None = None
+        self.endpoints: tuple[str, ...] = ()
+        self.shrunk: Shrunk | None = None
+        self.rerun_after: RunnerCrashed | None = None
+        self.released = False
+
+    def evict(self, reason: str) -> None:
+        pass
+
+    def waiting_for_answer(self) -> AbstractContextManager[None]:
+        return nullcontext()
+
+    async def rerun(self, crash: RunnerCrashed) -> None:
+        raise crash
+
+    async def regrow(self, num_ctx: int) -> None:
+        raise RuntimeError("the stand-in's context is never made smaller")
+
+    def release(self) -> None:
+        self.released = True
 
 
 async def _stream_text(lease: _Lease) -> str:
     text = ""
-    async with open_upstream(lease, "/completion", {"prompt": "x"}) as batches:  # type: ignore[arg-type]
+    async with open_upstream(lease, "/completion", {"prompt": "x"}) as batches:
         async for lines in batches:
             text += "".join(json.loads(ln[6:])["content"] for ln in lines if ln.startswith(b"data: "))
     return text
@@ -137,8 +183,8 @@ async def test_post_on_a_connection_the_upstream_closed_is_sent_again_on_a_fresh
     with trio.fail_after(10):
         async with ClosingUpstream(answer=1).serving() as upstream:
             lease = _Lease(upstream.port)
-            first = await post_upstream(lease, "/health", {})  # type: ignore[arg-type]
-            second = await post_upstream(lease, "/health", {})  # type: ignore[arg-type]
+            first = await post_upstream(lease, "/health", {})
+            second = await post_upstream(lease, "/health", {})
             await lease.handle.upstream.aclose()
     assert (first["connection"], second["connection"]) == (1, 2)
     # the second request reached connection 1 as it closed, then was answered on connection 2
@@ -150,7 +196,7 @@ async def test_stream_on_a_connection_the_upstream_closed_is_sent_again_on_a_fre
     with trio.fail_after(10):
         async with ClosingUpstream(answer=1).serving() as upstream:
             lease = _Lease(upstream.port)
-            await post_upstream(lease, "/health", {})  # type: ignore[arg-type]
+            await post_upstream(lease, "/health", {})
             assert await _stream_text(lease) == "Hello"
             await lease.handle.upstream.aclose()
     assert upstream.requests == [(1, "/health"), (1, "/completion"), (2, "/completion")]
@@ -164,8 +210,8 @@ async def test_a_connection_that_carried_a_stream_is_not_reused() -> None:
             lease = _Lease(upstream.port)
             assert await _stream_text(lease) == "Hello"
             assert await _stream_text(lease) == "Hello"
-            await post_upstream(lease, "/health", {})  # type: ignore[arg-type]
-            await post_upstream(lease, "/health", {})  # type: ignore[arg-type]
+            await post_upstream(lease, "/health", {})
+            await post_upstream(lease, "/health", {})
             stats = lease.handle.upstream.statistics()
             await lease.handle.upstream.aclose()
     assert [c for c, _ in upstream.requests] == [1, 2, 3, 3]
@@ -177,7 +223,7 @@ async def test_a_fresh_connection_closed_without_an_answer_is_an_error_not_a_loo
         async with ClosingUpstream(answer=0).serving() as upstream:
             lease = _Lease(upstream.port)
             with pytest.raises(UpstreamError, match="llama-server"):
-                await post_upstream(lease, "/health", {})  # type: ignore[arg-type]
+                await post_upstream(lease, "/health", {})
             await lease.handle.upstream.aclose()
     assert len(upstream.requests) <= 2  # never more than the one retry
 
@@ -187,9 +233,9 @@ async def test_an_answer_cut_after_its_first_bytes_is_not_sent_again() -> None:
     with trio.fail_after(10):
         async with ClosingUpstream(answer=1, partial=True).serving() as upstream:
             lease = _Lease(upstream.port)
-            await post_upstream(lease, "/health", {})  # type: ignore[arg-type]
+            await post_upstream(lease, "/health", {})
             with pytest.raises(UpstreamError):
-                await post_upstream(lease, "/health", {})  # type: ignore[arg-type]
+                await post_upstream(lease, "/health", {})
             await lease.handle.upstream.aclose()
     assert upstream.requests == [(1, "/health"), (1, "/health")]
 
@@ -198,10 +244,10 @@ async def test_a_connection_idle_past_the_keep_time_is_not_reused(mock_clock: tr
     # llama-server closes a connection idle for 5 s; the pool stops offering it after KEEP_IDLE.
     async with ClosingUpstream(answer=100).serving() as upstream:
         lease = _Lease(upstream.port)
-        await post_upstream(lease, "/health", {})  # type: ignore[arg-type]
-        await post_upstream(lease, "/health", {})  # type: ignore[arg-type]
+        await post_upstream(lease, "/health", {})
+        await post_upstream(lease, "/health", {})
         mock_clock.jump(KEEP_IDLE + 0.1)
-        await post_upstream(lease, "/health", {})  # type: ignore[arg-type]
+        await post_upstream(lease, "/health", {})
         stats = lease.handle.upstream.statistics()
         await lease.handle.upstream.aclose()
     assert [c for c, _ in upstream.requests] == [1, 1, 2]

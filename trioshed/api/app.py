@@ -1,20 +1,16 @@
-"""The Quart-Trio application: routes, error handling, and the gate (origin, host, API key:
-:mod:`trioshed.api.gate`) in Quart's hooks; the generating routes' fast path is built here too
-(:mod:`trioshed.api.fast`). Every TrioshedError becomes its status and headers with
-the error body of the protocol serving the path (:mod:`trioshed.api.protocols.errors`: Ollama's
-``{"error": message}``, on ``/v1/`` OpenAI's ``{"error": {"message", "type", "param", "code"}}``);
-anything unexpected becomes a 500 with a short message (never a traceback).
+"""The Quart-Trio application: its routes, and the request wrapper (:mod:`trioshed.api.wrapper`:
+trace, gate, errors, CORS) attached through Quart's hooks; the generating routes' fast path
+(:mod:`trioshed.api.fast`) is built here too and calls the same wrapper. Every TrioshedError
+becomes its status and headers with the error body of the protocol serving the path
+(:mod:`trioshed.api.protocols.errors`: Ollama's ``{"error": message}``, on ``/v1/`` OpenAI's
+``{"error": {"message", "type", "param", "code"}}``); anything unexpected becomes a 500 with a
+short message (never a traceback).
 """
 
 from __future__ import annotations
 
-import json
-import logging
-from typing import Any
-
-from quart import Response, has_request_context, request
+from quart import Response, request
 from quart_trio import QuartTrio
-from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
 from trioshed.api import (
     anthropic,
@@ -23,7 +19,6 @@ from trioshed.api import (
     fast,
     manage,
     metrics,
-    observe,
     ollama,
     ollama_models,
     openai,
@@ -37,22 +32,10 @@ from trioshed.api import (
     usage,
 )
 from trioshed.api.gate import Gate
-from trioshed.api.protocols.errors import error_body, error_parts
 from trioshed.api.state import AppState
-from trioshed.errors import TrioshedError
-
-log = logging.getLogger(__name__)
+from trioshed.api.wrapper import ASGIApp, RequestWrapper
 
 BODY_TIMEOUT = 120  # seconds for a whole request body (408 after): 32 MiB at >= 0.27 MB/s
-
-
-def _json_error(status: int, message: str, headers: dict[str, str] | None = None, code: str | None = None) -> Response:
-    """The error answer in the shape of the protocol serving the request's path."""
-    path = request.path if has_request_context() else "/"
-    response = Response(json.dumps(error_body(path, status, message, code)), status=status, content_type="application/json")
-    for k, v in (headers or {}).items():
-        response.headers[k] = v
-    return response
 
 
 def create_app(state: AppState) -> QuartTrio:
@@ -80,15 +63,20 @@ def create_app(state: AppState) -> QuartTrio:
     app.register_blueprint(tools.bp)
     app.register_blueprint(usage.bp)
     app.config["TRIOSHED_METRICS"] = metrics.Metrics(state.scheduler, warm=state.warm)
-    observe.install(
-        app, app.config["TRIOSHED_METRICS"], log_json=state.settings.log_format == "json", finished=state.request_finished
-    )
-    gate = Gate(state)
-    app.config["TRIOSHED_FAST"] = fast.FastPath(
-        app,  # type: ignore[arg-type]  # Quart's ASGI types are narrower than the plain dicts
-        state,
-        gate,
+    wrapper = RequestWrapper(
+        Gate(state),
         app.config["TRIOSHED_METRICS"],
+        log_json=state.settings.log_format == "json",
+        finished=state.request_finished,
+    )
+    # Quart's own ASGI callable: traced when called as the app, untraced for the fast path
+    # (which traces every request itself). Quart's ASGI types are narrower than the plain dicts.
+    quart_asgi: ASGIApp = app.asgi_app  # type: ignore[assignment]
+    app.asgi_app = wrapper.traced_app(quart_asgi)  # type: ignore[method-assign,assignment]
+    app.config["TRIOSHED_FAST"] = fast.FastPath(
+        quart_asgi,
+        state,
+        wrapper,
         {
             "/api/generate": ollama.generate,
             "/api/chat": ollama.chat,
@@ -98,44 +86,24 @@ def create_app(state: AppState) -> QuartTrio:
             "/v1/responses": responses.responses,
         },
         body_timeout=BODY_TIMEOUT,
-        log_json=state.settings.log_format == "json",
     )
 
+    # Quart's hooks: thin adapters over the wrapper, which the fast path calls directly.
     @app.before_request
-    async def _guard() -> Response | None:
-        get = request.headers.get
-        gate.check_origin(get)
-        if request.method == "OPTIONS":
-            return Response("", status=204)  # CORS preflight: browsers send it without credentials
-        gate.check_request(request.method, request.path, get, request.content_length)
-        return None
+    async def _enter() -> Response | None:
+        route = request.url_rule.rule if request.url_rule is not None else None
+        entry = wrapper.enter(request.method, request.path, request.headers.get, request.content_length, route=route)
+        return Response("", status=204) if entry.preflight else None
 
     @app.after_request
-    async def _cors(response: Response) -> Response:
-        for name, value in gate.cors(request.headers.get):
+    async def _finish(response: Response) -> Response:
+        for name, value in wrapper.finish(request.headers.get, response.status_code):
             response.headers[name] = value
         return response
 
-    @app.errorhandler(TrioshedError)
-    async def _trioshed_error(exc: TrioshedError) -> Response:
-        observe.note_error(exc)
-        status, headers, body = error_parts(request.path, exc)
-        return Response(body, status=status, headers=headers, content_type="application/json")
-
-    @app.errorhandler(HTTPException)
-    async def _http_error(exc: HTTPException) -> Response:
-        status = exc.code or 500
-        response = _json_error(status, exc.description or exc.name)
-        if isinstance(exc, MethodNotAllowed) and exc.valid_methods:
-            response.headers["Allow"] = ", ".join(exc.valid_methods)  # RFC 9110: a 405 says what is
-        if status == 413:
-            response.headers["Connection"] = "close"
-        return response
-
     @app.errorhandler(Exception)
-    async def _unexpected(exc: Exception) -> Any:
-        log.exception("unhandled error on %s %s", request.method, request.path)
-        status, headers, body = error_parts(request.path, exc)
-        return Response(body, status=status, headers=headers, content_type="application/json")
+    async def _error(exc: Exception) -> Response:
+        answer = wrapper.on_error(request.method, request.path, exc)
+        return Response(answer.body, status=answer.status, headers=answer.headers, content_type="application/json")
 
     return app

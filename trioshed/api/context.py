@@ -20,7 +20,7 @@ from trioshed.api.drain import bounded
 from trioshed.api.preamble import Prepared
 from trioshed.api.upstream import json_answer, upstream_error
 from trioshed.runner.client import ConnectionFailed
-from trioshed.scheduler.fit import CountOn, PromptFit
+from trioshed.scheduler.contracts import CountOn, PromptFit
 
 _CHAT_PATHS = ("/v1/chat/completions", "/chat/completions")
 _PROMPT_PATHS = ("/completion", "/completions", "/v1/completions")

@@ -7,42 +7,37 @@ adds a layer to the send path. On the generating routes (``POST`` ``/api/generat
 ``/v1/responses``) that is most of what trioshed spends besides the relay itself, so
 :class:`FastPath` serves them directly:
 
-1. the same :class:`~trioshed.api.gate.Gate` (Origin, Host, key, announced size and type);
+1. the same :class:`~trioshed.api.wrapper.RequestWrapper` as the Quart hooks: the trace, the
+   gate (Origin, Host, key, announced size and type, rate), errors and CORS;
 2. the whole body is read (bounded by ``TRIOSHED_MAX_BODY`` and the body timeout) before any
    answer starts, so no body is left unread (see :mod:`trioshed.api.bodypump`);
 3. the route's own function runs, unchanged: :func:`trioshed.api.preamble.state` and
    :func:`~trioshed.api.preamble.read_body_raw` read :data:`~trioshed.api.preamble.fast_request`
    instead of Quart's context;
-4. its response is sent as Quart would send it, plus the CORS headers and the trace.
+4. its response is sent as Quart would send it, with the wrapper's CORS headers.
 
-Whatever is not the plain case goes to the Quart app instead, which answers it as before and
-in the same words: a request the gate refuses (Quart runs the same gate and its early-answer
-handling), a chunked body over the limit or one that does not arrive in time (replayed to Quart
-from what was read). Errors after that point are answered here in the protocol's own shape
-(:func:`trioshed.api.protocols.errors.error_parts`). A client that leaves cancels the request, as in Quart.
+Whatever is not the plain case goes to the Quart app instead (its own ASGI callable, inside the
+trace already started here), which answers it as before and in the same words: a request the
+gate refuses (Quart runs the same gate and its early-answer handling), a chunked body over the
+limit or one that does not arrive in time (replayed to Quart from what was read). Errors after
+that point are answered here through the wrapper's
+:meth:`~trioshed.api.wrapper.RequestWrapper.on_error`, as Quart's error handler answers them. A
+client that leaves cancels the request, as in Quart.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import trio
 from quart import Response
 
-from trioshed.api import observe
 from trioshed.api.bodypump import run_with_pump
-from trioshed.api.gate import Gate
-from trioshed.api.metrics import Metrics
 from trioshed.api.preamble import fast_request
-from trioshed.api.protocols.errors import error_parts
 from trioshed.api.state import AppState
+from trioshed.api.wrapper import Entry, Headers, RequestWrapper
 from trioshed.errors import TrioshedError
-from trioshed.keys import ApiKey
-from trioshed.trace import RequestTrace
-
-log = logging.getLogger(__name__)
 
 Message = dict[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -52,26 +47,23 @@ Handler = Callable[[], Awaitable[Any]]
 
 class FastPath:
     """Serves ``handlers`` (path -> the Quart view function of ``POST path``) without Quart;
-    everything else, and what is not the plain case, goes to ``app``."""
+    everything else, and what is not the plain case, goes to ``app`` (the Quart app's own ASGI
+    callable, untraced: every request is traced here, once, by ``wrapper``)."""
 
     def __init__(
         self,
         app: Callable[[Message, Receive, Send], Awaitable[None]],
         state: AppState,
-        gate: Gate,
-        metrics: Metrics,
+        wrapper: RequestWrapper,
         handlers: Mapping[str, Handler],
         *,
         body_timeout: float,
-        log_json: bool,
     ) -> None:
         self.app = app
         self.state = state
-        self.gate = gate
-        self.metrics = metrics
+        self.wrapper = wrapper
         self.handlers = dict(handlers)
         self.body_timeout = body_timeout
-        self.log_json = log_json
         self.max_body = state.settings.max_body
 
     def wants(self, scope: Message) -> bool:
@@ -84,9 +76,16 @@ class FastPath:
         await run_with_pump(self.app, scope, receive, send)
 
     async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
-        if not self.wants(scope):
-            await self.delegate(scope, receive, send)
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
             return
+        with self.wrapper.traced(scope):
+            if self.wants(scope):
+                await self._serve(scope, receive, send)
+            else:
+                await self.delegate(scope, receive, send)
+
+    async def _serve(self, scope: Message, receive: Receive, send: Send) -> None:
         headers: dict[str, str] = {}
         for name, value in scope["headers"]:
             headers.setdefault(name.decode("latin-1").lower(), value.decode("latin-1"))
@@ -96,8 +95,7 @@ class FastPath:
             length = (
                 None if "transfer-encoding" in headers else int(headers.get("content-length", "0"))
             )
-            self.gate.check_origin(get)
-            key = self.gate.check_request(method, path, get, length, count=False)
+            entry = self.wrapper.enter(method, path, get, length, route=path, count=False)
         except (TrioshedError, ValueError):
             await self.delegate(scope, receive, send)  # the same checks there, and their answer
             return
@@ -117,51 +115,38 @@ class FastPath:
         if len(body) > self.max_body or not read or read[-1].get("more_body", False):
             await self.delegate(scope, _replay(read, receive), send)  # too large, or too slow
             return
-        with observe.traced(scope, self.metrics, log_json=self.log_json, finished=self.state.request_finished) as trace:
-            trace.route = path
-            if key is not None:
-                trace.key = key.name
-            token = fast_request.set((self.state, bytes(body)))
-            try:
-                async with trio.open_nursery() as nursery:
-                    watch = _Disconnect(nursery.cancel_scope)
-                    nursery.start_soon(watch.run, receive)
-                    await self._answer(path, get, watch.guard(send), trace, key)
-                    nursery.cancel_scope.cancel()
-            finally:
-                fast_request.reset(token)
-
-    async def _answer(self, path: str, get: Callable[[str], str | None], send: Send, trace: RequestTrace, key: ApiKey | None) -> None:
-        cors = [(name.lower().encode(), value.encode()) for name, value in self.gate.cors(get)]
+        token = fast_request.set((self.state, bytes(body)))
         try:
-            if key is not None:
-                self.gate.admit(key)
-                self.gate.check_budget(key, path)
+            async with trio.open_nursery() as nursery:
+                watch = _Disconnect(nursery.cancel_scope)
+                nursery.start_soon(watch.run, receive)
+                await self._answer(method, path, get, watch.guard(send), entry)
+                nursery.cancel_scope.cancel()
+        finally:
+            fast_request.reset(token)
+
+    async def _answer(self, method: str, path: str, get: Headers, send: Send, entry: Entry) -> None:
+        try:
+            self.wrapper.admit(entry, path)
             response = await self.handlers[path]()
         except Exception as exc:
-            if isinstance(exc, TrioshedError):
-                observe.note_error(exc)
-            else:
-                log.exception("unhandled error on POST %s", path)
-            status, extra, data = error_parts(path, exc)
+            error = self.wrapper.on_error(method, path, exc)
             headers = [
                 (b"content-type", b"application/json"),
-                (b"content-length", str(len(data)).encode()),
+                (b"content-length", str(len(error.body)).encode()),
             ]
-            headers += [(k.lower().encode(), v.encode()) for k, v in extra.items()]
-            trace.status = status
-            await send({"type": "http.response.start", "status": status, "headers": headers + cors})
-            await send({"type": "http.response.body", "body": data, "more_body": False})
+            headers += [(k.lower().encode(), v.encode()) for k, v in error.headers.items()]
+            await send({"type": "http.response.start", "status": error.status, "headers": headers + self._finish(get, error.status)})
+            await send({"type": "http.response.body", "body": error.body, "more_body": False})
             return
         if not isinstance(response, Response):  # the generating routes answer with a Response
             raise TypeError(f"{path} answered {type(response).__name__}, not a Response")
-        trace.status = response.status_code
         headers = [(k.lower().encode(), v.encode()) for k, v in response.headers.items()]
         await send(
             {
                 "type": "http.response.start",
                 "status": response.status_code,
-                "headers": headers + cors,
+                "headers": headers + self._finish(get, response.status_code),
             }
         )
         async with response.response as chunks:
@@ -169,6 +154,10 @@ class FastPath:
                 if data:
                     await send({"type": "http.response.body", "body": data, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def _finish(self, get: Headers, status: int) -> list[tuple[bytes, bytes]]:
+        """The wrapper's :meth:`~trioshed.api.wrapper.RequestWrapper.finish`, as ASGI headers."""
+        return [(name.lower().encode(), value.encode()) for name, value in self.wrapper.finish(get, status)]
 
 
 class _Disconnect:

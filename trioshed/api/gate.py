@@ -1,7 +1,7 @@
 """Who may use the API: the Origin, the Host (against DNS rebinding), the API key and its rate,
 and the body's announced size and type; and the CORS headers an allowed page gets. One
-:class:`Gate` per app, asked by the Quart routes (``app.py``'s ``before_request``) and by the
-generating routes' fast path (``fast.py``) alike."""
+:class:`Gate` per app, asked by the request wrapper (:mod:`trioshed.api.wrapper`) on both
+serving paths."""
 
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ _UNREAD_BODIES = ("/api/blobs/",)
 
 class Gate:
     """Who may use the API: the Origin, the Host (against DNS rebinding), the API key and its
-    rate, and the body's announced size and type. One instance per app; the Quart routes and
-    the hot-route fast path (:mod:`trioshed.api.fast`) both ask it.
+    rate, and the body's announced size and type. One instance per app, asked by the request
+    wrapper (:mod:`trioshed.api.wrapper`) for the Quart routes and the fast path alike.
 
     ``get`` is a header lookup (case-insensitive name -> first value or None).
     """

@@ -1,13 +1,14 @@
 """The HTTP edge's view of each request: metrics, and one log line per request.
 
-An ASGI wrapper around the app creates a :class:`~trioshed.trace.RequestTrace` per HTTP request
-and sets it in the request's context; Quart hooks add the route (the url rule, so labels stay
-few) and the status; the scheduler adds the model and the waits; routes add token counts. When
-the response has been sent in full (a stream included) or the client has left, the trace becomes
-metrics and, with ``TRIOSHED_LOG_FORMAT=json``, one JSON log line on ``trioshed.requests``.
+The request wrapper (:mod:`trioshed.api.wrapper`, on both serving paths) opens :func:`traced`
+around each HTTP request: it creates a :class:`~trioshed.trace.RequestTrace` and sets it in the
+request's context; the wrapper adds the route (the url rule, so labels stay few) and the
+status; the scheduler adds the model and the waits; routes add token counts. When the response
+has been sent in full (a stream included) or the client has left, the trace becomes metrics
+and, with ``TRIOSHED_LOG_FORMAT=json``, one JSON log line on ``trioshed.requests``.
 
 Cost: a contextvar set and reset, two clock reads and a few counter updates per request; nothing
-per streamed chunk (the wrapper awaits the app once, it does not wrap ``send``).
+per streamed chunk (the app is awaited once; ``send`` is not wrapped).
 """
 
 from __future__ import annotations
@@ -17,9 +18,6 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
-
-from quart import Response, request
-from quart_trio import QuartTrio
 
 from trioshed import trace as _trace
 from trioshed.api.metrics import CAUSES, Metrics
@@ -49,35 +47,6 @@ def traced(
             log.info("request", extra={"fields": log_fields(trace, duration)})
         elif log.isEnabledFor(logging.DEBUG):
             log.debug("%s %s %d %.1f ms", trace.method, trace.path, trace.status, duration * 1000)
-
-
-def install(
-    app: QuartTrio, metrics: Metrics, *, log_json: bool, finished: Callable[[RequestTrace, float], None] | None = None
-) -> None:
-    """Wrap ``app``'s ASGI callable and add the hooks; call before other ``before_request``s."""
-    inner = app.asgi_app
-
-    async def asgi_app(scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await inner(scope, receive, send)
-            return
-        with traced(scope, metrics, log_json=log_json, finished=finished):
-            await inner(scope, receive, send)
-
-    app.asgi_app = asgi_app  # type: ignore[method-assign]
-
-    @app.before_request
-    async def _route() -> None:
-        trace = _trace.current.get()
-        if trace is not None and request.url_rule is not None:
-            trace.route = request.url_rule.rule
-
-    @app.after_request
-    async def _status(response: Response) -> Response:
-        trace = _trace.current.get()
-        if trace is not None:
-            trace.status = response.status_code
-        return response
 
 
 def note_error(exc: TrioshedError) -> None:

@@ -11,14 +11,8 @@ import functools
 import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from contextlib import (
-    AbstractContextManager,
-    AsyncExitStack,
-    aclosing,
-    asynccontextmanager,
-    nullcontext,
-)
-from typing import Any
+from contextlib import AsyncExitStack, aclosing, asynccontextmanager
+from typing import Any, TypeVar
 
 import trio
 import trio.lowlevel
@@ -29,40 +23,39 @@ from trioshed.api.protocols.errors import context_error
 from trioshed.core.model import ModelSpec, RunnerOptions
 from trioshed.errors import RunnerCrashed, RunnerStalled, TrioshedError, UpstreamError
 from trioshed.keys import ANONYMOUS, ApiKey
-from trioshed.runner.client import ConnectionFailed, UpstreamPool
-from trioshed.scheduler import Lease, Scheduler
-from trioshed.scheduler.fit import PromptFit
+from trioshed.runner.client import ConnectionFailed
+from trioshed.scheduler.contracts import LeaseView, PromptFit, SchedulerView, Upstream
 from trioshed.trace import current as current_trace
 
 log = logging.getLogger(__name__)
+L = TypeVar("L", bound=LeaseView)  # the scheduler's own lease type, as its routes take it
 
 
-async def crash_or(lease: Lease, exc: Exception) -> TrioshedError:
+async def crash_or(lease: LeaseView, exc: Exception) -> TrioshedError:
     """The error to report when the upstream connection broke: the runner's crash if it died."""
     handle = lease.handle
-    wait = getattr(handle, "wait_exited", None)
-    if wait is not None and lease.crash is None:
+    if lease.crash is None:
         with trio.move_on_after(2):
-            await wait()
+            await handle.wait_exited()
         await trio.lowlevel.checkpoint()  # let the runner's lifetime task record the crash
         # A runner on RPC servers is reported once they are checked (at most a few seconds).
-        polls = 10 if not getattr(lease, "endpoints", ()) else 400
+        polls = 10 if not lease.endpoints else 400
         for _ in range(polls):
-            if lease.crash is not None or not getattr(handle, "exited", True):
+            if lease.crash is not None or not handle.exited:
                 break
             await trio.sleep(0.01)
     if lease.crash is not None:
         return lease.crash
-    if getattr(handle, "exited", False):
-        return RunnerCrashed(lease.model.name, getattr(handle, "returncode", None))
+    if handle.exited:
+        return RunnerCrashed(lease.model.name, handle.returncode)
     return UpstreamError(f"connection to llama-server for '{lease.model.name}' failed: {exc}")
 
 
-async def restore_warm(lease: Lease, path: str, body: dict[str, Any] | bytes) -> None:
+async def restore_warm(lease: LeaseView, path: str, body: dict[str, Any] | bytes) -> None:
     """Warm returns: before a request goes to a runner that still has an unused slot, restore
     the saved slot its prompt continues (``trioshed.runner.slots``; a no-op once every slot has
     been used). Bounded like every wait on the runner; a failed restore is logged, not raised."""
-    slots = getattr(lease.handle, "slots", None)
+    slots = lease.handle.slots
     if slots is not None:
         started = trio.current_time()
         restored = await step(lease, lambda: slots.restore_for(path, body))
@@ -70,12 +63,12 @@ async def restore_warm(lease: Lease, path: str, body: dict[str, Any] | bytes) ->
             trace.restore_seconds = trio.current_time() - started
 
 
-async def truncated(lease: Lease) -> TrioshedError:
+async def truncated(lease: LeaseView) -> TrioshedError:
     """The error for an answer that ended before llama-server reported its end."""
     return await crash_or(lease, RuntimeError("llama-server closed the stream early"))
 
 
-async def step(lease: Lease, fn: Callable[[], Any]) -> Any:
+async def step(lease: LeaseView, fn: Callable[[], Any]) -> Any:
     """One wait on the runner, bounded (:func:`trioshed.api.drain.bounded`): a runner that sends
     nothing for TRIOSHED_STREAM_IDLE_TIMEOUT is hung, so it is replaced once its leases end."""
     try:
@@ -85,7 +78,7 @@ async def step(lease: Lease, fn: Callable[[], Any]) -> Any:
         raise
 
 
-async def _bounded_pieces(lease: Lease, pieces: AsyncIterator[bytes], first: bytes | None) -> AsyncGenerator[bytes, None]:
+async def _bounded_pieces(lease: LeaseView, pieces: AsyncIterator[bytes], first: bytes | None) -> AsyncGenerator[bytes, None]:
     if first is None:
         return
     yield first
@@ -97,19 +90,18 @@ async def _bounded_pieces(lease: Lease, pieces: AsyncIterator[bytes], first: byt
         yield piece
 
 
-async def run_again_or_raise(lease: Lease, error: TrioshedError) -> None:
+async def run_again_or_raise(lease: LeaseView, error: TrioshedError) -> None:
     """The request failed before any of its answer was handed on: when its runner died or was
-    killed as hung, wait for a new runner to run it again (:meth:`Lease.rerun`: once per request);
+    killed as hung, wait for a new runner to run it again (:meth:`LeaseView.rerun`: once per request);
     any other error is raised."""
-    rerun = getattr(lease, "rerun", None)
-    if not isinstance(error, RunnerCrashed) or rerun is None:
+    if not isinstance(error, RunnerCrashed):
         raise error
     log.warning("%s; the request runs again on a new runner", error.message)
-    await rerun(error)
+    await lease.rerun(error)
 
 
 @asynccontextmanager
-async def open_upstream_bytes(lease: Lease, path: str, body: dict[str, Any] | bytes) -> AsyncIterator[AsyncIterator[bytes]]:
+async def open_upstream_bytes(lease: LeaseView, path: str, body: dict[str, Any] | bytes) -> AsyncIterator[AsyncIterator[bytes]]:
     """POST ``body`` (JSON, or bytes already encoded) to the runner; yield its answer's body as
     it arrives, one piece per socket read.
 
@@ -121,11 +113,11 @@ async def open_upstream_bytes(lease: Lease, path: str, body: dict[str, Any] | by
     payload = body if isinstance(body, bytes) else _encode(body)
     while True:
         await restore_warm(lease, path, body)
-        pool: UpstreamPool = lease.handle.upstream
+        pool = lease.handle.upstream
         handed_on = False
         try:
             async with AsyncExitStack() as stack:
-                with _waiting_for_answer(lease):
+                with lease.waiting_for_answer():
                     response = await step(lease, functools.partial(stack.enter_async_context, pool.request("POST", path, payload)))
                     if response.status != 200:
                         raw = await step(lease, response.read)
@@ -143,13 +135,7 @@ async def open_upstream_bytes(lease: Lease, path: str, body: dict[str, Any] | by
         await run_again_or_raise(lease, error)
 
 
-def _waiting_for_answer(lease: Lease) -> AbstractContextManager[None]:
-    """:meth:`Lease.waiting_for_answer` (a lease of the scheduler's; others have no runner to watch)."""
-    waiting: Callable[[], AbstractContextManager[None]] | None = getattr(lease, "waiting_for_answer", None)
-    return waiting() if waiting is not None else nullcontext()
-
-
-async def _first_piece(lease: Lease, pieces: AsyncIterator[bytes]) -> bytes | None:
+async def _first_piece(lease: LeaseView, pieces: AsyncIterator[bytes]) -> bytes | None:
     """The answer's first piece of body (None: the body is empty), bounded like every wait."""
     try:
         piece: bytes = await step(lease, pieces.__anext__)
@@ -159,7 +145,7 @@ async def _first_piece(lease: Lease, pieces: AsyncIterator[bytes]) -> bytes | No
 
 
 @asynccontextmanager
-async def open_upstream(lease: Lease, path: str, body: dict[str, Any] | bytes) -> AsyncIterator[AsyncIterator[list[bytes]]]:
+async def open_upstream(lease: LeaseView, path: str, body: dict[str, Any] | bytes) -> AsyncIterator[AsyncIterator[list[bytes]]]:
     """POST ``body`` to the runner; yield its streamed answer as batches of complete lines.
 
     A batch is what one read from the socket held: under load llama-server's events arrive
@@ -184,7 +170,7 @@ def _encode(body: dict[str, Any]) -> bytes:
     return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
 
 
-async def post_upstream_raw(lease: Lease, path: str, body: dict[str, Any] | bytes) -> tuple[int, bytes]:
+async def post_upstream_raw(lease: LeaseView, path: str, body: dict[str, Any] | bytes) -> tuple[int, bytes]:
     """POST ``body`` to the runner and return its status and whole answer, whatever the status.
 
     Nothing is handed on before the whole answer is read: a runner that dies (or is killed as
@@ -194,14 +180,14 @@ async def post_upstream_raw(lease: Lease, path: str, body: dict[str, Any] | byte
 
 
 async def request_upstream(
-    lease: Lease, method: str, path: str, body: dict[str, Any] | bytes = b""
+    lease: LeaseView, method: str, path: str, body: dict[str, Any] | bytes = b""
 ) -> tuple[int, dict[str, str], bytes]:
     """Send ``method path`` (with ``body``, JSON or bytes, for a POST) to the runner; return the
     status, headers and whole body of its answer, whatever the status. Runs again on a new
     runner when this one dies first, as :func:`post_upstream_raw`."""
     payload = body if isinstance(body, bytes) else _encode(body)
 
-    async def call(pool: UpstreamPool) -> tuple[int, dict[str, str], bytes]:
+    async def call(pool: Upstream) -> tuple[int, dict[str, str], bytes]:
         async with pool.request(method, path, payload) as response:
             return response.status, dict(response.headers), await response.read()
 
@@ -209,7 +195,7 @@ async def request_upstream(
         if method == "POST":
             await restore_warm(lease, path, body)
         try:
-            with _waiting_for_answer(lease):
+            with lease.waiting_for_answer():
                 result: tuple[int, dict[str, str], bytes] = await step(lease, functools.partial(call, lease.handle.upstream))
             return result
         except ConnectionFailed as exc:
@@ -217,7 +203,7 @@ async def request_upstream(
         await run_again_or_raise(lease, error)
 
 
-async def post_upstream(lease: Lease, path: str, body: dict[str, Any]) -> dict[str, Any]:
+async def post_upstream(lease: LeaseView, path: str, body: dict[str, Any]) -> dict[str, Any]:
     """POST ``body`` to the runner and return its JSON answer (errors as in :func:`open_upstream`)."""
     status, raw = await post_upstream_raw(lease, path, body)
     if status != 200:
@@ -268,7 +254,7 @@ def upstream_message(raw: bytes, status: int) -> str:
 class LeasedBody:
     """An async iterator over a response body that releases its lease exactly once."""
 
-    def __init__(self, lease: Lease, body: AsyncIterator[bytes]) -> None:
+    def __init__(self, lease: LeaseView, body: AsyncIterator[bytes]) -> None:
         self._lease = lease
         self._body = body
         self._token = trio.lowlevel.current_trio_token()
@@ -303,11 +289,11 @@ class LeasedBody:
 
 
 async def leased_stream(
-    scheduler: Scheduler,
+    scheduler: SchedulerView[L],
     model: ModelSpec,
     options: RunnerOptions,
     keep_alive: float | None,
-    body: Callable[[Lease], AsyncIterator[bytes]],
+    body: Callable[[L], AsyncIterator[bytes]],
     content_type: str,
     *,
     key: ApiKey = ANONYMOUS,

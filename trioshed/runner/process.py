@@ -211,7 +211,8 @@ def _spawn(argv: list[str], env: dict[str, str] | None) -> tuple[ChildProcess, t
 
 
 class LlamaServer:
-    """A running, ready llama-server child: its address, output and exit."""
+    """A running, ready llama-server child: its address, output and exit (the scheduler's
+    :class:`~trioshed.scheduler.contracts.RunnerHandle`)."""
 
     def __init__(self, model: ModelSpec, options: RunnerOptions, placement: Placement, port: int) -> None:
         self.model = model

@@ -20,45 +20,13 @@ error is translated the same way).
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import Protocol
 
 from trioshed.core import fit
 from trioshed.core.model import ModelSpec, RunnerOptions
 from trioshed.errors import ContextTooLong, TrioshedError
+from trioshed.scheduler.contracts import CountOn, PromptFit
 from trioshed.scheduler.lease import Lease
 from trioshed.scheduler.runner import Runner
-
-
-class Upstream(Protocol):
-    """What counting needs of a runner's connection pool (``trioshed.runner.client.UpstreamPool``)."""
-
-    async def post(self, path: str, body: bytes) -> tuple[int, bytes]: ...
-
-
-@dataclass(frozen=True)
-class CountOn:
-    """The runner a prompt is counted on: its model, options, and connection pool."""
-
-    model: ModelSpec
-    options: RunnerOptions
-    upstream: Upstream
-
-
-#: Counts a request's prompt on a runner: its tokens, or None where it cannot be counted (a
-#: shape not counted, e.g. media); a TrioshedError is a failed count (other than
-#: ContextTooLong, which refuses the request), as None.
-Count = Callable[[CountOn], Awaitable["int | None"]]
-
-
-@dataclass(frozen=True)
-class PromptFit:
-    """How a request's prompt is fitted to a runner's context."""
-
-    need: int  # at most how many tokens it takes, prompt and output (its bound)
-    output: int  # its output budget (0: not said)
-    automatic: bool  # whether its num_ctx is automatic (set by neither settings, models.toml nor it)
-    count: Count
 
 
 async def fitted_lease(
@@ -77,7 +45,7 @@ async def fitted_lease(
     Cancellation: as leasing; a lease held is given back."""
     sizing = fit.uncounted(options, prompt.need, prompt.automatic)
     on_loaded = fit.count_first(loaded.view() if loaded is not None else None, model, options, prompt.automatic)
-    if on_loaded is not None and loaded is not None:
+    if on_loaded is not None and loaded is not None and loaded.handle is not None:
         loaded.waiting_for_answer()  # watched as a request is: a hung runner is found in seconds
         try:
             tokens = await _count(prompt, CountOn(loaded.model, loaded.options, loaded.handle.upstream))

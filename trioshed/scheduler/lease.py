@@ -19,22 +19,41 @@ from typing import Any, Protocol
 from trioshed.core.context import Shrunk
 from trioshed.core.model import ModelSpec, RunnerOptions
 from trioshed.errors import RunnerCrashed
+from trioshed.scheduler.contracts import RunnerHandle
 from trioshed.scheduler.runner import Runner
 
 
-class LeaseOwner(Protocol):
-    """What a lease needs of the scheduler that granted it."""
+class QueuedRequest(Protocol):
+    """What a lease reads of the scheduler's record of its request."""
 
-    def _release(self, runner: Runner, tenant: str | None = None) -> None: ...
+    @property
+    def load_duration(self) -> float: ...
+    @property
+    def shrunk(self) -> Shrunk | None: ...
+
+
+class LeaseOwner(Protocol):
+    """What a lease needs of the scheduler that granted it. ``request`` is the owner's own
+    record of the request, handed back to it as it was handed out."""
+
+    def release_slot(self, runner: Runner, tenant: str | None = None) -> None:
+        """Give back one slot on ``runner`` (and ``tenant``'s count of leases)."""
+        ...
     def evict_after_leases(self, runner: Runner, reason: str) -> None: ...
-    async def _wait_again(self, request: Any) -> tuple[Any, Runner]: ...
-    async def _wait_resized(self, request: Any, num_ctx: int) -> tuple[Any, Runner]: ...
+    async def wait_again(self, request: Any) -> tuple[QueuedRequest, Runner]:
+        """Queue ``request`` again (its runner died): the request and its new runner."""
+        ...
+    async def wait_resized(self, request: Any, num_ctx: int) -> tuple[QueuedRequest, Runner]:
+        """Queue ``request`` again for a runner at ``num_ctx``: the request and that runner."""
+        ...
 
 
 class Lease:
-    """A request's hold on a runner slot, from dispatch until released (synchronous, idempotent)."""
+    """A request's hold on a runner slot, from dispatch until released (synchronous, idempotent).
 
-    def __init__(self, owner: LeaseOwner, runner: Runner, load_duration: float, tenant: str = "", request: Any = None) -> None:
+    Implements :class:`trioshed.scheduler.contracts.LeaseView`, what the routes see of it."""
+
+    def __init__(self, owner: LeaseOwner, runner: Runner, load_duration: float, tenant: str, request: QueuedRequest) -> None:
         self._scheduler = owner
         self._runner = runner
         self._tenant = tenant  # the API key's name: its slot is counted until released
@@ -56,15 +75,19 @@ class Lease:
     def shrunk(self) -> Shrunk | None:
         """Where the request's automatic context was made smaller to fit the memory, and why
         (None: it got the size it asked for)."""
-        return getattr(self._request, "shrunk", None)
+        return self._request.shrunk
 
     @property
-    def handle(self) -> Any:
-        return self._runner.handle
+    def handle(self) -> RunnerHandle:
+        """The runner's child (a lease is granted on a ready runner only: it has one)."""
+        handle = self._runner.handle
+        if handle is None:
+            raise RuntimeError(f"lease on runner {self._runner.id} of '{self.model.name}', which has no child")
+        return handle
 
     @property
     def base_url(self) -> str:
-        return str(self._runner.handle.base_url)
+        return self.handle.base_url
 
     @property
     def crash(self) -> RunnerCrashed | None:
@@ -100,18 +123,17 @@ class Lease:
         new runner; the lease then stands for that one. Once per request: a second death
         raises an error naming both (the caller's request ends with it).
 
-        Raises ``crash`` itself when the request cannot run again (released, or not the
-        scheduler's), and whatever waiting for a runner raises (a failed load, shutdown).
+        Raises ``crash`` itself when the request cannot run again (released), and whatever waiting for a runner raises (a failed load, shutdown).
         Cancellation: while waiting, the request leaves the queue; the lease is then released.
         """
-        if self.released or self._request is None:
+        if self.released:
             raise crash
         if self.rerun_after is not None:
             raise RunnerCrashed.again(self.model.name, self.rerun_after, crash)
         self.rerun_after = crash
-        self._scheduler._release(self._runner, self._tenant)
+        self._scheduler.release_slot(self._runner, self._tenant)
         try:
-            self._request, self._runner = await self._scheduler._wait_again(self._request)
+            self._request, self._runner = await self._scheduler.wait_again(self._request)
         except BaseException:
             self.released = True  # its slot went back above; nothing is held now
             raise
@@ -124,11 +146,11 @@ class Lease:
         any of the answer was asked for. Raises what waiting for a runner raises (a 507 where
         that size does not fit). Cancellation: while waiting, the request leaves the queue; the
         lease is then released."""
-        if self.released or self._request is None:
-            raise RuntimeError("regrow of a lease that holds no request")
-        self._scheduler._release(self._runner, self._tenant)
+        if self.released:
+            raise RuntimeError("regrow of a released lease")
+        self._scheduler.release_slot(self._runner, self._tenant)
         try:
-            self._request, self._runner = await self._scheduler._wait_resized(self._request, num_ctx)
+            self._request, self._runner = await self._scheduler.wait_resized(self._request, num_ctx)
         except BaseException:
             self.released = True  # its slot went back above; nothing is held now
             raise
@@ -137,4 +159,4 @@ class Lease:
     def release(self) -> None:
         if not self.released:
             self.released = True
-            self._scheduler._release(self._runner, self._tenant)
+            self._scheduler.release_slot(self._runner, self._tenant)

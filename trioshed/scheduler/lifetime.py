@@ -157,7 +157,7 @@ class RunnerLifetimes:
     def _declare_hung(self, runner: Runner, why: str) -> None:
         """A live runner that does not answer: kill it now (SIGKILL; a hung child may not act
         on SIGTERM), so that its streams end with an error naming ``why`` and its requests'
-        model is loaded again. A handle that cannot be killed is unloaded once its leases end."""
+        model is loaded again. A runner without a child yet is unloaded once its leases end."""
         if runner.hung:
             return
         runner.hung = f"it stopped answering ({why}) and was killed"
@@ -165,9 +165,8 @@ class RunnerLifetimes:
         log.warning("llama-server for %s %s", runner.model.name, runner.hung)
         runner.evicting = True
         runner.unload_reason = "health check failed"
-        kill = getattr(runner.handle, "kill", None)
-        if kill is not None:
-            kill()
+        if runner.handle is not None:
+            runner.handle.kill()
         elif runner.leases == 0:
             runner.stop("health check failed")
         self._wake()
@@ -224,9 +223,12 @@ class RunnerLifetimes:
     def _on_crash(self, runner: Runner, cause: str = "") -> None:
         """The child exited on its own: forget the runner now, so the next request reloads."""
         self._counters["crashes"] += 1
-        tail = getattr(runner.handle, "tail", None)
+        handle = runner.handle
         runner.crash = RunnerCrashed(
-            runner.model.name, runner.handle.returncode, tail.errors() if tail is not None else "", cause
+            runner.model.name,
+            handle.returncode if handle is not None else None,
+            handle.tail.errors() if handle is not None else "",
+            cause,
         )
         runner.state = RunnerState.UNLOADING
         self._runners.pop(runner.id, None)

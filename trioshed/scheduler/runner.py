@@ -11,33 +11,18 @@ import math
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
 
 import trio
 
 from trioshed.core import sched
-from trioshed.core.model import MeasuredMemory, MemoryEstimate, ModelSpec, Placement, RunnerOptions
+from trioshed.core.model import MemoryEstimate, ModelSpec, Placement, RunnerOptions
 from trioshed.core.sched import RunnerState
 from trioshed.errors import RunnerCrashed
 from trioshed.runner.command import device_names
+from trioshed.scheduler.contracts import RunnerHandle
 
-
-class RunnerHandle(Protocol):
-    """What the scheduler needs of a running child (real: LlamaServer; tests: a fake)."""
-
-    base_url: str
-
-    @property
-    def pid(self) -> int | None: ...
-    @property
-    def returncode(self) -> int | None: ...
-    @property
-    def measured(self) -> MeasuredMemory | None: ...
-    async def wait_exited(self) -> int | None: ...
-    async def health(self) -> bool: ...
-
-
-RunnerFactory = Callable[[ModelSpec, RunnerOptions, Placement], AbstractAsyncContextManager[Any]]
+#: Starts a child and yields its handle once ready; leaving the block stops it.
+RunnerFactory = Callable[[ModelSpec, RunnerOptions, Placement], AbstractAsyncContextManager[RunnerHandle]]
 Estimator = Callable[[ModelSpec, RunnerOptions], MemoryEstimate]
 
 
@@ -61,7 +46,7 @@ class Runner:
     served: int = 0
     came_back: bool = False  # sched.RunnerView.came_back
     _usage: tuple[tuple[str, int], ...] | None = None
-    handle: Any = None
+    handle: RunnerHandle | None = None  # set once the child is ready
     load_started: float = 0.0
     load_duration: float = 0.0
     crash: RunnerCrashed | None = None

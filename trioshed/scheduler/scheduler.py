@@ -47,8 +47,9 @@ from trioshed.errors import (
 )
 from trioshed.keys import ANONYMOUS, ApiKey
 from trioshed.models.gguf_meta import unreadable
+from trioshed.scheduler.contracts import PromptFit
 from trioshed.scheduler.events import EventHistory
-from trioshed.scheduler.fit import PromptFit, fitted_lease
+from trioshed.scheduler.fit import fitted_lease
 from trioshed.scheduler.lease import Lease
 from trioshed.scheduler.lifetime import (
     HEALTH_INTERVAL,
@@ -268,7 +269,7 @@ class Scheduler(RunnerLifetimes):
         req, runner = await self._pinged(req)
         return Lease(self, runner, req.load_duration, req.key.name, req)
 
-    async def _wait_again(self, req: _Request) -> tuple[_Request, Runner]:
+    async def wait_again(self, req: _Request) -> tuple[_Request, Runner]:
         """``req``'s runner died before it answered: wait for another, at the head of the queue.
 
         It was admitted once, so neither its key's limits nor the queue bound refuse it now."""
@@ -282,13 +283,13 @@ class Scheduler(RunnerLifetimes):
                 return req, runner
             try:
                 with trio.move_on_after(PING_TIMEOUT):
-                    if await runner.handle.health():
+                    if runner.handle is not None and await runner.handle.health():
                         return req, runner
             except BaseException:
-                self._release(runner, req.key.name)
+                self.release_slot(runner, req.key.name)
                 raise
             self._declare_hung(runner, f"did not answer a health check within {PING_TIMEOUT:g}s before reuse")
-            self._release(runner, req.key.name)
+            self.release_slot(runner, req.key.name)
             req = req.again()
         return req, await self._wait_for_runner(req)  # as it comes, unpinged
 
@@ -591,7 +592,7 @@ class Scheduler(RunnerLifetimes):
         if self._unqueue(req):
             self._note("left queue", req.model)
         if req.runner is not None and req.error is None:
-            self._release(req.runner)
+            self.release_slot(req.runner)
         req.error = req.error or ShuttingDown()
         req.done.set()
         self._wake()
@@ -603,7 +604,7 @@ class Scheduler(RunnerLifetimes):
         req.runner, req.error = runner, error
         req.done.set()
 
-    def _release(self, runner: Runner, tenant: str | None = None) -> None:
+    def release_slot(self, runner: Runner, tenant: str | None = None) -> None:
         if tenant is not None:
             self._tenants[tenant].leased -= 1
         runner.leases -= 1
@@ -774,7 +775,7 @@ class Scheduler(RunnerLifetimes):
                 req.floor_estimate = self._estimator(req.model, _sized(req.options, req.floor))
         req.__dict__.pop("view", None)  # the cached view carries it
 
-    async def _wait_resized(self, req: _Request, num_ctx: int) -> tuple[_Request, Runner]:
+    async def wait_resized(self, req: _Request, num_ctx: int) -> tuple[_Request, Runner]:
         """``req`` was served by a runner made smaller than it asked (``Lease.regrow``): wait for
         one at ``num_ctx``, the bucket of its exact count, never smaller."""
         again = req.again()

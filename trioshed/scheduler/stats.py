@@ -91,7 +91,7 @@ def runner_stats(r: Runner, *, waiting: int, now: float, wall: float) -> RunnerS
     # The prompt cache's reservation (--cache-ram) is accounted in usage, shown apart in /api/ps
     # (runner.cache_ram): size stays the child's own buffers.
     size = max(0, sum(usage.values()) - max(0, r.options.cache_ram_mib) * 1024 * 1024)
-    drafted, accepted = getattr(r.handle, "speculation", (0, 0))  # in-process fakes have none
+    drafted, accepted = r.handle.speculation if r.handle is not None else (0, 0)
     return RunnerStats(
         id=r.id,
         model=r.model.name,

@@ -4,6 +4,8 @@ A fake "loads" by sleeping ``load_time`` of (simulated) time, can be told to fai
 can be crashed (``crash()``) to exercise the exit watcher. Every start and stop is recorded.
 Its ``upstream`` answers requests in-process as a runner's connection pool would (see
 :class:`FakeUpstream`), so the edge's upstream code runs against it under ``MockClock`` too.
+The fakes implement the scheduler's Protocols in full (:class:`~trioshed.scheduler.contracts.RunnerHandle`,
+:class:`~trioshed.scheduler.contracts.Upstream`), as mypy checks at the end of this module.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import math
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import trio
 import trio.lowlevel
@@ -27,6 +30,9 @@ from trioshed.core.model import (
 )
 from trioshed.errors import LoadFailed
 from trioshed.runner.client import ConnectionFailed
+from trioshed.runner.process import OutputTail
+from trioshed.runner.slots import RunnerSlots
+from trioshed.scheduler.contracts import RunnerHandle, Upstream, UpstreamAnswer
 
 _pids = itertools.count(10_000)
 
@@ -50,6 +56,9 @@ class FakeRunner:
     requests: list[str] = field(default_factory=list)  # the paths it was sent, in order
     sent: trio.Event = field(default_factory=trio.Event)  # set by its first request
     upstream: FakeUpstream = field(init=False)
+    speculation: tuple[int, int] = (0, 0)  # (tokens drafted, accepted): a fake drafts nothing
+    slots: RunnerSlots | None = None  # no warm returns
+    tail: OutputTail = field(default_factory=OutputTail)  # a fake prints nothing
 
     def __post_init__(self) -> None:
         self.upstream = FakeUpstream(self)
@@ -209,3 +218,10 @@ def simple_place(
         return Placement(0, ram=est.total)
     largest = max([g.total - overhead for g in gpus] + [system_free])
     return DoesNotFit(needed=est.total, available=largest, reason="test placer")
+
+
+if TYPE_CHECKING:
+
+    def _implements(runner: FakeRunner) -> tuple[RunnerHandle, Upstream, UpstreamAnswer]:
+        """Never called: mypy checks here that the fakes implement the Protocols in full."""
+        return runner, runner.upstream, FakeResponse(runner)
