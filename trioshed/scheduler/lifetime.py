@@ -21,7 +21,8 @@ from typing import Any, Protocol
 
 import trio
 
-from trioshed.core.model import ModelSpec, RunnerOptions
+from trioshed.core import admission
+from trioshed.core.model import MemoryEstimate, ModelSpec, Placement, RunnerOptions
 from trioshed.core.views import CPU_ID, RunnerState, same_files
 from trioshed.devices import DeviceSource
 from trioshed.devices.rpc import RemoteDevices
@@ -95,6 +96,7 @@ class Runners(Mapping[int, Runner]):
         self.cooldowns: dict[str, tuple[float, str]] = {}
         self._backoff: dict[str, float] = {}
         self._killed_loading: set[str] = set()  # model paths whose last load's child was killed by a signal
+        self._session_pins: dict[str, bool] = {}  # model path -> pinned, set by pin() until restart
         self.counters = dict(loads=0, unloads=0, crashes=0, load_failures=0)
 
     # -- the mapping the scheduler reads (dict speed: the fast path asks on every request) ---------
@@ -119,16 +121,22 @@ class Runners(Mapping[int, Runner]):
 
     # -- what the scheduler does to its runners --------------------------------------------------
 
-    def start(self, runner: Runner, runner_nursery: trio.Nursery) -> None:
-        """Load ``runner`` and run its life in ``runner_nursery`` (the scheduler's)."""
+    def start(
+        self, runner_id: int, model: ModelSpec, options: RunnerOptions, placement: Placement, estimate: MemoryEstimate,
+        *, keep_alive: float, runner_nursery: trio.Nursery,
+    ) -> Runner:  # fmt: skip
+        """A new runner of ``model``: loaded, then served, in a task of ``runner_nursery`` (the
+        scheduler's)."""
+        now = trio.current_time()
+        runner = Runner(
+            runner_id, model, options, placement, estimate, keep_alive=keep_alive,
+            pinned=self._session_pins.get(model.path, model.pinned), last_used=now, load_started=now,
+        )  # fmt: skip
         self._runners[runner.id] = runner
         self.counters["loads"] += 1
         self._owner.note("load", runner.model)
-        log.info(
-            "loading %s: context %d tokens per slot x %d slot(s), batch %d", runner.model.name,
-            runner.options.num_ctx, runner.options.num_parallel, runner.options.num_batch,
-        )  # fmt: skip
         runner_nursery.start_soon(self._life, runner, name=f"runner {runner.model.name}")
+        return runner
 
     def evict(self, runner: Runner, reason: str) -> None:
         """Take ``runner`` out of service (``reason``): no new lease; unloaded once its leases
@@ -158,17 +166,22 @@ class Runners(Mapping[int, Runner]):
         self._owner.wake()
         return runners
 
-    def pin(self, model: ModelSpec, pinned: bool, keep_alive: Callable[[ModelSpec], float]) -> list[Runner]:
-        """Pin or unpin the runners of ``model``'s file that stay, with the keep-alive that gives
-        (counted from now where idle); returns them."""
+    def pin(self, model: ModelSpec, pinned: bool, default_keep_alive: float) -> list[Runner]:
+        """Pin or unpin ``model``'s file until restart, and its runners that stay, with the
+        keep-alive that gives (counted from now where idle); returns those runners."""
+        self._session_pins[model.path] = pinned
         runners = [r for r in self._runners.values() if r.model.path == model.path and not r.stopping]
         for r in runners:
             r.pinned = pinned
-            r.keep_alive = keep_alive(r.model)
+            r.keep_alive = admission.keep_alive(None, self.pinned_for_session(r.model), default_keep_alive)
             if r.leases == 0 and r.state is RunnerState.READY:
                 r.timer.deadline = trio.current_time() + r.keep_alive
         self._owner.wake()
         return runners
+
+    def pinned_for_session(self, model: ModelSpec) -> ModelSpec:
+        """``model`` as pin() left it: pinned (keep-alive forever unless set), or unpinned."""
+        return admission.pinned_for_session(model, self._session_pins.get(model.path))
 
     def released(self, runner: Runner) -> None:
         """A lease on ``runner`` ended and no waiter took its slot: with no lease left, it is
@@ -178,6 +191,15 @@ class Runners(Mapping[int, Runner]):
                 runner.stop(runner.unload_reason or "keep_alive 0")
             else:
                 runner.timer.deadline = trio.current_time() + runner.keep_alive
+
+    async def answers(self, runner: Runner) -> bool:
+        """Ping ``runner`` before it is reused: whether it answers within PING_TIMEOUT (if not,
+        it is killed as hung)."""
+        with trio.move_on_after(PING_TIMEOUT):
+            if await runner.handle.health():
+                return True
+        self.declare_hung(runner, f"did not answer a health check within {PING_TIMEOUT:g}s before reuse")
+        return False
 
     def loaded_options(self, model: ModelSpec) -> RunnerOptions | None:
         """The options of a ready runner of ``model``'s files, not leaving (None: none is up)."""

@@ -17,6 +17,7 @@ import trio
 
 from trioshed.core import views
 from trioshed.core.model import MeasuredMemory, MemoryEstimate, ModelSpec, Placement, RunnerOptions
+from trioshed.core.queue import RECENTLY_USED
 from trioshed.core.views import RunnerState
 from trioshed.errors import RunnerCrashed
 from trioshed.runner.command import device_names
@@ -76,6 +77,17 @@ class Runner:
     awaiting: int = 0
     watch: trio.CancelScope | None = None
     answer_check: float = math.inf
+
+    def lease(self, keep_alive: float, now: float) -> None:
+        """A request takes a slot (at ``now``): the runner stays while leased, then for the
+        latest request's ``keep_alive``. Its clients came back when it was busy or used within
+        :data:`~trioshed.core.queue.RECENTLY_USED` seconds (a swap waits for such clients)."""
+        self.came_back = self.served > 0 and (self.leases > 0 or now - self.last_used <= RECENTLY_USED)
+        self.leases += 1
+        self.last_used = now
+        self.keep_alive = keep_alive
+        self.timer.deadline = math.inf
+        self.served += 1
 
     def waiting_for_answer(self) -> None:
         """A request was sent and waits for its answer's first byte (undone by ``answered``)."""

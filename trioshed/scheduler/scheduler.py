@@ -1,21 +1,18 @@
 """The scheduler: requests in, leases on runners out.
 
-Shape (Trio): ``run()`` owns a nursery holding every runner's lifetime task. Requests enter
-through a bounded memory channel (full: :class:`QueueFull`, HTTP 503); a receiver task moves them
-into the waiting list. Every change (a request arrives or leaves, a lease ends, a load completes
-or fails, a runner exits) marks the state dirty; the loop then asks the pure planner
-(:func:`trioshed.core.sched.plan`) what to do and performs it: dispatch, load, evict, fail.
+Shape (Trio): ``run()`` owns a nursery holding every runner's lifetime task. Requests enter the
+queue (:mod:`.queue`: a bounded channel, full: :class:`QueueFull`, HTTP 503). Every change (a
+request arrives or leaves, a lease ends, a load completes or fails, a runner exits) marks the
+state dirty; the loop then asks the pure planner (:func:`trioshed.core.sched.plan`) what to do and
+performs it: dispatch, load, evict, fail.
 
-This module is the loop, the way in (admit, wait, ping a runner idle a while before handing it
-over) and the way out (release, hand a freed slot over); the decisions it asks are pure, in
-``core/``: the plan (:mod:`~trioshed.core.sched`), admission and keep-alive
-(:mod:`~trioshed.core.admission`), the fair order (:mod:`~trioshed.core.fairshare`), the waiting
-list (:mod:`~trioshed.core.queue`) and the context-shrink policy (:mod:`~trioshed.core.shrink`),
-which it performs. The rest, one topic a module: a request as held here (:mod:`.request`), a
-runner's fields and scopes (:mod:`.runner`), the runners and their lives (:mod:`.lifetime`: load,
-health, crash, VRAM recovery; told what to start, they tell back through a few callbacks), the
-lease the edge holds (:mod:`.lease`), the frozen snapshot (:mod:`.stats`) and the history of
-events readers follow (:mod:`.events`).
+Here: the loop, the way in (admit, wait, ping a runner idle a while) and the way out (release,
+hand a freed slot over). The decisions are pure, in ``core/``: the plan, admission and keep-alive
+(:mod:`~trioshed.core.admission`), the waiting list and its fast paths (:mod:`~trioshed.core.queue`),
+the context-shrink policy (:mod:`~trioshed.core.shrink`, performed by :mod:`.resize`). Beside it:
+a request as held here (:mod:`.request`), the runners and their lives (:mod:`.lifetime`: load,
+health, crash, VRAM recovery; they tell back through a few callbacks), the lease the edge holds
+(:mod:`.lease`), the snapshot (:mod:`.stats`), the history of events (:mod:`.events`).
 
 Cancellation: a request cancelled while queued leaves the waiting list at once; a lease whose
 ``async with`` exits (client gone, handler cancelled) is released synchronously.
@@ -38,7 +35,6 @@ from trioshed.core import admission, queue, sched
 from trioshed.core.admission import Tenant
 from trioshed.core.fairshare import FairShare
 from trioshed.core.model import ModelSpec, Placement, RunnerOptions
-from trioshed.core.queue import RECENTLY_USED
 from trioshed.core.sched import Dispatch, Evict, Fail, Load, Machine
 from trioshed.devices import DeviceSource
 from trioshed.devices.rpc import RemoteDevices
@@ -51,7 +47,6 @@ from trioshed.scheduler.lifetime import (
     HEALTH_INTERVAL,
     PING_IDLE,
     PING_RETRIES,
-    PING_TIMEOUT,
     Owner,
     Runners,
 )
@@ -113,7 +108,6 @@ class Scheduler:
         owner = Owner(note=self._note, wake=self._wake, out_of_memory=self._resizer.after_out_of_memory, fail_waiters=self._queue.fail_waiters)
         self._runners = Runners(owner, factory=factory, devices=devices, remote=remote)
         self._changes = RepeatedEvent()  # set on every change the planner or a waiter cares about
-        self._session_pins: dict[str, bool] = {}  # model path -> pinned, set by pin() until restart
         self._dirty = False  # a change the planner must look at (others only wake waiters)
         self._ids = itertools.count(1)
         self._nursery: trio.Nursery | None = None
@@ -190,13 +184,11 @@ class Scheduler:
             if req.idle_for < PING_IDLE:
                 return req, runner
             try:
-                with trio.move_on_after(PING_TIMEOUT):
-                    if await runner.handle.health():
-                        return req, runner
+                if await self._runners.answers(runner):  # pinged (killed as hung if not)
+                    return req, runner
             except BaseException:
                 self._release(runner, req.key.name)
                 raise
-            self._runners.declare_hung(runner, f"did not answer a health check within {PING_TIMEOUT:g}s before reuse")
             self._release(runner, req.key.name)
             req = req.again()
         return req, await self._wait_for_runner(req)  # as it comes, unpinged
@@ -250,13 +242,13 @@ class Scheduler:
         tenant.queued += 1
         try:
             if req.again_of:
-                self._enqueue_in_order(req)
+                self._queue.add_in_order(req)
             else:
                 self.submit_nowait(req)
             try:
                 await req.done.wait()
             except BaseException:
-                self._withdraw(req)
+                self._queue.withdraw(req)
                 raise
         finally:
             tenant.queued -= 1
@@ -273,10 +265,8 @@ class Scheduler:
         raise error
 
     def _nothing_ahead(self, req: Request) -> bool:
-        """No request for ``req``'s model waits that a runner of it could serve (one waiting for a
-        reload, e.g. a larger context, does not hold back a request that fits the runner now; the
-        runner's ``closed_from`` still bounds how long the swap waits), nor any request still in
-        the channel (of unknown model)."""
+        """No request waits ahead of ``req`` that a runner of its model could serve
+        (:func:`trioshed.core.queue.nothing_ahead`), nor any still in the channel (model unknown)."""
         if self._queue.in_channel():
             return False
         return queue.nothing_ahead(req, self._waiting, self._runners.values())
@@ -307,7 +297,7 @@ class Scheduler:
         whether one was loaded; waits until the children have exited."""
         runners = self._runners.unload(model)
         while any(r.id in self._runners for r in runners):
-            await self._wait_changed()
+            await self.wait_changed()
         return bool(runners)
 
     def pin(self, model: ModelSpec, pinned: bool) -> bool:
@@ -315,17 +305,12 @@ class Scheduler:
         model is never evicted to make room and stays loaded (keep-alive forever) unless a
         request's own ``keep_alive`` says otherwise, as ``pinned = true`` in models.toml; unpinned,
         its keep-alive counts down from now. Returns whether a runner of it is loaded now."""
-        self._session_pins[model.path] = pinned
         log.info("%s %s until trioshed restarts", "pinned" if pinned else "unpinned", model.name)
-
-        def keep_alive(model: ModelSpec) -> float:
-            return admission.keep_alive(None, self._pinned_for_session(model), self.default_keep_alive)
-
-        return bool(self._runners.pin(model, pinned, keep_alive))
+        return bool(self._runners.pin(model, pinned, self.default_keep_alive))
 
     def _pinned_for_session(self, model: ModelSpec) -> ModelSpec:
         """``model`` as pin() left it: pinned (keep-alive forever unless set), or unpinned."""
-        return admission.pinned_for_session(model, self._session_pins.get(model.path))
+        return self._runners.pinned_for_session(model)
 
     async def wait_changed(self) -> None:
         """Wait for the next change of state (a request queued or leased, a lease ended, a runner
@@ -342,7 +327,7 @@ class Scheduler:
             stats = self.statistics()
             if predicate(stats):
                 return stats
-            await self._wait_changed()
+            await self.wait_changed()
 
     @property
     def devices(self) -> DeviceSource:
@@ -362,9 +347,6 @@ class Scheduler:
         self._dirty = True
         self._changes.set()
 
-    async def _wait_changed(self) -> None:
-        await self._changes.wait()
-
     def _note(self, event: str, model: ModelSpec, reason: str = "", seconds: float = 0.0) -> None:
         log.log(logging.DEBUG if event == "dispatch" else logging.INFO, "%s %s", event, model.name)
         if self.record is not None:
@@ -379,12 +361,6 @@ class Scheduler:
                 await trio.sleep_forever()
             self._hold_timer = trio.CancelScope()
             self._wake()
-
-    def _enqueue_in_order(self, req: Request) -> None:
-        self._queue.add_in_order(req)
-
-    def _withdraw(self, req: Request) -> None:
-        self._queue.withdraw(req)
 
     def _release(self, runner: Runner, tenant: str | None = None) -> None:
         if tenant is not None:
@@ -477,32 +453,22 @@ class Scheduler:
     def _dispatch(self, req: Request, runner: Runner) -> None:
         now = trio.current_time()
         req.idle_for = now - runner.last_used if runner.leases == 0 and runner.served > 0 else 0.0
-        runner.came_back = runner.served > 0 and (runner.leases > 0 or now - runner.last_used <= RECENTLY_USED)
-        runner.leases += 1
-        runner.last_used = now
-        runner.keep_alive = req.keep_alive
-        runner.timer.deadline = math.inf
         req.load_duration = runner.load_duration if runner.served == 0 else 0.0
+        runner.lease(req.keep_alive, now)
         self._fair.dispatched(req.share)
-        runner.served += 1
         self._note("dispatch", req.model)
         self._queue.finish(req, runner=runner)
 
     def _start_load(self, req: Request, placement: Placement) -> Runner:
         assert self._nursery is not None
-        now = trio.current_time()
-        runner = Runner(
-            id=next(self._ids),
-            model=req.model,
-            options=req.options,
-            placement=placement,
-            estimate=req.estimate,
-            keep_alive=req.keep_alive,
-            pinned=self._session_pins.get(req.model.path, req.model.pinned),
-            last_used=now,
-            load_started=now,
-        )
-        self._runners.start(runner, self._nursery)
+        runner = self._runners.start(
+            next(self._ids), req.model, req.options, placement, req.estimate, keep_alive=req.keep_alive,
+            runner_nursery=self._nursery,
+        )  # fmt: skip
+        log.info(
+            "loading %s: context %d tokens per slot x %d slot(s), batch %d", req.model.name,
+            req.options.num_ctx, req.options.num_parallel, req.options.num_batch,
+        )  # fmt: skip
         return runner
 
     def _set_floor(self, req: Request, floor: int) -> None:
