@@ -19,7 +19,8 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Generic, Protocol, TypeVar
+from types import MappingProxyType
+from typing import Any, Generic, Protocol, TypeVar
 
 from trioshed.core.model import ModelSpec, RunnerOptions
 from trioshed.core.views import RequestView, RunnerView, can_serve, victim_order
@@ -50,6 +51,7 @@ class Serving(Protocol):
 
 Q = TypeVar("Q", bound=Queued)
 S = TypeVar("S", bound=Serving)
+_NONE: Mapping[int, Any] = MappingProxyType({})
 
 
 class Waiting(Generic[Q]):
@@ -67,7 +69,7 @@ class Waiting(Generic[Q]):
 
     def of_model(self, path: str) -> Mapping[int, Q]:
         """The requests waiting for the model file ``path``, oldest first (empty: none)."""
-        return self._by_path.get(path, {})
+        return self._by_path.get(path, _NONE)
 
     def add(self, req: Q) -> None:
         """Queue ``req`` last (it arrived last)."""

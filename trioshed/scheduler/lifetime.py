@@ -1,4 +1,5 @@
-"""The runners the scheduler owns, and each one's life: load, serve, watch, unload, clean up.
+"""The runners the scheduler owns: what it does to them, and each one's life (load, serve, watch,
+unload, clean up).
 
 One task per runner (started in the scheduler's nursery by :meth:`Runners.start`) wraps the child
 in the runner's cancel scopes: unloading is cancelling ``timer`` (its deadline is the keep-alive
@@ -8,8 +9,10 @@ a failed or crashed runner lost (checked, bounded, before it is reported), the l
 back-off, and waiting for the GPUs' free memory to come back after an unload.
 
 :class:`Runners` is owned by the scheduler, which reads it as a mapping (a runner is in it from
-its start until its life ends) and tells it what to start; a life tells the scheduler what
-happened only through the few callbacks it was given (:class:`Owner`).
+its start until its life ends) and tells it what to do: start a runner, evict or unload one, pin a
+model for the session, ping a runner before it is reused, let a released one's keep-alive run. A
+life tells the scheduler what happened only through the few callbacks it was given
+(:class:`Owner`): no attribute of the scheduler is read or written here.
 """
 
 from __future__ import annotations
@@ -65,6 +68,8 @@ def _twice(exc: LoadFailed, model: str) -> LoadFailed:
 
 
 class Note(Protocol):
+    """The scheduler's record of an event: logged, kept for tests, and in the event history."""
+
     def __call__(self, event: str, model: ModelSpec, reason: str = "", seconds: float = 0.0) -> None: ...
 
 
@@ -115,9 +120,6 @@ class Runners(Mapping[int, Runner]):
 
     def values(self) -> ValuesView[Runner]:
         return self._runners.values()
-
-    def get(self, runner_id: int, default: Any = None) -> Any:
-        return self._runners.get(runner_id, default)
 
     # -- what the scheduler does to its runners --------------------------------------------------
 
