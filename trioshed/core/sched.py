@@ -185,7 +185,7 @@ def plan(
     would evict (0: never; see the module's docstring).
 
     Several tenants (API keys): within a priority, requests are planned in weighted fair order
-    (:func:`fair_order`, by the start tags :class:`FairShare` gave them), so a tenant that floods
+    (:func:`~trioshed.core.fairshare.fair_order`, by the start tags ``FairShare`` gave them), so a tenant that floods
     the queue cannot push another's requests back by more than its share.
     """
     actions = Plan()

@@ -44,7 +44,7 @@ class RunnerView:
     last_used: float = 0.0
     usage: tuple[tuple[str, int], ...] = ()  # bytes per device id ("cpu" = system memory)
     pinned: bool = False  # models.toml pinned: never chosen as a victim
-    #: Its latest request came while it was busy or within :data:`RECENTLY_USED` seconds of
+    #: Its latest request came while it was busy or within ``core.queue.RECENTLY_USED`` seconds of
     #: the one before: its clients come straight back, so a recent use holds a swap.
     came_back: bool = False
 
@@ -75,7 +75,7 @@ class RequestView:
     priority: int = 0  # models.toml priority: higher is planned first
     held_since: float | None = None  # when a pass first held its swap for another model's queue
     tenant: str = ""  # the API key's name: slots are shared between tenants by weight
-    share: float = 0.0  # its start tag in the weighted fair order (FairShare.arrive)
+    share: float = 0.0  # its start tag in the weighted fair order (core.fairshare.FairShare.arrive)
     arrived: float = 0.0  # when it reached the scheduler (priority ages after max_extra_wait)
     #: its estimate at the smallest automatic context it may be made (None: it may not be made
     #: smaller): a size that would spill layers to system memory, or evict other models, where
