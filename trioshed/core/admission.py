@@ -6,7 +6,7 @@ scheduler at once, queued or holding a slot, and ``max_queued`` of them waiting 
 queue as a whole holds at most TRIOSHED_MAX_QUEUE requests: past it, QueueFull (503). A request
 queued again (its runner died, or failed its ping) was admitted once, and no limit refuses it now.
 
-A request's keep-alive is its own, else its model's (``models.toml``, or :meth:`pin` for the
+A request's keep-alive is its own, else its model's (``models.toml``, or ``Scheduler.pin`` for the
 session, which makes a pinned model's keep-alive forever unless set), else TRIOSHED_KEEP_ALIVE.
 
 The scheduler counts each tenant's requests (:class:`Tenant`) and asks these functions; it raises
