@@ -23,8 +23,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from trioshed.core.model import Device, ModelSpec, RunnerOptions
+from trioshed.core.queue import RECENTLY_USED
 from trioshed.core.sched import (
-    RECENTLY_USED,
     Dispatch,
     Evict,
     Fail,

@@ -79,11 +79,11 @@ class FastPath:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        with self.wrapper.traced(scope):
+        with self.wrapper.traced(scope, send) as traced_send:
             if self.wants(scope):
-                await self._serve(scope, receive, send)
+                await self._serve(scope, receive, traced_send)
             else:
-                await self.delegate(scope, receive, send)
+                await self.delegate(scope, receive, traced_send)
 
     async def _serve(self, scope: Message, receive: Receive, send: Send) -> None:
         headers: dict[str, str] = {}

@@ -4,11 +4,13 @@ The request wrapper (:mod:`trioshed.api.wrapper`, on both serving paths) opens :
 around each HTTP request: it creates a :class:`~trioshed.trace.RequestTrace` and sets it in the
 request's context; the wrapper adds the route (the url rule, so labels stay few) and the
 status; the scheduler adds the model and the waits; routes add token counts. When the response
-has been sent in full (a stream included) or the client has left, the trace becomes metrics
-and, with ``TRIOSHED_LOG_FORMAT=json``, one JSON log line on ``trioshed.requests``.
+is about to send the last part of its answer (a stream included: before the client can see its
+end, so that a client's next request, ``/metrics`` say, finds it counted) or the client has left,
+the trace becomes metrics and, with ``TRIOSHED_LOG_FORMAT=json``, one JSON log line on
+``trioshed.requests``.
 
-Cost: a contextvar set and reset, two clock reads and a few counter updates per request; nothing
-per streamed chunk (the app is awaited once; ``send`` is not wrapped).
+Cost: a contextvar set and reset, two clock reads and a few counter updates per request; per
+streamed chunk, one test of the ASGI message (:meth:`trioshed.api.wrapper.RequestWrapper.traced`).
 """
 
 from __future__ import annotations
@@ -27,26 +29,48 @@ from trioshed.trace import RequestTrace
 log = logging.getLogger("trioshed.requests")
 
 
-@contextmanager
-def traced(
-    scope: Any, metrics: Metrics, *, log_json: bool, finished: Callable[[RequestTrace, float], None] | None = None
-) -> Iterator[RequestTrace]:
-    """One HTTP request's trace, set for its task; metrics, the log line and ``finished`` (the
-    status page's activity) when it ends."""
-    trace = RequestTrace(scope["method"], scope["path"], _address(scope.get("client")), time.monotonic())
-    token = _trace.current.set(trace)
-    try:
-        yield trace
-    finally:
-        _trace.current.reset(token)
+class Observed:
+    """One HTTP request's trace and what becomes of it when the request ends (:meth:`end`)."""
+
+    __slots__ = ("_ended", "_finished", "_log_json", "_metrics", "trace")
+
+    def __init__(
+        self, scope: Any, metrics: Metrics, *, log_json: bool, finished: Callable[[RequestTrace, float], None] | None
+    ) -> None:
+        self.trace = RequestTrace(scope["method"], scope["path"], _address(scope.get("client")), time.monotonic())
+        self._metrics, self._log_json, self._finished = metrics, log_json, finished
+        self._ended = False
+
+    def end(self) -> None:
+        """The request ended: its metrics, the log line and ``finished`` (the status page's
+        activity). Once; later calls do nothing."""
+        if self._ended:
+            return
+        self._ended = True
+        trace = self.trace
         duration = time.monotonic() - trace.started
-        metrics.request_finished(trace, duration)
-        if finished is not None:
-            finished(trace, duration)
-        if log_json:
+        self._metrics.request_finished(trace, duration)
+        if self._finished is not None:
+            self._finished(trace, duration)
+        if self._log_json:
             log.info("request", extra={"fields": log_fields(trace, duration)})
         elif log.isEnabledFor(logging.DEBUG):
             log.debug("%s %s %d %.1f ms", trace.method, trace.path, trace.status, duration * 1000)
+
+
+@contextmanager
+def traced(
+    scope: Any, metrics: Metrics, *, log_json: bool, finished: Callable[[RequestTrace, float], None] | None = None
+) -> Iterator[Observed]:
+    """One HTTP request's trace, set for its task; ended (:meth:`Observed.end`) on leaving, if
+    it was not ended before."""
+    observed = Observed(scope, metrics, log_json=log_json, finished=finished)
+    token = _trace.current.set(observed.trace)
+    try:
+        yield observed
+    finally:
+        _trace.current.reset(token)
+        observed.end()
 
 
 def note_error(exc: TrioshedError) -> None:

@@ -48,7 +48,8 @@ log = logging.getLogger(__name__)
 #: A header lookup: case-insensitive name -> the first value, or None.
 Headers = Callable[[str], "str | None"]
 Message = dict[str, Any]
-ASGIApp = Callable[[Message, Callable[[], Awaitable[Message]], Callable[[Message], Awaitable[None]]], Awaitable[None]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Message, Callable[[], Awaitable[Message]], Send], Awaitable[None]]
 
 
 @dataclass(frozen=True)
@@ -89,11 +90,19 @@ class RequestWrapper:
         self.finished = finished
 
     @contextmanager
-    def traced(self, scope: Message) -> Iterator[RequestTrace]:
+    def traced(self, scope: Message, send: Send) -> Iterator[Send]:
         """The request's trace, set for its task from here until the request ends (a streamed
-        answer included); then its metrics, log line and activity entry."""
-        with observe.traced(scope, self.metrics, log_json=self.log_json, finished=self.finished) as trace:
-            yield trace
+        answer included); then its metrics, log line and activity entry. Yields the ``send`` to
+        answer with: it ends the trace just before the answer's last part goes out, so that the
+        client's next request (``/metrics``, the status page) finds this one counted."""
+        with observe.traced(scope, self.metrics, log_json=self.log_json, finished=self.finished) as observed:
+
+            async def send_and_end(message: Message) -> None:
+                if message["type"] == "http.response.body" and not message.get("more_body", False):
+                    observed.end()
+                await send(message)
+
+            yield send_and_end
 
     def traced_app(self, app: ASGIApp) -> ASGIApp:
         """``app`` with each HTTP request :meth:`traced` (the Quart app's ASGI callable)."""
@@ -102,8 +111,8 @@ class RequestWrapper:
             if scope["type"] != "http":
                 await app(scope, receive, send)
                 return
-            with self.traced(scope):
-                await app(scope, receive, send)
+            with self.traced(scope, send) as traced_send:
+                await app(scope, receive, traced_send)
 
         return traced_app
 

@@ -1,26 +1,32 @@
-"""A runner's lifetime, as the scheduler runs it: load, serve, watch, unload, clean up.
+"""The runners the scheduler owns: what it does to them, and each one's life (load, serve, watch,
+unload, clean up).
 
-One task per runner (started in the scheduler's nursery) wraps the child in the runner's cancel
-scopes: unloading is cancelling ``timer`` (its deadline is the keep-alive expiry), aborting a load
-is cancelling ``scope``. An unexpected exit of the child is seen at once by the same task; a live
-but hung child by the health check. Around the edges: which RPC servers a failed or crashed runner
-lost (checked, bounded, before it is reported), the load-failure back-off, and waiting for the
-GPUs' free memory to come back after an unload.
+One task per runner (started in the scheduler's nursery by :meth:`Runners.start`) wraps the child
+in the runner's cancel scopes: unloading is cancelling ``timer`` (its deadline is the keep-alive
+expiry), aborting a load is cancelling ``scope``. An unexpected exit of the child is seen at once
+by the same task; a live but hung child by the health check. Around the edges: which RPC servers
+a failed or crashed runner lost (checked, bounded, before it is reported), the load-failure
+back-off, and waiting for the GPUs' free memory to come back after an unload.
 
-:class:`RunnerLifetimes` is the part of :class:`~trioshed.scheduler.scheduler.Scheduler` that
-does this (a base class holding one topic; the scheduler's loop and queue are in its module).
+:class:`Runners` is owned by the scheduler, which reads it as a mapping (a runner is in it from
+its start until its life ends) and tells it what to do: start a runner, evict or unload one, pin a
+model for the session, ping a runner before it is reused, let a released one's keep-alive run. A
+life tells the scheduler what happened only through the few callbacks it was given
+(:class:`Owner`): no attribute of the scheduler is read or written here.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator, Mapping, ValuesView
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import trio
 
-from trioshed.core import sched
-from trioshed.core.model import ModelSpec
-from trioshed.core.sched import RunnerState
+from trioshed.core import admission
+from trioshed.core.model import MemoryEstimate, ModelSpec, Placement, RunnerOptions
+from trioshed.core.views import CPU_ID, RunnerState, same_files
 from trioshed.devices import DeviceSource
 from trioshed.devices.rpc import RemoteDevices
 from trioshed.errors import LoadFailed, RunnerCrashed, TrioshedError
@@ -61,26 +67,156 @@ def _twice(exc: LoadFailed, model: str) -> LoadFailed:
     )
 
 
-class RunnerLifetimes:
-    """Runs each runner's life; the scheduler's state it touches is declared here."""
+class Note(Protocol):
+    """The scheduler's record of an event: logged, kept for tests, and in the event history."""
 
-    _factory: RunnerFactory
-    _devices: DeviceSource
-    _remote: RemoteDevices | None
-    _runners: dict[int, Runner]
-    _cooldowns: dict[str, tuple[float, str]]
-    _backoff: dict[str, float]
-    _counters: dict[str, int]
-    _killed_loading: set[str]  # model paths whose last load's child was killed by a signal
+    def __call__(self, event: str, model: ModelSpec, reason: str = "", seconds: float = 0.0) -> None: ...
 
-    if TYPE_CHECKING:
 
-        def _note(self, event: str, model: ModelSpec, reason: str = "", seconds: float = 0.0) -> None: ...
-        def _wake(self) -> None: ...
-        def _fail_waiters(self, runner: Runner, error: TrioshedError) -> None: ...
-        def _retry_smaller(self, runner: Runner, error: LoadFailed) -> bool: ...
+@dataclass(frozen=True)
+class Owner:
+    """What a runner's life tells the scheduler that owns it, and nothing more."""
 
-    async def _runner_life(self, runner: Runner) -> None:
+    #: an event to log, record and keep in the history ("ready", "crashed", "load failed"...)
+    note: Note
+    #: a change the planner must look at (a runner ready, gone, hung)
+    wake: Callable[[], None]
+    #: a load ran out of memory: whether its waiters are tried at smaller contexts instead
+    #: (then no back-off, and none of them fails with the load's error)
+    out_of_memory: Callable[[Runner, LoadFailed], bool]
+    #: a load failed: the requests waiting for it fail with ``error``
+    fail_waiters: Callable[[Runner, TrioshedError], None]
+
+
+class Runners(Mapping[int, Runner]):
+    """The scheduler's runners by id, each with its life task; the load-failure back-off."""
+
+    def __init__(self, owner: Owner, *, factory: RunnerFactory, devices: DeviceSource, remote: RemoteDevices | None) -> None:
+        self._owner = owner
+        self._factory = factory
+        self._devices = devices
+        self._remote = remote
+        self._runners: dict[int, Runner] = {}
+        #: model path -> (until, cause): a model whose load failed is not loaded again until then
+        self.cooldowns: dict[str, tuple[float, str]] = {}
+        self._backoff: dict[str, float] = {}
+        self._killed_loading: set[str] = set()  # model paths whose last load's child was killed by a signal
+        self._session_pins: dict[str, bool] = {}  # model path -> pinned, set by pin() until restart
+        self.counters = dict(loads=0, unloads=0, crashes=0, load_failures=0)
+
+    # -- the mapping the scheduler reads (dict speed: the fast path asks on every request) ---------
+
+    def __getitem__(self, runner_id: int) -> Runner:
+        return self._runners[runner_id]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._runners)
+
+    def __len__(self) -> int:
+        return len(self._runners)
+
+    def __contains__(self, runner_id: object) -> bool:
+        return runner_id in self._runners
+
+    def values(self) -> ValuesView[Runner]:
+        return self._runners.values()
+
+    # -- what the scheduler does to its runners --------------------------------------------------
+
+    def start(
+        self, runner_id: int, model: ModelSpec, options: RunnerOptions, placement: Placement, estimate: MemoryEstimate,
+        *, keep_alive: float, runner_nursery: trio.Nursery,
+    ) -> Runner:  # fmt: skip
+        """A new runner of ``model``: loaded, then served, in a task of ``runner_nursery`` (the
+        scheduler's)."""
+        now = trio.current_time()
+        runner = Runner(
+            runner_id, model, options, placement, estimate, keep_alive=keep_alive,
+            pinned=self._session_pins.get(model.path, model.pinned), last_used=now, load_started=now,
+        )  # fmt: skip
+        self._runners[runner.id] = runner
+        self.counters["loads"] += 1
+        self._owner.note("load", runner.model)
+        runner_nursery.start_soon(self._life, runner, name=f"runner {runner.model.name}")
+        return runner
+
+    def evict(self, runner: Runner, reason: str) -> None:
+        """Take ``runner`` out of service (``reason``): no new lease; unloaded once its leases
+        end (now, if it has none)."""
+        runner.evicting = True
+        runner.unload_reason = reason
+        self._owner.note("evict", runner.model, reason)
+        if runner.leases == 0:
+            runner.stop(reason)
+
+    def evict_after_leases(self, runner: Runner, reason: str) -> None:
+        """Replace ``runner`` once its leases end (it misbehaved under one: hung)."""
+        if not runner.evicting:
+            runner.evicting = True
+            runner.unload_reason = reason
+            self._owner.note("evict", runner.model, reason)
+            self._owner.wake()
+
+    def unload(self, model: ModelSpec) -> list[Runner]:
+        """Unload every runner of ``model``'s file (one with leases once they end); returns them."""
+        runners = [r for r in self._runners.values() if r.model.path == model.path]
+        for r in runners:
+            r.evicting = True
+            r.unload_reason = "unload requested"
+            if r.leases == 0:
+                r.stop("unload requested")
+        self._owner.wake()
+        return runners
+
+    def pin(self, model: ModelSpec, pinned: bool, default_keep_alive: float) -> list[Runner]:
+        """Pin or unpin ``model``'s file until restart, and its runners that stay, with the
+        keep-alive that gives (counted from now where idle); returns those runners."""
+        self._session_pins[model.path] = pinned
+        runners = [r for r in self._runners.values() if r.model.path == model.path and not r.stopping]
+        for r in runners:
+            r.pinned = pinned
+            r.keep_alive = admission.keep_alive(None, self.pinned_for_session(r.model), default_keep_alive)
+            if r.leases == 0 and r.state is RunnerState.READY:
+                r.timer.deadline = trio.current_time() + r.keep_alive
+        self._owner.wake()
+        return runners
+
+    def pinned_for_session(self, model: ModelSpec) -> ModelSpec:
+        """``model`` as pin() left it: pinned (keep-alive forever unless set), or unpinned."""
+        return admission.pinned_for_session(model, self._session_pins.get(model.path))
+
+    def released(self, runner: Runner) -> None:
+        """A lease on ``runner`` ended and no waiter took its slot: with no lease left, it is
+        unloaded (being evicted, or keep-alive 0), or its keep-alive starts counting."""
+        if runner.leases == 0 and runner.id in self._runners:
+            if runner.evicting or runner.keep_alive <= 0:
+                runner.stop(runner.unload_reason or "keep_alive 0")
+            else:
+                runner.timer.deadline = trio.current_time() + runner.keep_alive
+
+    async def answers(self, runner: Runner) -> bool:
+        """Ping ``runner`` before it is reused: whether it answers within PING_TIMEOUT (if not,
+        it is killed as hung)."""
+        with trio.move_on_after(PING_TIMEOUT):
+            if runner.handle is not None and await runner.handle.health():
+                return True
+        self.declare_hung(runner, f"did not answer a health check within {PING_TIMEOUT:g}s before reuse")
+        return False
+
+    def ready_runner(self, model: ModelSpec) -> Runner | None:
+        """A ready runner of ``model``'s files, not leaving (None: none is up)."""
+        for r in self._runners.values():
+            if r.state is RunnerState.READY and not r.stopping and not r.evicting and same_files(r.model, model):
+                return r
+        return None
+
+    def remote_busy(self) -> set[str]:
+        """The RPC servers our runners hold (each serves one client: not to be probed)."""
+        return {e for r in self._runners.values() for e in r.placement.endpoints}
+
+    # -- a runner's life -----------------------------------------------------------------------
+
+    async def _life(self, runner: Runner) -> None:
         """Load, serve until stopped (timer cancelled or keep-alive deadline) or crashed, clean up."""
         try:
             with runner.scope:
@@ -100,9 +236,9 @@ class RunnerLifetimes:
                         # so this is the moment to read the GPUs' free memory before it goes.
                         runner.state = RunnerState.UNLOADING
                         baseline = self._vram_baseline(runner)
-                    self._counters["unloads"] += 1
+                    self.counters["unloads"] += 1
                     expired = "keep_alive 0" if runner.keep_alive <= 0 else "keep_alive expired"
-                    self._note("unloaded", runner.model, runner.unload_reason or expired)
+                    self._owner.note("unloaded", runner.model, runner.unload_reason or expired)
                     if baseline is not None:
                         await self._wait_for_vram_recovery(runner, baseline)
                 except LoadFailed as exc:
@@ -118,7 +254,7 @@ class RunnerLifetimes:
                     self._on_load_failed(runner, LoadFailed(f"cannot run llama-server: {exc}"))
         finally:
             self._runners.pop(runner.id, None)
-            self._wake()
+            self._owner.wake()
 
     async def _monitor_health(self, runner: Runner, handle: Any) -> None:
         """Ping ``/health`` every HEALTH_INTERVAL; two failures in a row: the runner is hung.
@@ -146,22 +282,22 @@ class RunnerLifetimes:
             if healthy:
                 failures = 0
             elif waited and runner.awaiting:  # nobody had an answer meanwhile
-                self._declare_hung(runner, f"did not answer a health check within {PING_TIMEOUT:g}s while a request waited for its answer")
+                self.declare_hung(runner, f"did not answer a health check within {PING_TIMEOUT:g}s while a request waited for its answer")
                 return
             else:
                 failures += 1
                 if failures >= 2:
-                    self._declare_hung(runner, f"did not answer two health checks {HEALTH_INTERVAL:g}s apart")
+                    self.declare_hung(runner, f"did not answer two health checks {HEALTH_INTERVAL:g}s apart")
                     return
 
-    def _declare_hung(self, runner: Runner, why: str) -> None:
+    def declare_hung(self, runner: Runner, why: str) -> None:
         """A live runner that does not answer: kill it now (SIGKILL; a hung child may not act
         on SIGTERM), so that its streams end with an error naming ``why`` and its requests'
         model is loaded again. A runner without a child yet is unloaded once its leases end."""
         if runner.hung:
             return
         runner.hung = f"it stopped answering ({why}) and was killed"
-        self._note("unhealthy", runner.model, why)
+        self._owner.note("unhealthy", runner.model, why)
         log.warning("llama-server for %s %s", runner.model.name, runner.hung)
         runner.evicting = True
         runner.unload_reason = "health check failed"
@@ -169,17 +305,17 @@ class RunnerLifetimes:
             runner.handle.kill()
         elif runner.leases == 0:
             runner.stop("health check failed")
-        self._wake()
+        self._owner.wake()
 
     def _on_ready(self, runner: Runner, handle: Any) -> None:
         self._killed_loading.discard(runner.model.path)
         runner.handle = handle
         runner.state = RunnerState.READY
         runner.load_duration = trio.current_time() - runner.load_started
-        self._cooldowns.pop(runner.model.path, None)
+        self.cooldowns.pop(runner.model.path, None)
         self._backoff.pop(runner.model.path, None)
-        self._note("ready", runner.model, seconds=runner.load_duration)
-        self._wake()
+        self._owner.note("ready", runner.model, seconds=runner.load_duration)
+        self._owner.wake()
 
     async def _lost_remote(self, runner: Runner) -> list[str]:
         """The RPC servers of ``runner`` that answer no more ("address (why)"), checked now."""
@@ -192,9 +328,9 @@ class RunnerLifetimes:
     def _on_remote_load_lost(self, runner: Runner, lost: list[str]) -> None:
         """A load failed because an RPC server went away: no back-off for the model; its waiting
         requests stay queued and are placed again without that server."""
-        self._counters["load_failures"] += 1
+        self.counters["load_failures"] += 1
         log.warning("load of %s failed: RPC server %s stopped answering", runner.model.name, ", ".join(lost))
-        self._note("load failed", runner.model, f"RPC server {', '.join(lost)} stopped answering")
+        self._owner.note("load failed", runner.model, f"RPC server {', '.join(lost)} stopped answering")
         self._runners.pop(runner.id, None)
 
     async def _check_remote(self, runner: Runner) -> str:
@@ -207,7 +343,7 @@ class RunnerLifetimes:
         if not endpoints or self._remote is None:
             return ""
         runner.state = RunnerState.UNLOADING
-        self._wake()
+        self._owner.wake()
         lost: list[str] | None = None
         with trio.move_on_after(REMOTE_CHECK_TIMEOUT):
             lost = await self._remote.check(endpoints)
@@ -222,7 +358,7 @@ class RunnerLifetimes:
 
     def _on_crash(self, runner: Runner, cause: str = "") -> None:
         """The child exited on its own: forget the runner now, so the next request reloads."""
-        self._counters["crashes"] += 1
+        self.counters["crashes"] += 1
         handle = runner.handle
         runner.crash = RunnerCrashed(
             runner.model.name,
@@ -232,31 +368,31 @@ class RunnerLifetimes:
         )
         runner.state = RunnerState.UNLOADING
         self._runners.pop(runner.id, None)
-        self._note("crashed", runner.model, runner.crash.message[:300])
-        self._wake()
+        self._owner.note("crashed", runner.model, runner.crash.message[:300])
+        self._owner.wake()
 
     def _on_killed_loading(self, runner: Runner, exc: LoadFailed) -> None:
         """The child died of a signal while loading (SIGKILL from outside, the OOM killer): not
         the model's fault as far as anyone knows, so no back-off, and its waiting requests stay
         queued for the load that starts at once. A second such death in a row is a failure."""
-        self._counters["load_failures"] += 1
+        self.counters["load_failures"] += 1
         self._killed_loading.add(runner.model.path)
         log.warning("llama-server for %s was killed (code %s) while loading; loading it again", runner.model.name, exc.returncode)
-        self._note("load failed", runner.model, f"killed (code {exc.returncode}) while loading; loading it again")
+        self._owner.note("load failed", runner.model, f"killed (code {exc.returncode}) while loading; loading it again")
         self._runners.pop(runner.id, None)
 
     def _on_load_failed(self, runner: Runner, exc: LoadFailed) -> None:
-        self._counters["load_failures"] += 1
+        self.counters["load_failures"] += 1
         path = runner.model.path
-        if self._retry_smaller(runner, exc):  # out of memory: a smaller context, now (no cooldown)
-            self._note("load failed", runner.model, exc.message[:300])
+        if self._owner.out_of_memory(runner, exc):  # out of memory: a smaller context, now (no cooldown)
+            self._owner.note("load failed", runner.model, exc.message[:300])
             self._runners.pop(runner.id, None)
             return
         self._backoff[path] = min(self._backoff.get(path, COOLDOWN_FIRST / 2) * 2, COOLDOWN_MAX)
-        self._cooldowns[path] = (trio.current_time() + self._backoff[path], exc.message[:300])
-        self._note("load failed", runner.model, exc.message[:300])
+        self.cooldowns[path] = (trio.current_time() + self._backoff[path], exc.message[:300])
+        self._owner.note("load failed", runner.model, exc.message[:300])
         self._runners.pop(runner.id, None)
-        self._fail_waiters(runner, exc)
+        self._owner.fail_waiters(runner, exc)
 
     def _vram_baseline(self, runner: Runner) -> int | None:
         if not (runner.placement.devices and self._devices.recovers_vram):
@@ -266,7 +402,7 @@ class RunnerLifetimes:
 
     async def _wait_for_vram_recovery(self, runner: Runner, baseline: int) -> None:
         """Free GPU memory lags behind a child's exit: wait until ~80% of its use is back."""
-        expected = sum(b for dev, b in runner.usage() if dev != sched.CPU_ID)
+        expected = sum(b for dev, b in runner.usage() if dev != CPU_ID)
         ids = set(runner.placement.devices)
         with trio.move_on_after(VRAM_RECOVERY_TIMEOUT) as scope:
             while True:

@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 
 import trio
 
-from trioshed.core import sched
+from trioshed.core import views
 from trioshed.core.model import MemoryEstimate, ModelSpec, Placement, RunnerOptions
-from trioshed.core.sched import RunnerState
+from trioshed.core.queue import RECENTLY_USED
+from trioshed.core.views import RunnerState
 from trioshed.errors import RunnerCrashed
 from trioshed.runner.command import device_names
 from trioshed.scheduler.contracts import RunnerHandle
@@ -44,7 +45,7 @@ class Runner:
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     timer: trio.CancelScope = field(default_factory=lambda: trio.CancelScope(deadline=math.inf))
     served: int = 0
-    came_back: bool = False  # sched.RunnerView.came_back
+    came_back: bool = False  # views.RunnerView.came_back
     _usage: tuple[tuple[str, int], ...] | None = None
     handle: RunnerHandle | None = None  # set once the child is ready
     load_started: float = 0.0
@@ -62,6 +63,17 @@ class Runner:
     watch: trio.CancelScope | None = None
     answer_check: float = math.inf
 
+    def lease(self, keep_alive: float, now: float) -> None:
+        """A request takes a slot (at ``now``): the runner stays while leased, then for the
+        latest request's ``keep_alive``. Its clients came back when it was busy or used within
+        :data:`~trioshed.core.queue.RECENTLY_USED` seconds (a swap waits for such clients)."""
+        self.came_back = self.served > 0 and (self.leases > 0 or now - self.last_used <= RECENTLY_USED)
+        self.leases += 1
+        self.last_used = now
+        self.keep_alive = keep_alive
+        self.timer.deadline = math.inf
+        self.served += 1
+
     def waiting_for_answer(self) -> None:
         """A request was sent and waits for its answer's first byte (undone by ``answered``)."""
         self.awaiting += 1
@@ -78,23 +90,23 @@ class Runner:
         every runner's usage)."""
         if self._usage is not None:
             return self._usage
-        usage = sched.usage_of(self.placement)
+        usage = views.usage_of(self.placement)
         measured = self.handle.measured if self.handle is not None else None
         # llama-server's prompt cache (--cache-ram) is a limit it grows into, in system memory,
         # absent from the buffers it reports: kept as predicted, outside the measured sizes.
         prompt_cache = max(0, self.options.cache_ram_mib) * 1024 * 1024
         predicted = self.placement.total - prompt_cache
         if measured is not None and measured.total > 0:
-            exact = sched.measured_usage(self.placement, measured, device_names(self.placement.devices))
+            exact = views.measured_usage(self.placement, measured, device_names(self.placement.devices))
             if exact is not None:
                 per_device = dict(exact)
-                per_device[sched.CPU_ID] = per_device.get(sched.CPU_ID, 0) + prompt_cache
+                per_device[views.CPU_ID] = per_device.get(views.CPU_ID, 0) + prompt_cache
                 self._usage = tuple(sorted((d, b) for d, b in per_device.items() if b))
                 return self._usage
         if measured is not None and measured.total > 0 and predicted > 0:
             scale = measured.total / predicted
             usage = tuple(
-                (dev, int((b - prompt_cache) * scale) + prompt_cache if dev == sched.CPU_ID else int(b * scale))
+                (dev, int((b - prompt_cache) * scale) + prompt_cache if dev == views.CPU_ID else int(b * scale))
                 for dev, b in usage
             )
             self._usage = usage
@@ -120,9 +132,9 @@ class Runner:
         if self.state is RunnerState.LOADING:
             self.scope.cancel(reason=reason)
 
-    def view(self) -> sched.RunnerView:
+    def view(self) -> views.RunnerView:
         state = RunnerState.UNLOADING if self.stopping else self.state
-        return sched.RunnerView(
+        return views.RunnerView(
             id=self.id,
             model=self.model,
             options=self.options,

@@ -1,14 +1,21 @@
-"""The scheduler's frozen snapshot: what ``/metrics``, ``/api/ps`` and the tests read."""
+"""The scheduler's frozen snapshot: what ``/metrics``, ``/api/ps`` and the tests read.
+
+:func:`snapshot` assembles it from the scheduler's live state (its runners, waiting list, tenants
+and counters) at one moment, given on Trio's clock and on the wall clock.
+"""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
 
-from trioshed.core import sched
+from trioshed.core.admission import Tenant
 from trioshed.core.model import MeasuredMemory, MemoryEstimate, ModelSpec, Placement, RunnerOptions
-from trioshed.core.sched import RunnerState
-from trioshed.devices.rpc import RemoteStats
+from trioshed.core.queue import Waiting
+from trioshed.core.views import CPU_ID, RunnerState
+from trioshed.devices.rpc import RemoteDevices, RemoteStats
+from trioshed.scheduler.request import Request
 from trioshed.scheduler.runner import Runner
 
 
@@ -105,7 +112,7 @@ def runner_stats(r: Runner, *, waiting: int, now: float, wall: float) -> RunnerS
         keep_alive=r.keep_alive,
         expires_at=expires,
         size=size,
-        size_vram=sum(usage.values()) - usage.get(sched.CPU_ID, 0),
+        size_vram=sum(usage.values()) - usage.get(CPU_ID, 0),
         context_length=r.options.num_ctx,
         load_duration=r.load_duration,
         placement=r.placement,
@@ -118,3 +125,48 @@ def runner_stats(r: Runner, *, waiting: int, now: float, wall: float) -> RunnerS
         drafted=drafted,
         accepted=accepted,
     )
+
+
+def snapshot(
+    runners: Iterable[Runner],
+    waiting: Waiting[Request],
+    *,
+    queued: int,
+    tenants: Mapping[str, Tenant],
+    counters: Mapping[str, int],
+    remote: RemoteDevices | None,
+    now: float,
+    wall: float,
+) -> SchedulerStatistics:
+    """The scheduler's state now: ``queued`` counts the requests waiting and those not yet in
+    the waiting list; ``counters`` are the totals since start (loads, unloads, crashes...)."""
+    runners = list(runners)
+    lines = [runner_stats(r, waiting=len(waiting.of_model(r.model.path)), now=now, wall=wall) for r in runners]
+    states = [r.view().state for r in runners]
+    remote_usage = {
+        dev.removeprefix("rpc:"): (r.model.name, b)
+        for r in runners
+        for dev, b in r.usage()
+        if dev.startswith("rpc:")
+    }
+    return SchedulerStatistics(
+        queued=queued,
+        leased=sum(r.leases for r in runners),
+        loaded=states.count(RunnerState.READY),
+        loading=states.count(RunnerState.LOADING),
+        unloading=states.count(RunnerState.UNLOADING),
+        runners=tuple(sorted(lines, key=lambda s: (s.expires_at, s.id))),
+        queue=queue_stats(waiting),
+        remote=remote.statistics(remote_usage) if remote is not None else (),
+        tenants=tuple(TenantStats(name, t.queued, t.leased) for name, t in sorted(tenants.items()) if name),
+        **counters,
+    )
+
+
+def queue_stats(waiting: Iterable[Request]) -> tuple[QueueStats, ...]:
+    """The waiting requests per model, in arrival order of the oldest of each."""
+    by_model: dict[str, QueueStats] = {}
+    for req in waiting:  # arrival order: the first of each model is its oldest
+        q = by_model.get(req.model.name)
+        by_model[req.model.name] = QueueStats(req.model.name, "", 1, req.arrived) if q is None else replace(q, waiting=q.waiting + 1)
+    return tuple(by_model.values())
