@@ -29,8 +29,11 @@ from trioshed.cli.chat_input import LineReader, attach_images, image_paths, unes
 from trioshed.cli.chat_session import Session, command_set, parameter
 from trioshed.config import Settings
 from trioshed.testing.server import open_test_server
+from trioshed.testing.tiny import write_tiny_model
 
 slow = pytest.mark.slow
+#: The longest a terminal test waits for one thing to appear on the screen.
+WAIT = 60
 pytestmark = [pytest.mark.usefixtures("no_leaked_runner")]
 
 #: The smallest PNG (1x1), and a file that only calls itself one.
@@ -257,6 +260,12 @@ class Terminal:
     def type(self, text: str) -> None:
         os.write(self.fd, text.encode())
 
+    async def enter(self, line: str) -> str:
+        """Type ``line`` and Enter; what the chat wrote after it, up to the next prompt."""
+        self.type(line + "\n")
+        await self.until(line + "\n")
+        return await self.until(">>> ")
+
     async def _read(self) -> None:
         try:
             chunk = await trio.to_thread.run_sync(os.read, self.fd, 4096, abandon_on_cancel=True)
@@ -274,8 +283,12 @@ class Terminal:
     async def until(self, text: str) -> str:
         """Wait for ``text`` after the last match; what came between (CRLF as LF)."""
         want = text.encode()
-        while (at := self.seen.replace(b"\r\n", b"\n").find(want, self.mark)) < 0:
-            await self._read()
+        try:
+            with trio.fail_after(WAIT):
+                while (at := self.seen.replace(b"\r\n", b"\n").find(want, self.mark)) < 0:
+                    await self._read()
+        except trio.TooSlowError:
+            raise AssertionError(f"no {text!r} after: {self.seen[-2000:].decode(errors='replace')!r}") from None
         between = self.seen.replace(b"\r\n", b"\n")[self.mark : at].decode(errors="replace")
         self.mark = at + len(want)
         return between
@@ -356,30 +369,21 @@ async def test_the_commands_against_a_real_server(model_store: Path, tmp_path: P
             host = server.base_url.removeprefix("http://")
             async with terminal("brief", host, tmp_path) as term:
                 await term.until(">>> ")
-                term.type("/set verbose\n")
-                await term.until("Set 'verbose' mode.")
-                term.type("/set parameter num_predict 12\n")
-                await term.until("Set parameter 'num_predict' to '12'")
-                term.type("hello\n")
-                screen = await term.until("\n>>> ")
+                await term.enter("/set verbose")
+                await term.enter("/set parameter num_predict 12")
+                screen = await term.enter("hello")
                 assert stat(screen, "eval count") == 12
-                term.type("/set parameter bogus 1\n")
-                assert "Couldn't set parameter: \"unknown parameter 'bogus'\"" in await term.until(">>> ")
+                assert "Couldn't set parameter: \"unknown parameter 'bogus'\"" in await term.enter("/set parameter bogus 1")
 
-                term.type("/set system Answer in French.\n")
-                await term.until("Set system message.")
-                term.type("/show system\n")
-                assert "Answer in French." in await term.until(">>> ")
-                term.type("bonjour\n")
-                with_system = stat(await term.until("\n>>> "), "prompt eval count")
+                await term.enter("/set system Answer in French.")
+                assert "Answer in French." in await term.enter("/show system")
+                with_system = stat(await term.enter("bonjour"), "prompt eval count")
 
                 async with httpx.AsyncClient(base_url=server.base_url) as client:
                     modelfile = (await client.post("/api/show", json={"model": "brief"})).json()["modelfile"]
-                term.type("/show modelfile\n")
-                assert modelfile.strip() in await term.until(">>> ")
+                assert modelfile.strip() in await term.enter("/show modelfile")
 
-                term.type("/save brief-chat\n")
-                assert "Created new model 'brief-chat'" in await term.until(">>> ")
+                assert "Created new model 'brief-chat'" in await term.enter("/save brief-chat")
                 async with httpx.AsyncClient(base_url=server.base_url) as client:
                     saved = (await client.post("/api/show", json={"model": "brief-chat"})).json()
                 assert [(m["role"], m["content"][:7]) for m in saved["messages"]][:3] == [
@@ -387,15 +391,13 @@ async def test_the_commands_against_a_real_server(model_store: Path, tmp_path: P
                 assert saved["system"] == "Answer in French." and "num_predict" in saved["parameters"]
 
                 term.type("/load brief-chat\n")
-                assert ">>> hello\n" in await term.until("Loading model 'brief-chat'\n") + await term.until("\n>>> bonjour\n")
-                term.type("encore\n")
-                continued = stat(await term.until("\n>>> "), "prompt eval count")
-                term.type("/load brief\n")
-                await term.until("Loading model 'brief'")
-                term.type("/set system Answer in French.\n")
-                await term.until("Set system message.")
-                term.type("encore\n")
-                fresh = stat(await term.until("\n>>> "), "prompt eval count")
+                await term.until("Loading model 'brief-chat'\n")
+                await term.until(">>> hello\n")  # the saved conversation, shown
+                await term.until("\n>>> bonjour\n")
+                continued = stat(await term.enter("encore"), "prompt eval count")
+                await term.enter("/load brief")
+                await term.enter("/set system Answer in French.")
+                fresh = stat(await term.enter("encore"), "prompt eval count")
                 assert continued > fresh and continued > with_system  # the saved turns came before "encore"
                 term.type("/bye\n")
                 assert await term.process.wait() == 0
@@ -405,23 +407,29 @@ async def test_the_commands_against_a_real_server(model_store: Path, tmp_path: P
 @slow
 async def test_ctrl_c_stops_only_the_answer(model_store: Path, tmp_path: Path) -> None:
     """Ctrl-C while an answer is written returns to ``>>>`` at once, the request is cancelled
-    (the runner's slot is free), and the chat goes on; Ctrl-C at the prompt says how to leave."""
+    (the runner's slot is free long before the answer would have ended), and the chat goes on;
+    Ctrl-C at the prompt says how to leave, Ctrl-D leaves."""
+    # wider and longer than the default tiny model: 16,000 tokens take minutes to write here
+    write_tiny_model(model_store / "long.gguf", context_length=16384, n_embd=256, n_layer=4)
     with trio.fail_after(300):
-        async with open_test_server(brief_store(model_store)) as server:
+        async with open_test_server(model_store) as server:
             host = server.base_url.removeprefix("http://")
-            async with terminal("brief", host, tmp_path) as term:
+            async with terminal("long", host, tmp_path) as term:
                 await term.until(">>> ")
                 term.type("\x03")
                 assert "Use Ctrl + d or /bye to exit." in await term.until(">>> ")
-                term.type("/set parameter num_predict 100000\n")
-                await term.until("Set parameter")
-                term.type("/set parameter num_ctx 8192\n")
-                await term.until("Set parameter")
+                term.type("half a line")
+                await term.until("half a line")
+                term.type("\x03")  # Ctrl-C on a line being typed drops it, and says nothing
+                assert "Use Ctrl + d" not in await term.until(">>> ")
+                await term.enter("/set parameter num_ctx 16384")
+                await term.enter("/set parameter num_predict 16000")
+                await term.enter("/set verbose")
                 term.type("tell me everything\n")
                 await term.until("tell me everything\n")
-                await term.more(200)  # the answer is being written
+                await term.more(300)  # the answer is being written
                 term.type("\x03")
-                await term.until("\n>>> ")
+                assert "total duration" not in await term.until("\n>>> ")  # stopped, not finished
 
                 def busy() -> int:
                     return sum(r.leases for r in server.scheduler.statistics().runners)
@@ -429,9 +437,43 @@ async def test_ctrl_c_stops_only_the_answer(model_store: Path, tmp_path: Path) -
                 with trio.fail_after(10):
                     while busy():  # noqa: ASYNC110 - the scheduler's statistics are a snapshot, polled
                         await trio.sleep(0.05)
-                term.type("/set parameter num_predict 4\n")
-                await term.until(">>> ")
-                term.type("and now?\n")
-                await term.until("\n>>> ")
-                term.type("\x04")
+                await term.enter("/set parameter num_predict 4")
+                with trio.fail_after(30):
+                    assert stat(await term.enter("and now?"), "eval count") == 4
+                term.type("\x04")  # Ctrl-D leaves
                 assert await term.process.wait() == 0
+
+
+def test_an_answer_stopped_stays_in_the_conversation(recorder: Settings, capsys: pytest.CaptureFixture[str]) -> None:
+    """Ctrl-C mid-answer (a KeyboardInterrupt while the stream is read): the words written so
+    far stay as the answer, the cut connection is replaced, and the chat goes on."""
+
+    def stream() -> Iterator[bytes]:
+        yield json.dumps({"message": {"role": "assistant", "content": "Once upon"}}).encode() + b"\n"
+        raise KeyboardInterrupt
+
+    def stopped(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, stream=httpx.ByteStream(b"") if request.url.path != "/api/chat" else _Iter(stream()))
+
+    session = Session(model="m")
+    chat_ = Chat(session, recorder, lines_of())
+    cut = chat_.client
+    chat_.client = httpx.Client(transport=httpx.MockTransport(stopped), base_url="http://test")
+    try:
+        chat_.turn("tell me a story")
+        assert capsys.readouterr().out.startswith("Once upon\n\n")
+        assert session.messages == [{"role": "user", "content": "tell me a story"}, {"role": "assistant", "content": "Once upon"}]
+        assert chat_.client is not cut and chat_.client.base_url == cut.base_url  # a fresh connection to the same server
+        chat_.turn("and then?")
+        assert [m["content"] for m in chats()[-1]["messages"]] == ["tell me a story", "Once upon", "and then?"]
+    finally:
+        cut.close()
+        chat_.client.close()
+
+
+class _Iter(httpx.SyncByteStream):
+    def __init__(self, chunks: Iterator[bytes]) -> None:
+        self.chunks = chunks
+
+    def __iter__(self) -> Iterator[bytes]:
+        yield from self.chunks
