@@ -241,8 +241,12 @@ class Chat:
             if not text:
                 continue
             if text.startswith("/") and not self.is_image(text):
-                if self.command(text) == "bye":
-                    return 0
+                try:
+                    if self.command(text) == "bye":
+                        return 0
+                except KeyboardInterrupt:  # a /show, /save or /load waiting on the server: given up
+                    print()
+                    self.reconnect()
                 continue
             self.turn(line)
 
