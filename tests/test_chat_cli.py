@@ -340,10 +340,15 @@ async def test_images_on_a_terminal(recorder: Settings, tmp_path: Path) -> None:
             term.type(typed)
             screen = await term.until(">>> ")
             assert f"Added image '{picture}'" in screen and "you said describe with 1 image(s)" in screen
+            await term.enter("/set system Be brief.")
+            await term.enter("/set parameter num_predict 12")
+            await term.enter("and now?")
             term.type("\x04")  # Ctrl-D leaves
             assert await term.process.wait() == 0
-    [sent] = chats()
+    sent, then = chats()
     assert sent["messages"][0]["images"] == [base64.b64encode(PNG).decode()]
+    assert then["messages"][-2:] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "and now?"}]
+    assert then["options"] == {"num_predict": 12}
 
 
 def brief_store(model_store: Path) -> Path:
@@ -399,6 +404,9 @@ async def test_the_commands_against_a_real_server(model_store: Path, tmp_path: P
                 await term.enter("/set system Answer in French.")
                 fresh = stat(await term.enter("encore"), "prompt eval count")
                 assert continued > fresh and continued > with_system  # the saved turns came before "encore"
+                (tmp_path / "cat.png").write_bytes(PNG)
+                term.type(f"what is {tmp_path / 'cat.png'}\n")  # a long line: readline scrolls its echo
+                assert 'error: "brief" does not support vision' in await term.until(">>> ")
                 term.type("/bye\n")
                 assert await term.process.wait() == 0
             assert "hello" in (tmp_path / ".trioshed" / "history").read_text()
