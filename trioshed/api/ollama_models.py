@@ -232,6 +232,8 @@ async def show() -> Any:
         out["system"] = spec.system
     if origin and origin.license:
         out["license"] = origin.license
+    if origin and origin.messages:  # a saved chat, a Modelfile's MESSAGE lines: what a chat continues from
+        out["messages"] = [{"role": r, "content": c} for r, c in origin.messages]
     return out
 
 
