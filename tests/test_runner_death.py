@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import trio
 import trio.testing
 
 from tests.test_scheduler import running, spec
-from trioshed.api.upstream import post_upstream_raw
+from trioshed.api.upstream import open_upstream_bytes, post_upstream_raw
 from trioshed.core.model import RunnerOptions
 from trioshed.core.views import RunnerState
+from trioshed.errors import LoadFailed, RunnerCrashed
 from trioshed.scheduler import Lease
 from trioshed.testing.fake import FakeRunner
 
@@ -77,3 +79,37 @@ def test_the_planner_sees_a_runner_whose_child_exited_as_leaving() -> None:
 
     view = RunnerView(1, spec("a"), RunnerOptions(), RunnerState.READY, exited=True)
     assert view.leaving and not RunnerView(1, spec("a"), RunnerOptions(), RunnerState.READY).leaving
+
+
+async def test_a_request_run_again_never_goes_back_to_the_runner_it_left(autojump_clock: trio.testing.MockClock) -> None:
+    # Lease.rerun marks its runner leaving before it gives the slot back: the request it is
+    # queued again for cannot be handed the same runner (free, and "just used": no ping).
+    async with running({"a": 1}) as h:
+        async with h.sched.acquire(spec("a"), RunnerOptions()) as lease:
+            first = lease.handle
+            await lease.rerun(RunnerCrashed("a:latest", None, cause="a failure its child outlived"))
+            assert lease.handle is not first and not first.exited
+        assert h.factory.started == 2 and ("unloaded", "a") in h.record
+        assert h.sched.statistics().leased == 0
+
+
+async def test_a_stream_whose_replacement_fails_to_load_ends_with_the_load_error(autojump_clock: trio.testing.MockClock) -> None:
+    # Past its status (a stream's headers are sent): the stream's error is the load's, not the crash's.
+    async with running({"a": 1}) as h:
+        await h.once("a")
+        runner = h.factory.runner("a")
+        runner.head_time = 5.0
+        h.factory.failing["a"] = "the model file was replaced by something that is not a GGUF"
+        async with trio.open_nursery() as n:
+            n.start_soon(_crash_when_sent, runner)
+            with pytest.raises(LoadFailed, match="not a GGUF"):
+                async with h.sched.acquire(spec("a"), RunnerOptions()) as lease:
+                    async with open_upstream_bytes(lease, "/completion", {"prompt": "hi", "stream": True}) as pieces:
+                        async for _ in pieces:
+                            raise AssertionError("a piece from a runner that died")
+        assert h.sched.statistics().leased == 0
+
+
+async def _crash_when_sent(runner: FakeRunner) -> None:
+    await runner.sent.wait()
+    runner.crash()
