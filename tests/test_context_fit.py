@@ -28,6 +28,7 @@ from trioshed.keys import ApiKey
 from trioshed.runner.client import ConnectionFailed
 from trioshed.scheduler import RunnerStats
 from trioshed.scheduler.contracts import CountOn, PromptFit
+from trioshed.scheduler.lifetime import PING_TIMEOUT
 from trioshed.trace import RequestTrace
 from trioshed.trace import current as current_trace
 
@@ -230,4 +231,6 @@ async def test_a_runner_that_hangs_while_it_counts_is_found_in_seconds(autojump_
         started = trio.current_time()
         async with h.sched.acquire(spec("a"), ASKED, fit=PromptFit(8000, 0, True, count)) as lease:
             assert lease.options == ASKED
-        assert trio.current_time() - started < 10 and ("unhealthy", "a") in h.record
+        # two checks of PING_TIMEOUT that fail in a row, the first PING_TIMEOUT after the count
+        # went out; then a load (1 s)
+        assert trio.current_time() - started <= 3 * PING_TIMEOUT + 1.0 + 0.01 and ("unhealthy", "a") in h.record

@@ -64,7 +64,9 @@ async def test_a_runner_that_dies_at_any_moment_before_the_whole_answer_is_read_
             runner.crash(-11)
         [(raw, lease)] = got
         assert raw == b'{"content":"ok"}'  # the new runner's answer (a fresh fake), whole
-        assert lease.rerun_after is not None and "code -11" in lease.rerun_after.message
+        # at 0 the death may come before the request is dispatched: the dead runner is then
+        # never handed out, and nothing runs again
+        assert (lease.rerun_after is not None and "code -11" in lease.rerun_after.message) or at == 0.0
         assert (h.factory.started == 2 and runner.requests == ["/completion"]) or at == 0.0
         assert h.sched.statistics().leased == 0 and h.sched.statistics().queued == 0
 
@@ -88,7 +90,9 @@ async def test_a_stream_whose_runner_dies_before_its_first_piece_runs_again(
             await trio.sleep(at)
             runner.crash()
         assert got == [b'{"content":"ok"}'] and h.factory.started == 2  # all of the new runner's answer
-        assert leases[0].rerun_after is not None
+        # at 0 the death may come before the request is dispatched: the dead runner is then
+        # never handed out, and nothing runs again
+        assert leases[0].rerun_after is not None or at == 0.0
 
 
 @pytest.mark.parametrize("at", [0.51, 0.75, 1.01, 1.25])  # the pieces come at 0.5, 1.0, 1.5
@@ -141,8 +145,9 @@ async def test_a_runner_that_stops_after_its_ping_is_found_while_the_request_wai
             start = trio.current_time()
         [(raw, lease)] = got
         took = trio.current_time() - start
-        # a check PING_TIMEOUT after the request went out, PING_TIMEOUT for it to fail, a load, the answer
-        assert took <= 2 * PING_TIMEOUT + 1.0 + 0.5 + 0.01, took
+        # a check PING_TIMEOUT after the request went out, two of PING_TIMEOUT to fail in a row,
+        # a load, the answer
+        assert took <= 3 * PING_TIMEOUT + 1.0 + 0.5 + 0.01, took
         assert raw == b'{"content":"ok"}' and runner.returncode == -9
         assert lease.rerun_after is not None and "while a request waited for its answer" in lease.rerun_after.message
         assert ("unhealthy", "a") in h.record and h.factory.started == 2

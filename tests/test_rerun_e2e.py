@@ -21,9 +21,10 @@ from trioshed.testing.server import Server, open_test_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_leaked_runner")]
 
-#: Stopped child found by the check while the request waits (PING_TIMEOUT twice), a SIGKILL, a
-#: load of the tiny model and its answer, with slack for a loaded machine.
-FOUND_AND_REPLACED = 2 * PING_TIMEOUT + 8.0
+#: Stopped child found by the checks while the request waits (the first PING_TIMEOUT after it
+#: went out, two of PING_TIMEOUT failing in a row), a SIGKILL, a load of the tiny model and its
+#: answer, with slack for a loaded machine.
+FOUND_AND_REPLACED = 3 * PING_TIMEOUT + 8.0
 
 #: route -> (path, body, what its stream's last event says)
 STREAMS: dict[str, tuple[str, dict[str, Any], str]] = {

@@ -25,7 +25,7 @@ import trio.testing
 from trioshed.api.upstream import open_upstream, post_upstream
 from trioshed.core.context import Shrunk
 from trioshed.core.model import MeasuredMemory, ModelSpec, RunnerOptions
-from trioshed.errors import RunnerCrashed, UpstreamError
+from trioshed.errors import RunnerCrashed, RunnerError, UpstreamError
 from trioshed.runner.client import KEEP_IDLE, UpstreamPool
 from trioshed.runner.process import OutputTail
 from trioshed.runner.slots import RunnerSlots
@@ -150,10 +150,15 @@ class _Lease:
         self.handle = _Runner(port)
         self.load_duration = 0.0
         self.crash: RunnerCrashed | None = None
-        self.endpoints: tuple[str, ...] = ()
         self.shrunk: Shrunk | None = None
-        self.rerun_after: RunnerCrashed | None = None
+        self.rerun_after: RunnerError | None = None
         self.released = False
+
+    async def death(self) -> RunnerCrashed | None:
+        return None  # no child: a broken connection is never a death
+
+    def produced(self) -> None:
+        pass
 
     def evict(self, reason: str) -> None:
         pass
@@ -161,7 +166,7 @@ class _Lease:
     def waiting_for_answer(self) -> AbstractContextManager[None]:
         return nullcontext()
 
-    async def rerun(self, crash: RunnerCrashed) -> None:
+    async def rerun(self, crash: RunnerError) -> None:
         raise crash
 
     async def regrow(self, num_ctx: int) -> None:

@@ -300,22 +300,31 @@ class RunnerCrashed(RunnerError):
         self.stderr_tail = stderr_tail
 
     @classmethod
-    def again(cls, model: str, first: RunnerCrashed, second: RunnerCrashed) -> RunnerCrashed:
-        """A request's second runner died under it too (the first death queued it again)."""
-        error = cls(model, second.returncode, second.stderr_tail)
+    def again(cls, model: str, first: RunnerError, second: RunnerError) -> RunnerCrashed:
+        """A request's second runner died (or stalled) under it too (the first failure, a death or
+        a stall, queued it again). Its status is the second failure's."""
+        code = second.returncode if isinstance(second, RunnerCrashed) else None
+        error = cls(model, code, second.stderr_tail if isinstance(second, RunnerCrashed) else "")
+        error.status = second.status
         error.message = (
             f"llama-server for model '{model}' died twice on this request: it ran again on a new runner "
-            f"after the first exited {_cause(first)}, and that one exited too {_cause(second)}; check the "
+            f"after the first {_what(first)}, and that one {_what(second, 'too')}; check the "
             "model and the request (the runners' output is in trioshed's log)"
         )
         error.args = (error.message,)
         return error
 
 
-def _cause(crash: RunnerCrashed) -> str:
-    """What a crash's message says after "exited unexpectedly": the code, the cause, the output."""
-    head, _, rest = crash.message.partition("exited unexpectedly ")
-    return rest.removesuffix("; the next request reloads it") or head
+def _what(failure: RunnerError, too: str = "") -> str:
+    """What a runner did to a request: "exited" and what a crash's message says after "exited
+    unexpectedly" (the code, the cause, the output), or what a stall's says after its model."""
+    if isinstance(failure, RunnerCrashed):
+        head, _, rest = failure.message.partition("exited unexpectedly ")
+        cause = rest.removesuffix("; the next request reloads it") or head
+        return f"exited {too} {cause}" if too else f"exited {cause}"
+    _, _, rest = failure.message.partition("' ")
+    what = (rest or failure.message).removesuffix("; it is being replaced, please retry")
+    return f"{what} {too}" if too else what
 
 
 class RunnerStalled(RunnerError):

@@ -19,7 +19,6 @@ from typing import Any
 from trioshed.api.drain import bounded
 from trioshed.api.preamble import Prepared
 from trioshed.api.upstream import json_answer, upstream_error
-from trioshed.runner.client import ConnectionFailed
 from trioshed.scheduler.contracts import CountOn, PromptFit
 
 _CHAT_PATHS = ("/v1/chat/completions", "/chat/completions")
@@ -38,8 +37,8 @@ def prompt_fit(prepared: Prepared, path: str, body: dict[str, Any] | bytes) -> P
 
 async def prompt_tokens(on: CountOn, path: str, body: dict[str, Any] | bytes) -> int | None:
     """The exact number of tokens the runner will see for ``body`` on ``path`` (None: a shape
-    not counted here, e.g. a prompt of token ids or media, which llama-server then checks, or a
-    runner that could not be reached)."""
+    not counted here, e.g. a prompt of token ids or media, which llama-server then checks).
+    Raises the runner's failures (ConnectionFailed, RunnerStalled) for the scheduler to act on."""
     if isinstance(body, bytes):
         try:
             body = json.loads(body)
@@ -51,7 +50,7 @@ async def prompt_tokens(on: CountOn, path: str, body: dict[str, Any] | bytes) ->
         if _has_media(body.get("messages")):
             return None
         rendered = await _post(on, "/apply-template", {k: v for k, v in body.items() if k != "stream"})
-        text = rendered.get("prompt") if rendered is not None else None
+        text = rendered.get("prompt")
     elif path in _PROMPT_PATHS:
         text = body.get("prompt")
     else:
@@ -59,18 +58,16 @@ async def prompt_tokens(on: CountOn, path: str, body: dict[str, Any] | bytes) ->
     if not isinstance(text, str):
         return None
     tokens = await _post(on, "/tokenize", {"content": text, "add_special": True, "parse_special": True})
-    ids = tokens.get("tokens") if tokens is not None else None
+    ids = tokens.get("tokens")
     return len(ids) if isinstance(ids, list) else None
 
 
-async def _post(on: CountOn, path: str, body: dict[str, Any]) -> dict[str, Any] | None:
-    """POST ``body`` to the runner; its JSON answer (None: the runner could not be reached).
-    Bounded like every wait on a runner; a non-200 answer raises its error."""
+async def _post(on: CountOn, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """POST ``body`` to the runner; its JSON answer. Bounded like every wait on a runner
+    (RunnerStalled); a non-200 answer raises its error; a runner that cannot be reached raises
+    ConnectionFailed (the scheduler tells a death from a blip: ``Lease.death``)."""
     payload = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
-    try:
-        status, raw = await bounded(lambda: on.upstream.post(path, payload), on.model.name)
-    except ConnectionFailed:
-        return None
+    status, raw = await bounded(lambda: on.upstream.post(path, payload), on.model.name)
     if status != 200:
         raise upstream_error(raw, status)
     return json_answer(raw)

@@ -32,22 +32,11 @@ L = TypeVar("L", bound=LeaseView)  # the scheduler's own lease type, as its rout
 
 
 async def crash_or(lease: LeaseView, exc: Exception) -> TrioshedError:
-    """The error to report when the upstream connection broke: the runner's crash if it died."""
-    handle = lease.handle
-    if lease.crash is None:
-        with trio.move_on_after(2):
-            await handle.wait_exited()
-        await trio.lowlevel.checkpoint()  # let the runner's lifetime task record the crash
-        # A runner on RPC servers is reported once they are checked (at most a few seconds).
-        polls = 10 if not lease.endpoints else 400
-        for _ in range(polls):
-            if lease.crash is not None or not handle.exited:
-                break
-            await trio.sleep(0.01)
-    if lease.crash is not None:
-        return lease.crash
-    if handle.exited:
-        return RunnerCrashed(lease.model.name, handle.returncode)
+    """The error to report when the upstream connection broke: the runner's crash if it died
+    (once the scheduler has recorded it: :meth:`LeaseView.death` waits for that event)."""
+    crash = await lease.death()
+    if crash is not None:
+        return crash
     return UpstreamError(f"connection to llama-server for '{lease.model.name}' failed: {exc}")
 
 
@@ -70,12 +59,15 @@ async def truncated(lease: LeaseView) -> TrioshedError:
 
 async def step(lease: LeaseView, fn: Callable[[], Any]) -> Any:
     """One wait on the runner, bounded (:func:`trioshed.api.drain.bounded`): a runner that sends
-    nothing for TRIOSHED_STREAM_IDLE_TIMEOUT is hung, so it is replaced once its leases end."""
+    nothing for TRIOSHED_STREAM_IDLE_TIMEOUT is hung, so it is replaced once its leases end. What
+    it sends is a sign of life for its health monitor (:meth:`LeaseView.produced`)."""
     try:
-        return await bounded(fn, lease.model.name)
+        got = await bounded(fn, lease.model.name)
     except RunnerStalled:
         lease.evict("stalled: no output within TRIOSHED_STREAM_IDLE_TIMEOUT")
         raise
+    lease.produced()
+    return got
 
 
 async def _bounded_pieces(lease: LeaseView, pieces: AsyncIterator[bytes], first: bytes | None) -> AsyncGenerator[bytes, None]:
@@ -91,10 +83,10 @@ async def _bounded_pieces(lease: LeaseView, pieces: AsyncIterator[bytes], first:
 
 
 async def run_again_or_raise(lease: LeaseView, error: TrioshedError) -> None:
-    """The request failed before any of its answer was handed on: when its runner died or was
-    killed as hung, wait for a new runner to run it again (:meth:`LeaseView.rerun`: once per request);
-    any other error is raised."""
-    if not isinstance(error, RunnerCrashed):
+    """The request failed before any of its answer was handed on: when its runner died, was
+    killed as hung, or sent nothing for TRIOSHED_STREAM_IDLE_TIMEOUT, wait for a new runner to
+    run it again (:meth:`LeaseView.rerun`: once per request); any other error is raised."""
+    if not isinstance(error, RunnerCrashed | RunnerStalled):
         raise error
     log.warning("%s; the request runs again on a new runner", error.message)
     await lease.rerun(error)
@@ -107,8 +99,9 @@ async def open_upstream_bytes(lease: LeaseView, path: str, body: dict[str, Any] 
 
     Raises UpstreamError (with llama-server's own message) for a non-200 answer, and the
     runner's crash error when the connection breaks because the child died (also mid-iteration).
-    A runner that dies before the first piece of the body is handed on (the context is entered
-    with it in hand) is replaced: the request runs again on a new runner (see :mod:`trioshed.scheduler.lease`).
+    A runner that dies, or sends nothing for TRIOSHED_STREAM_IDLE_TIMEOUT, before the first piece
+    of the body is handed on (the context is entered with it in hand) is replaced: the request
+    runs again on a new runner (see :mod:`trioshed.scheduler.lease`).
     """
     payload = body if isinstance(body, bytes) else _encode(body)
     while True:
@@ -132,6 +125,10 @@ async def open_upstream_bytes(lease: LeaseView, path: str, body: dict[str, Any] 
             error = await crash_or(lease, exc)
             if handed_on:
                 raise error from None
+        except RunnerStalled as exc:
+            if handed_on:
+                raise
+            error = exc
         await run_again_or_raise(lease, error)
 
 
@@ -200,6 +197,8 @@ async def request_upstream(
             return result
         except ConnectionFailed as exc:
             error = await crash_or(lease, exc)
+        except RunnerStalled as exc:
+            error = exc
         await run_again_or_raise(lease, error)
 
 

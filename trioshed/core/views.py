@@ -47,6 +47,9 @@ class RunnerView:
     #: Its latest request came while it was busy or within ``core.queue.RECENTLY_USED`` seconds of
     #: the one before: its clients come straight back, so a recent use holds a swap.
     came_back: bool = False
+    #: Its child has exited, though its lifetime task may not have seen it yet (a starved
+    #: event loop): it is leaving, and serves nothing.
+    exited: bool = False
 
     @property
     def slots(self) -> int:
@@ -58,8 +61,9 @@ class RunnerView:
 
     @property
     def leaving(self) -> bool:
-        """Being evicted or unloaded: it takes no new lease, and its memory is on its way out."""
-        return self.evicting or self.state is RunnerState.UNLOADING
+        """Being evicted or unloaded, or its child exited: it takes no new lease, and its memory
+        is on its way out."""
+        return self.evicting or self.exited or self.state is RunnerState.UNLOADING
 
     @property
     def in_system_memory(self) -> bool:

@@ -22,7 +22,7 @@ from typing import Protocol, TypeVar
 
 from trioshed.core.context import Shrunk
 from trioshed.core.model import MeasuredMemory, ModelSpec, RunnerOptions
-from trioshed.errors import RunnerCrashed
+from trioshed.errors import RunnerCrashed, RunnerError
 from trioshed.keys import ApiKey
 from trioshed.runner.slots import RunnerSlots
 
@@ -62,8 +62,10 @@ class CountOn:
 
 
 #: Counts a request's prompt on a runner: its tokens, or None where it cannot be counted (a
-#: shape not counted, e.g. media); a TrioshedError is a failed count (other than
-#: ContextTooLong, which refuses the request), as None.
+#: shape not counted, e.g. media). An UpstreamError (llama-server refused the count) is a
+#: failed count, as None; ContextTooLong refuses the request; the runner's own failures
+#: (:class:`~trioshed.runner.client.ConnectionFailed`, RunnerStalled) and ShuttingDown are
+#: raised as they are, for the scheduler to act on.
 Count = Callable[[CountOn], Awaitable["int | None"]]
 
 
@@ -137,23 +139,26 @@ class LeaseView(Protocol):
     def crash(self) -> RunnerCrashed | None:
         """Set when the runner died under this lease: the error to give the client."""
         ...
-    @property
-    def endpoints(self) -> tuple[str, ...]:
-        """The RPC servers the runner uses (its crash is reported once they are checked)."""
+    async def death(self) -> RunnerCrashed | None:
+        """After the connection to the runner broke: its crash once the scheduler recorded it, if
+        its child died (an event, never a poll); None if the child lives on."""
+        ...
+    def produced(self) -> None:
+        """The runner sent a piece of an answer (a sign of life for its health monitor)."""
         ...
     @property
     def shrunk(self) -> Shrunk | None:
         """Where the request's automatic context was made smaller to fit, and why."""
         ...
     @property
-    def rerun_after(self) -> RunnerCrashed | None:
-        """The death that made this request run again on a new runner (None: it has not)."""
+    def rerun_after(self) -> RunnerError | None:
+        """The death or stall that made this request run again on a new runner (None: it has not)."""
         ...
     @property
     def released(self) -> bool: ...
     def evict(self, reason: str) -> None: ...
     def waiting_for_answer(self) -> AbstractContextManager[None]: ...
-    async def rerun(self, crash: RunnerCrashed) -> None: ...
+    async def rerun(self, crash: RunnerError) -> None: ...
     async def regrow(self, num_ctx: int) -> None: ...
     def release(self) -> None: ...
 

@@ -1,10 +1,16 @@
 """A request's hold on a runner slot: what the HTTP edge gets from the scheduler.
 
-No request is lost to a runner's death. When the runner of a lease dies, hangs, or is killed for
-hanging before it produced any of the request's answer, the request is queued again and served
-by a new runner (:meth:`Lease.rerun`, driven by :mod:`trioshed.api.upstream` for every route):
-once; a runner of the same model that dies again on the same request ends it with an error that
-names both deaths. "Produced any of its answer" means precisely: a byte of the answer's body was
+No request is lost to a runner's death. When the runner of a lease dies, hangs, is killed for
+hanging, or sends nothing for TRIOSHED_STREAM_IDLE_TIMEOUT before it produced any of the
+request's answer, the request is queued again and served by a new runner (:meth:`Lease.rerun`,
+driven by :mod:`trioshed.api.upstream` for every route, and by the count of a prompt,
+:mod:`trioshed.scheduler.fit`): once; a runner of the same model that fails again on the same
+request ends it with an error that names both failures.
+
+A death is an event, never a timing: after a broken connection :meth:`Lease.death` waits for
+the child's exit (briefly: a connection can break without one) and then for the runner's
+lifetime task to record the crash (``Runner.gone``), however late a starved event loop runs it;
+a runner whose child exited is never handed to a request meanwhile (``Runner.free_slot``). "Produced any of its answer" means precisely: a byte of the answer's body was
 handed on towards the client (a piece of a stream given to the route, or a whole answer
 returned). The request itself may have reached the dead runner: running it again is safe
 because nothing of the first run was seen.
@@ -16,11 +22,17 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
 
+import trio
+
 from trioshed.core.context import Shrunk
 from trioshed.core.model import ModelSpec, RunnerOptions
-from trioshed.errors import RunnerCrashed
+from trioshed.errors import RunnerCrashed, RunnerError
 from trioshed.scheduler.contracts import RunnerHandle
 from trioshed.scheduler.runner import Runner
+
+#: Seconds a broken connection waits for the child's exit before it is taken as no death (the
+#: exit is an event; this bounds only the case where the child lives on).
+EXIT_GRACE = 2.0
 
 
 class QueuedRequest(Protocol):
@@ -60,8 +72,9 @@ class Lease:
         self._request = request  # the scheduler's record of the request (queued again by rerun)
         self.load_duration = load_duration
         self.released = False
-        #: The death that made this request run again on a new runner (None: it has not).
-        self.rerun_after: RunnerCrashed | None = None
+        #: The failure (a death, or a stall) that made this request run again on a new runner
+        #: (None: it has not).
+        self.rerun_after: RunnerError | None = None
 
     @property
     def model(self) -> ModelSpec:
@@ -94,10 +107,24 @@ class Lease:
         """Set when the runner died under this lease: the error to give the client."""
         return self._runner.crash
 
-    @property
-    def endpoints(self) -> tuple[str, ...]:
-        """The RPC servers the runner uses (its crash is reported once they are checked)."""
-        return self._runner.placement.endpoints
+    async def death(self) -> RunnerCrashed | None:
+        """After the connection to the runner broke: its crash, if its child died (None: it lives
+        on). Waits up to EXIT_GRACE for the child's exit, then for the runner's lifetime task to
+        record the crash (an event; a runner on RPC servers is reported once they are checked,
+        bounded), so that running the request again never meets the dead runner."""
+        handle = self.handle
+        if self.crash is None and not handle.exited:
+            with trio.move_on_after(EXIT_GRACE):
+                await handle.wait_exited()
+            if not handle.exited:
+                return None
+        runner = self._runner
+        await runner.gone.wait()
+        return runner.crash or RunnerCrashed(self.model.name, handle.returncode)
+
+    def produced(self) -> None:
+        """The runner sent a piece of an answer: a sign of life for its health monitor."""
+        self._runner.progress += 1
 
     def evict(self, reason: str) -> None:
         """The runner misbehaved under this lease (hung): replace it once its leases end."""
@@ -117,13 +144,15 @@ class Lease:
         finally:
             runner.answered()
 
-    async def rerun(self, crash: RunnerCrashed) -> None:
-        """The runner died (or was killed as hung) before it produced any of this request's
-        answer: give its slot back and wait, at the head of its model's queue, for a slot on a
-        new runner; the lease then stands for that one. Once per request: a second death
-        raises an error naming both (the caller's request ends with it).
+    async def rerun(self, crash: RunnerError) -> None:
+        """The runner died, was killed as hung, or stalled (RunnerStalled) before it produced any
+        of this request's answer: mark it leaving, give its slot back and wait, at the head of
+        its model's queue, for a slot on a new runner; the lease then stands for that one. Once
+        per request: a second failure raises an error naming both (the caller's request ends
+        with it).
 
-        Raises ``crash`` itself when the request cannot run again (released), and whatever waiting for a runner raises (a failed load, shutdown).
+        Raises ``crash`` itself when the request cannot run again (released), and whatever
+        waiting for a runner raises (a failed load, shutdown, a 507).
         Cancellation: while waiting, the request leaves the queue; the lease is then released.
         """
         if self.released:
@@ -131,6 +160,7 @@ class Lease:
         if self.rerun_after is not None:
             raise RunnerCrashed.again(self.model.name, self.rerun_after, crash)
         self.rerun_after = crash
+        self._runner.leave("a request it failed runs again on a new runner")
         self._scheduler.release_slot(self._runner, self._tenant)
         try:
             self._request, self._runner = await self._scheduler.wait_again(self._request)

@@ -67,6 +67,16 @@ def _twice(exc: LoadFailed, model: str) -> LoadFailed:
     )
 
 
+async def _alive(runner: Runner, handle: Any, within: float) -> bool:
+    """One health check: whether ``runner`` answers ``/health`` within ``within`` seconds, or
+    sends output meanwhile (its leases relay tokens: alive however slow its ``/health``)."""
+    before = runner.progress
+    with trio.move_on_after(within):
+        if await handle.health():
+            return True
+    return runner.progress != before
+
+
 class Note(Protocol):
     """The scheduler's record of an event: logged, kept for tests, and in the event history."""
 
@@ -189,24 +199,23 @@ class Runners(Mapping[int, Runner]):
         """A lease on ``runner`` ended and no waiter took its slot: with no lease left, it is
         unloaded (being evicted, or keep-alive 0), or its keep-alive starts counting."""
         if runner.leases == 0 and runner.id in self._runners:
-            if runner.evicting or runner.keep_alive <= 0:
+            if runner.evicting or runner.exited or runner.keep_alive <= 0:
                 runner.stop(runner.unload_reason or "keep_alive 0")
             else:
                 runner.timer.deadline = trio.current_time() + runner.keep_alive
 
     async def answers(self, runner: Runner) -> bool:
-        """Ping ``runner`` before it is reused: whether it answers within PING_TIMEOUT (if not,
-        it is killed as hung)."""
-        with trio.move_on_after(PING_TIMEOUT):
-            if runner.handle is not None and await runner.handle.health():
-                return True
-        self.declare_hung(runner, f"did not answer a health check within {PING_TIMEOUT:g}s before reuse")
+        """Ping ``runner`` before it is reused: whether it answers within PING_TIMEOUT, or sends
+        output meanwhile (if neither, it is killed as hung)."""
+        if runner.handle is not None and await _alive(runner, runner.handle, PING_TIMEOUT):
+            return True
+        self.declare_hung(runner, f"neither answered a health check nor sent output for {PING_TIMEOUT:g}s before reuse")
         return False
 
     def ready_runner(self, model: ModelSpec) -> Runner | None:
         """A ready runner of ``model``'s files, not leaving (None: none is up)."""
         for r in self._runners.values():
-            if r.state is RunnerState.READY and not r.stopping and not r.evicting and same_files(r.model, model):
+            if r.state is RunnerState.READY and not r.stopping and not r.evicting and not r.exited and same_files(r.model, model):
                 return r
         return None
 
@@ -228,6 +237,9 @@ class Runners(Mapping[int, Runner]):
                                 watchers.start_soon(self._monitor_health, runner, handle)
                                 await handle.wait_exited()
                                 watchers.cancel_scope.cancel()
+                        if handle.exited:
+                            # It exited on its own (a stop reaches the child only as the factory's
+                            # block ends, below), also when a stop came before this task saw the exit.
                             with trio.CancelScope(shield=True):  # bounded: REMOTE_CHECK_TIMEOUT
                                 cause = runner.hung or await self._check_remote(runner)
                             self._on_crash(runner, cause)
@@ -254,47 +266,53 @@ class Runners(Mapping[int, Runner]):
                     self._on_load_failed(runner, LoadFailed(f"cannot run llama-server: {exc}"))
         finally:
             self._runners.pop(runner.id, None)
+            runner.gone.set()
             self._owner.wake()
 
     async def _monitor_health(self, runner: Runner, handle: Any) -> None:
-        """Ping ``/health`` every HEALTH_INTERVAL; two failures in a row: the runner is hung.
-        While a request waits for the first byte of its answer, ping every PING_TIMEOUT instead:
-        one failure (no answer within PING_TIMEOUT) and it is hung.
+        """Check the runner every HEALTH_INTERVAL, and every PING_TIMEOUT while a request waits
+        for the first byte of its answer. A check fails when the runner neither answers
+        ``/health`` nor sends output (``Runner.progress``) within its timeout (HEALTH_TIMEOUT;
+        PING_TIMEOUT while a request waits); two failed checks in a row and it is hung (while a
+        request waits, the second follows the first at once).
 
         The exit watcher sees a dead child at once; this catches a live but hung one between
         requests (a request pings a runner idle for PING_IDLE before using it), and one that
         stopped after that ping, with a request on it: killed, it is replaced and the request
-        runs again (:meth:`Lease.rerun`). The streams on a hung runner end with an error.
+        runs again (:meth:`Lease.rerun`). The streams on a hung runner end with an error. A
+        runner busy streaming on a saturated CPU, whose ``/health`` is slow, is alive: the
+        tokens it sends count.
         """
         failures = 0
         runner.answer_check = PING_TIMEOUT
         due = trio.current_time() + HEALTH_INTERVAL
-        while True:
-            soon = trio.current_time() + PING_TIMEOUT
-            runner.watch = trio.CancelScope(deadline=min(due, soon) if runner.awaiting else due)
-            with runner.watch:
-                await trio.sleep_forever()
+        while not handle.exited:  # an exit is the exit watcher's (it may see it late): no check
+            if not (failures and runner.awaiting):
+                soon = trio.current_time() + PING_TIMEOUT
+                runner.watch = trio.CancelScope(deadline=min(due, soon) if runner.awaiting else due)
+                with runner.watch:
+                    await trio.sleep_forever()
             waited = runner.awaiting > 0
-            healthy = False
-            with trio.move_on_after(PING_TIMEOUT if waited else HEALTH_TIMEOUT):
-                healthy = await handle.health()
+            healthy = await _alive(runner, handle, PING_TIMEOUT if waited else HEALTH_TIMEOUT)
             due = trio.current_time() + HEALTH_INTERVAL
-            if healthy:
+            if healthy or handle.exited:
                 failures = 0
-            elif waited and runner.awaiting:  # nobody had an answer meanwhile
-                self.declare_hung(runner, f"did not answer a health check within {PING_TIMEOUT:g}s while a request waited for its answer")
-                return
+                continue
+            failures += 1
+            if failures < 2:
+                continue
+            if waited:
+                why = f"neither answered two health checks of {PING_TIMEOUT:g}s in a row nor sent output while a request waited for its answer"
             else:
-                failures += 1
-                if failures >= 2:
-                    self.declare_hung(runner, f"did not answer two health checks {HEALTH_INTERVAL:g}s apart")
-                    return
+                why = f"neither answered two health checks {HEALTH_INTERVAL:g}s apart nor sent output"
+            self.declare_hung(runner, why)
+            return
 
     def declare_hung(self, runner: Runner, why: str) -> None:
         """A live runner that does not answer: kill it now (SIGKILL; a hung child may not act
         on SIGTERM), so that its streams end with an error naming ``why`` and its requests'
         model is loaded again. A runner without a child yet is unloaded once its leases end."""
-        if runner.hung:
+        if runner.hung or runner.exited:  # an exited child is the exit watcher's, not hung
             return
         runner.hung = f"it stopped answering ({why}) and was killed"
         self._owner.note("unhealthy", runner.model, why)
@@ -368,6 +386,7 @@ class Runners(Mapping[int, Runner]):
         )
         runner.state = RunnerState.UNLOADING
         self._runners.pop(runner.id, None)
+        runner.gone.set()  # its leases' requests may run again now (Lease.death)
         self._owner.note("crashed", runner.model, runner.crash.message[:300])
         self._owner.wake()
 

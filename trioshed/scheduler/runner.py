@@ -62,6 +62,13 @@ class Runner:
     awaiting: int = 0
     watch: trio.CancelScope | None = None
     answer_check: float = math.inf
+    # Output relayed from it (bumped by its leases for every piece of an answer): the health
+    # monitor's progress probe, so that a runner busy streaming is alive however slow its
+    # /health (see ``trioshed.scheduler.lifetime``).
+    progress: int = 0
+    # Set by its lifetime task once the runner is gone: its child's exit seen and its crash (if
+    # it crashed) recorded, or its life over. The edge waits on it, never polls.
+    gone: trio.Event = field(default_factory=trio.Event)
 
     def lease(self, keep_alive: float, now: float) -> None:
         """A request takes a slot (at ``now``): the runner stays while leased, then for the
@@ -82,6 +89,18 @@ class Runner:
 
     def answered(self) -> None:
         self.awaiting -= 1
+
+    @property
+    def exited(self) -> bool:
+        """Its child has exited (seen by the child's own waiter, perhaps not yet by its lifetime
+        task): it takes no lease, whatever its state says."""
+        return self.handle is not None and self.handle.exited
+
+    def leave(self, reason: str) -> None:
+        """Take no new lease (its leases may end): it goes once they have (``Runners.released``)."""
+        if not self.evicting:
+            self.evicting = True
+            self.unload_reason = reason
 
     def usage(self) -> tuple[tuple[str, int], ...]:
         """Bytes per device: what llama.cpp reported on each, or (a declared inventory, whose
@@ -118,11 +137,12 @@ class Runner:
 
     @property
     def free_slot(self) -> bool:
-        """Ready, staying, and with a slot free: it can take a lease now."""
+        """Ready, staying, its child alive, and with a slot free: it can take a lease now."""
         return (
             self.state is RunnerState.READY
             and not self.evicting
             and not self.stopping
+            and not self.exited
             and self.leases < self.options.num_parallel
         )
 
@@ -133,7 +153,8 @@ class Runner:
             self.scope.cancel(reason=reason)
 
     def view(self) -> views.RunnerView:
-        state = RunnerState.UNLOADING if self.stopping else self.state
+        exited = self.exited
+        state = RunnerState.UNLOADING if self.stopping or exited else self.state
         return views.RunnerView(
             id=self.id,
             model=self.model,
@@ -146,4 +167,5 @@ class Runner:
             usage=self.usage(),
             pinned=self.pinned,
             came_back=self.came_back,
+            exited=exited,
         )

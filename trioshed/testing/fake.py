@@ -1,7 +1,8 @@
 """In-process fake runners for scheduler tests under ``MockClock`` (no child processes).
 
 A fake "loads" by sleeping ``load_time`` of (simulated) time, can be told to fail loading, and
-can be crashed (``crash()``) to exercise the exit watcher. Every start and stop is recorded.
+can be crashed (``crash()``) to exercise the exit watcher, frozen (``frozen``), made slow to
+answer its health check (``health_time``), or seen to exit late (``exit_seen_after``). Every start and stop is recorded.
 Its ``upstream`` answers requests in-process as a runner's connection pool would (see
 :class:`FakeUpstream`), so the edge's upstream code runs against it under ``MockClock`` too.
 The fakes implement the scheduler's Protocols in full (:class:`~trioshed.scheduler.contracts.RunnerHandle`,
@@ -48,6 +49,12 @@ class FakeRunner:
     base_url: str = "http://fake.invalid"
     healthy: bool = True
     frozen: bool = False  # a stopped process: its health check never answers
+    #: Seconds (simulated) its health check takes to answer (a saturated CPU; inf: never), while
+    #: it answers requests as usual.
+    health_time: float = 0.0
+    #: Seconds (simulated) between its exit and ``wait_exited`` returning: a starved event loop,
+    #: on which the runner's lifetime task sees the exit late (``exited`` is true at once).
+    exit_seen_after: float = 0.0
     _exited: trio.Event = field(default_factory=trio.Event)
     #: What it answers each request: these pieces of body, ``piece_time`` apart (simulated).
     answer: tuple[bytes, ...] = (b'{"content":"ok"}',)
@@ -65,6 +72,8 @@ class FakeRunner:
 
     async def health(self) -> bool:
         await trio.lowlevel.checkpoint()
+        if self.health_time:
+            await trio.sleep(self.health_time)
         if self.frozen and not self.exited:
             await self._exited.wait()
         return self.healthy and not self.exited and not self.frozen
@@ -75,6 +84,8 @@ class FakeRunner:
 
     async def wait_exited(self) -> int | None:
         await self._exited.wait()
+        if self.exit_seen_after:
+            await trio.sleep(self.exit_seen_after)
         return self.returncode
 
     def kill(self) -> None:
