@@ -314,6 +314,9 @@ class ModelSpec:
     #: Where the store found it, for /api/tags and /api/show (an Ollama manifest); not part
     #: of the model's identity.
     origin: object | None = field(default=None, compare=False, repr=False)
+    #: Why the store paired no projector with this model although its folder holds some (an
+    #: ambiguous folder: see ``trioshed.models.projectors``), for ``/api/show``; "" otherwise.
+    projector_problem: str = field(default="", compare=False)
 
     @property
     def short_name(self) -> str:
