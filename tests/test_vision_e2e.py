@@ -133,3 +133,22 @@ async def test_a_folder_of_a_model_and_its_projector_serves_images(vision_store:
         return out
 
     assert ours == await trio.to_thread.run_sync(alone)
+
+
+async def test_a_vision_runner_unloads_quietly_with_warm_returns_on(vision_store: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """llama-server saves only slots of pure text: a slot holding an image is skipped without a
+    warning, counted, and the runner says so in ``/api/ps``."""
+    caplog.set_level(logging.INFO, logger="trioshed.runner.slots")
+    settings = {"kv_cache_dir": tmp_path / "kv", "kv_cache_budget": 64 * MiB, "max_loaded_models": 1}
+    with trio.fail_after(120):
+        async with open_test_server(vision_store, **settings) as server, httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
+            route, body, _ = CASES[0]
+            assert (await http.post(route, json=_ours(route, body))).status_code == 200
+            (ps,) = (await http.get("/api/ps")).json()["models"]
+            assert "image" in ps["runner"]["warm_returns"]
+            await http.post("/api/generate", json={"model": "text", "prompt": "hi", "stream": False, "options": {"num_predict": 1}})
+            assert server.state.warm is not None
+            stats = server.state.warm.statistics()
+    assert (stats.saves, stats.saves_skipped, stats.save_failures) == (0, 1, 0), stats
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], [r.getMessage() for r in caplog.records]
+    assert any("image or audio" in r.getMessage() for r in caplog.records)

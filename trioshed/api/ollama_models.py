@@ -186,6 +186,8 @@ def _runner_settings_now(
                 "output": sum(measured.output.values()),
             }
         out["estimated"] = stats.estimate.total
+        if stats.warm_returns:
+            out["warm_returns"] = stats.warm_returns
     return out
 
 
