@@ -216,6 +216,7 @@ def _schemas(ollama_names: bool) -> Schema:
             {
                 "modelfile": _STR, "parameters": _STR, "template": _STR, "details": details,
                 "model_info": {"type": "object"}, "capabilities": _STRINGS, "modified_at": _STR,
+                "projector_info": {"type": "object", "description": "the projector's GGUF header (a model that sees or hears)"},
             },
             ("details", "model_info", "capabilities"),
         ),
