@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from trioshed.core.projector import projector_memory
 from trioshed.models.gguf_meta import read_metadata
 from trioshed.runner.memlog import parse_memory_log
 from trioshed.testing.llama import running_llama_server
@@ -77,3 +78,20 @@ def test_llama_server_hears_audio(tmp_path: Path) -> None:
         log = server.log_text()
     assert answer["usage"]["prompt_tokens"] > AUDIO_CHUNK_TOKENS
     assert f"total {AUDIO_CHUNK_TOKENS} tokens" in log
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flash_attention", [True, False], ids=["fa", "no-fa"])
+@pytest.mark.parametrize("write", [write_tiny_vision_projector, write_tiny_audio_projector], ids=["vision", "audio"])
+def test_the_projector_estimate_covers_what_llama_cpp_reserves(tmp_path: Path, write: Any, flash_attention: bool) -> None:
+    """The estimate (weights + compute buffer) is at least llama.cpp's own numbers, and not
+    wildly above them."""
+    model = write_tiny_model(tmp_path / "m.gguf")
+    projector = write(tmp_path / "mmproj.gguf")
+    with running_llama_server(model, [*ARGS, "--mmproj", str(projector), "-fa", "on" if flash_attention else "off"]) as server:
+        log = server.log_text()
+    measured = parse_memory_log(log)
+    assert measured is not None
+    reported = sum(measured.projector.values()) + sum(measured.projector_compute.values())
+    estimated = projector_memory(read_metadata(projector), flash_attention=flash_attention)
+    assert reported <= estimated <= 1.3 * reported + 64 * 1024, (estimated, reported)
