@@ -85,3 +85,40 @@ def test_unrelated_lines_are_ignored() -> None:
         parse_memory_log("srv  log_server_r: request: GET /health 127.0.0.1 200\nsize = 3\n")
         is None
     )
+
+
+#: A tiny model with the tiny gemma3 vision projector (trioshed.testing.vision), as b10068 logs it.
+VISION_LOG = """\
+0.00.153.636 I load_tensors:   CPU_Mapped model buffer size =     0.38 MiB
+0.00.154.020 I llama_context:        CPU  output buffer size =     0.00 MiB
+0.00.154.121 I llama_kv_cache:        CPU KV buffer size =     0.25 MiB
+0.00.155.909 I sched_reserve:        CPU compute buffer size =     1.51 MiB
+0.00.169.253 I clip_model_loader: has vision encoder
+0.00.170.162 I clip_ctx: CLIP using CPU backend
+0.00.170.812 I load_hparams: model size:         0.09 MiB
+0.00.170.836 I load_hparams: metadata size:      0.01 MiB
+0.00.174.184 I reserve_compute_meta:        CPU compute buffer size =     0.04 MiB
+0.00.174.285 I srv    load_model: loaded multimodal model, 'mmproj.gguf'
+0.09.511.562 I sched_reserve:        CPU compute buffer size =     1.51 MiB
+"""
+
+
+def test_a_projector_is_counted_beside_the_model_not_over_it() -> None:
+    m = parse_memory_log(VISION_LOG)
+    assert m is not None
+    assert m.compute == {"CPU": round(1.51 * MiB)}  # the model's, not the projector's 0.04
+    assert m.projector == {"CPU": round(0.09 * MiB)}
+    assert m.projector_compute == {"CPU": round(0.04 * MiB)}
+    assert m.total == round(0.38 * MiB) + round(0.25 * MiB) + round(1.51 * MiB) + round(0.09 * MiB) + round(0.04 * MiB)
+    assert m.by_backend()["CPU"] == m.total - round(0.38 * MiB)
+
+
+def test_a_projector_on_a_gpu_and_two_projector_contexts() -> None:
+    log = VISION_LOG.replace("CLIP using CPU backend", "CLIP using Vulkan0 backend").replace(
+        "reserve_compute_meta:        CPU", "reserve_compute_meta:    Vulkan0"
+    ) + "clip_ctx: CLIP using Vulkan0 backend\nload_hparams: model size:   0.13 MiB\nreserve_compute_meta:    Vulkan0 compute buffer size =     3.66 MiB\n"
+    m = parse_memory_log(log)
+    assert m is not None
+    assert m.projector == {"Vulkan0": round(0.09 * MiB) + round(0.13 * MiB)}
+    assert m.projector_compute == {"Vulkan0": round(0.04 * MiB) + round(3.66 * MiB)}
+    assert m.compute == {"CPU": round(1.51 * MiB)}

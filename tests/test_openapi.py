@@ -81,7 +81,11 @@ def test_request_schemas_say_what_the_routes_check() -> None:
     for path, item in document()["paths"].items():
         for method, op in item.items():
             if method == "post" and path.startswith(("/api/generate", "/api/chat", "/api/embed", "/v1/")):
-                assert op["requestBody"]["content"]["application/json"]["schema"]["$ref"], path
+                content = op["requestBody"]["content"]
+                if "multipart/form-data" in content:  # an upload: OpenAI's audio transcriptions
+                    assert {"file", "model"} <= set(content["multipart/form-data"]["schema"]["required"]), path
+                else:
+                    assert content["application/json"]["schema"]["$ref"], path
                 assert "400" in op["responses"] and "200" in op["responses"], path
 
 

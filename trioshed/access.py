@@ -137,7 +137,7 @@ USER_ROUTES: tuple[tuple[str, str], ...] = (
     ("POST", "/api/generate"), ("POST", "/api/chat"), ("POST", "/api/show"),
     ("POST", "/api/embed"), ("POST", "/api/embeddings"), ("POST", "/v1/embeddings"),
     ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/v1/responses"),
-    ("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens"),
+    ("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens"), ("POST", "/v1/audio/transcriptions"),
     ("POST", "/api/rerank"), ("POST", "/v1/rerank"), ("POST", "/v2/rerank"), ("POST", "/rerank"), ("POST", "/v1/reranking"),
     ("POST", "/v1/tokenize"), ("POST", "/v1/detokenize"), ("POST", "/tokenize"), ("POST", "/detokenize"),
     ("POST", "/infill"), ("POST", "/apply-template"),

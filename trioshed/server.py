@@ -29,6 +29,7 @@ from trioshed.config import Settings
 from trioshed.core import placement
 from trioshed.core.estimate import estimate
 from trioshed.core.model import MemoryEstimate, ModelSpec, RunnerOptions
+from trioshed.core.projector import projector_memory
 from trioshed.devices import DeviceSource, discover
 from trioshed.devices.rpc import RemoteDevices, check_addresses
 from trioshed.heap import trim_when_quiet
@@ -50,7 +51,8 @@ log = logging.getLogger(__name__)
 
 
 def estimate_model(spec: ModelSpec, options: RunnerOptions, max_tensor: int = 0) -> MemoryEstimate:
-    """Read the GGUF header (cached) and estimate; adapters and projector by file size.
+    """Read the GGUF header (cached) and estimate; adapters by file size, a projector by its
+    header (weights and compute buffer: :func:`trioshed.core.projector.projector_memory`).
     ``max_tensor``: the GPUs' largest tensor (``DeviceSource.max_tensor``; 0: no limit).
 
     Called for every request: cached by the files' identity (path, mtime, size) and the options.
@@ -66,11 +68,18 @@ def _estimate_cached(
 ) -> MemoryEstimate:
     meta = read_metadata(files[0][0])
     adapters = sum(size for _, _, size in files[1 : 1 + n_adapters])
-    projector = sum(size for _, _, size in files[1 + n_adapters :])
+    projector = sum(_projector_bytes(path, size, options) for path, _, size in files[1 + n_adapters :])
     draft = read_metadata(options.draft) if options.draft else None
     return estimate(
         meta, options, projector_bytes=projector, adapter_bytes=adapters, draft=draft, max_tensor=max_tensor
     )
+
+
+def _projector_bytes(path: str, size: int, options: RunnerOptions) -> int:
+    try:
+        return projector_memory(read_metadata(path), flash_attention=options.flash_attention)
+    except (OSError, ValueError):
+        return size  # unreadable: llama-server will say so when it loads it
 
 
 @dataclass

@@ -28,6 +28,7 @@ from trioshed.api import (
     rerank,
     responses,
     tools,
+    transcriptions,
     ui,
     usage,
 )
@@ -62,6 +63,7 @@ def create_app(state: AppState) -> QuartTrio:
     app.register_blueprint(pin.bp)
     app.register_blueprint(tools.bp)
     app.register_blueprint(usage.bp)
+    app.register_blueprint(transcriptions.bp)
     app.config["TRIOSHED_METRICS"] = metrics.Metrics(state.scheduler, warm=state.warm)
     wrapper = RequestWrapper(
         Gate(state),

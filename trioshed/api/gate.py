@@ -95,7 +95,7 @@ class Gate:
                 raise PayloadTooLarge(
                     f"request body of {content_length} bytes exceeds the {self.max_body} byte limit (TRIOSHED_MAX_BODY)"
                 )
-            limits.check_content_type(get("Content-Type"), method)
+            limits.check_content_type(get("Content-Type"), method, path)
         if key is not None and count:
             self.admit(key)
             self.check_budget(key, path)

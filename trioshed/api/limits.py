@@ -14,12 +14,19 @@ from trioshed.errors import BadRequest, UnsupportedMediaType
 # (Ollama's own docs use ``curl -d``, i.e. application/x-www-form-urlencoded) and no type at all.
 JSON_CONTENT_TYPES = ("application/json", "text/plain", "application/x-www-form-urlencoded", "application/octet-stream")
 
-def check_content_type(content_type: str | None, method: str) -> None:
-    """A body-carrying request must say JSON (or one of the lenient defaults) if it says anything."""
+#: Routes whose body is an upload in a multipart form (OpenAI's audio transcriptions).
+MULTIPART_ROUTES = frozenset({"/v1/audio/transcriptions"})
+
+
+def check_content_type(content_type: str | None, method: str, path: str = "") -> None:
+    """A body-carrying request must say JSON (or one of the lenient defaults) if it says
+    anything; the upload routes take a multipart form."""
     if method not in ("POST", "PUT", "PATCH") or not content_type:
         return
     mime = content_type.split(";", 1)[0].strip().lower()
     if mime in JSON_CONTENT_TYPES or mime.endswith("+json"):
+        return
+    if mime == "multipart/form-data" and path in MULTIPART_ROUTES:
         return
     raise UnsupportedMediaType(f"unsupported Content-Type {mime!r}: send the request body as application/json")
 

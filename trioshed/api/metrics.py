@@ -204,7 +204,7 @@ def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
 WARM_COUNTERS: dict[str, str] = {
     "saves": "Slots saved to disk before their runner stopped.",
     "save_failures": "Slot saves that llama-server or the disk refused.",
-    "saves_skipped": "Slot saves skipped: over TRIOSHED_KV_CACHE_BUDGET or cut by TRIOSHED_KV_SAVE_TIMEOUT.",
+    "saves_skipped": "Slot saves skipped: over TRIOSHED_KV_CACHE_BUDGET, cut by TRIOSHED_KV_SAVE_TIMEOUT, or holding image or audio tokens.",
     "restores": "Saved slots restored into a runner before a request.",
     "restore_failures": "Restores that failed (the request then computed its prompt).",
     "hits": "Requests on a fresh runner whose prompt continued a saved slot.",

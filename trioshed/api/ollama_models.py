@@ -15,8 +15,10 @@ from trioshed.api.preamble import model_capabilities, read_body, resolve, state
 from trioshed.api.state import AppState
 from trioshed.core.estimate import effective_kv_type, estimate
 from trioshed.core.model import ModelSpec, RunnerOptions
+from trioshed.core.projector import projector_info, projector_memory
 from trioshed.keys import current_key
 from trioshed.models import modelfile
+from trioshed.models.gguf_meta import GGUFMetadata, read_metadata, unreadable
 from trioshed.models.header_cache import header_of, listing_facts
 from trioshed.models.ollama_store import OllamaManifest
 from trioshed.scheduler import RunnerStats
@@ -184,6 +186,8 @@ def _runner_settings_now(
                 "output": sum(measured.output.values()),
             }
         out["estimated"] = stats.estimate.total
+        if stats.warm_returns:
+            out["warm_returns"] = stats.warm_returns
     return out
 
 
@@ -194,7 +198,9 @@ async def show() -> Any:
     spec = resolve(body.get("model") or body.get("name") or "")
     meta = await st.metadata(spec)
     options = st.runner_options(spec, {})
-    est = estimate(meta, options)
+    projector = await _projector_header(spec)
+    projector_bytes = projector_memory(projector, flash_attention=options.flash_attention) if projector else 0
+    est = estimate(meta, options, projector_bytes=projector_bytes)
     arch = meta.architecture
     info: dict[str, Any] = {
         "general.architecture": arch,
@@ -212,9 +218,12 @@ async def show() -> Any:
             "trioshed.estimate.compute": est.compute_full,
             "trioshed.estimate.output": est.output,
             "trioshed.estimate.token_embd": est.token_embd,
+            "trioshed.estimate.projector": est.projector,
             "trioshed.estimate.total": est.total,
         }
     )
+    if spec.projector_problem:  # an ambiguous folder: no projector was guessed
+        info["trioshed.projector.problem"] = spec.projector_problem
     info.update({f"trioshed.runner.{k}": v for k, v in (await _runner_settings(st, options, spec)).items()})
     origin = spec.origin if isinstance(spec.origin, OllamaManifest) else None
     template = (origin.template if origin else "") or meta.chat_template or ""
@@ -228,6 +237,8 @@ async def show() -> Any:
         "capabilities": await model_capabilities(spec) or [],
         "modified_at": rfc3339(spec.modified),
     }
+    if projector is not None:
+        out["projector_info"] = projector_info(projector)
     if spec.system:
         out["system"] = spec.system
     if origin and origin.license:
@@ -235,6 +246,16 @@ async def show() -> Any:
     if origin and origin.messages:  # a saved chat, a Modelfile's MESSAGE lines: what a chat continues from
         out["messages"] = [{"role": r, "content": c} for r, c in origin.messages]
     return out
+
+
+async def _projector_header(spec: ModelSpec) -> GGUFMetadata | None:
+    """The header of the model's projector (read in a worker thread), None without one."""
+    if not spec.projector:
+        return None
+    try:
+        return await trio.to_thread.run_sync(read_metadata, spec.projector)
+    except (OSError, ValueError) as exc:
+        raise unreadable(spec.name, spec.projector, exc) from None
 
 
 def _parameter_lines(defaults: tuple[tuple[str, object], ...]) -> list[str]:

@@ -14,7 +14,7 @@ import functools
 from quart import Blueprint, current_app
 
 from trioshed import __version__
-from trioshed.api import openapi_llama, openapi_rerank
+from trioshed.api import openapi_audio, openapi_llama, openapi_rerank
 from trioshed.api.openapi_parts import BOOL as _BOOL
 from trioshed.api.openapi_parts import INT as _INT
 from trioshed.api.openapi_parts import NUM as _NUM
@@ -216,6 +216,7 @@ def _schemas(ollama_names: bool) -> Schema:
             {
                 "modelfile": _STR, "parameters": _STR, "template": _STR, "details": details,
                 "model_info": {"type": "object"}, "capabilities": _STRINGS, "modified_at": _STR,
+                "projector_info": {"type": "object", "description": "the projector's GGUF header (a model that sees or hears)"},
             },
             ("details", "model_info", "capabilities"),
         ),
@@ -457,7 +458,7 @@ def _paths() -> Schema:
         "/ui/ui.css": {"get": _get_op("The status page's style sheet", "text/css", _STR, auth=False)},
         "/metrics": {"get": _get_op("Prometheus metrics (text exposition format 0.0.4)", "text/plain", _STR)},
         "/openapi.json": {"get": _get_op("This document", "application/json", {"type": "object"})},
-        **openapi_llama.llama_paths(), **usage_paths(), **openapi_rerank.rerank_paths(),
+        **openapi_llama.llama_paths(), **usage_paths(), **openapi_rerank.rerank_paths(), **openapi_audio.audio_paths(),
     }
 
 

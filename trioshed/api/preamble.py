@@ -26,7 +26,7 @@ from trioshed.core.model import ModelSpec, RunnerOptions
 from trioshed.errors import BadRequest, Forbidden, ModelNotFound
 from trioshed.keys import ANONYMOUS, ApiKey, current_key
 from trioshed.models.capabilities import capabilities
-from trioshed.models.gguf_meta import GGUFMetadata
+from trioshed.models.gguf_meta import GGUFMetadata, read_metadata
 from trioshed.models.ollama_store import OllamaManifest
 
 #: A request served by the fast path (:mod:`trioshed.api.fast`, no Quart context): the app's
@@ -248,7 +248,19 @@ def capabilities_of(spec: ModelSpec, meta: GGUFMetadata) -> list[str]:
     template = (origin.template if origin else "") or meta.chat_template or ""
     family = (origin.family if origin else "") or meta.architecture or ""
     names = (t.name for t in meta.tensors)
-    return capabilities(meta.fields, template, projector=bool(spec.projector), family=family, tensor_names=names)
+    return capabilities(meta.fields, template, projector=bool(spec.projector), projector_fields=_projector_fields(spec),
+                        family=family, tensor_names=names)  # fmt: skip
+
+
+def _projector_fields(spec: ModelSpec) -> Mapping[str, Any] | None:
+    """The projector's header key-values (cached after the first read of the small file), None
+    without a projector or when it cannot be read (then llama-server says what is wrong)."""
+    if not spec.projector:
+        return None
+    try:
+        return read_metadata(spec.projector).fields
+    except (OSError, ValueError):
+        return None
 
 
 async def require_kind(spec: ModelSpec, name: str, kind: str) -> None:
@@ -267,7 +279,7 @@ async def require_kind(spec: ModelSpec, name: str, kind: str) -> None:
 async def require_capabilities(spec: ModelSpec, name: str, needs: Iterable[str], *, action: str = "chat") -> None:
     """Refuse (400) a request that needs what the model cannot do, with Ollama's words.
 
-    ``needs``: Ollama capability names (``tools``, ``thinking``, ``vision``, ``insert``); a
+    ``needs``: Ollama capability names (``tools``, ``thinking``, ``vision``, ``audio``, ``insert``); a
     generating model (``completion``) is always needed: an embedding-only model answers
     ``"<name>" does not support <action>`` (``chat`` or ``generate``, as Ollama says). Thinking
     is checked first, as Ollama does; ``name`` is the model as the client named it.
@@ -280,7 +292,7 @@ async def require_capabilities(spec: ModelSpec, name: str, needs: Iterable[str],
         raise BadRequest(f"{json.dumps(name)} does not support thinking")
     if "completion" not in has:
         raise BadRequest(f"{json.dumps(name)} does not support {action}")
-    missing = [c for c in ("tools", "vision", "insert") if c in wanted and c not in has]
+    missing = [c for c in ("tools", "vision", "audio", "insert") if c in wanted and c not in has]
     if missing:
         raise BadRequest(f"{json.dumps(name)} does not support {', '.join(missing)}")
 

@@ -248,13 +248,16 @@ class MeasuredMemory:
     output: dict[str, int] = field(default_factory=dict)
     #: KV (and recurrent-state) buffers by backend ("CPU", "Vulkan0"), when reported.
     kv_buffers: dict[str, int] = field(default_factory=dict)
+    #: A multimodal projector's weights and compute buffers, backend -> bytes (``--mmproj``).
+    projector: dict[str, int] = field(default_factory=dict)
+    projector_compute: dict[str, int] = field(default_factory=dict)
 
     def by_backend(self) -> dict[str, int]:
         """Every reported buffer summed per backend name (``CPU_Mapped``, ``Vulkan0``,
         ``Vulkan_Host``...): what each device really holds."""
         out: dict[str, int] = {}
         kv = self.kv_buffers if sum(self.kv_buffers.values()) else {"CPU": self.kv}
-        for part in (self.model, kv, self.compute, self.output):
+        for part in (self.model, kv, self.compute, self.output, self.projector, self.projector_compute):
             for name, n in part.items():
                 out[name] = out.get(name, 0) + n
         return out
@@ -265,7 +268,14 @@ class MeasuredMemory:
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv + sum(self.compute.values()) + sum(self.output.values())
+        return (
+            self.weights
+            + self.kv
+            + sum(self.compute.values())
+            + sum(self.output.values())
+            + sum(self.projector.values())
+            + sum(self.projector_compute.values())
+        )
 
 
 @dataclass(frozen=True)
@@ -304,6 +314,9 @@ class ModelSpec:
     #: Where the store found it, for /api/tags and /api/show (an Ollama manifest); not part
     #: of the model's identity.
     origin: object | None = field(default=None, compare=False, repr=False)
+    #: Why the store paired no projector with this model although its folder holds some (an
+    #: ambiguous folder: see ``trioshed.models.projectors``), for ``/api/show``; "" otherwise.
+    projector_problem: str = field(default="", compare=False)
 
     @property
     def short_name(self) -> str:

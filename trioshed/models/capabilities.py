@@ -5,8 +5,9 @@ Pure: takes the GGUF key-values, the prompt template and whether a projector com
 * ``rerank`` for a reranker (:func:`is_reranker`: rank pooling or a classifier head), else
   ``embedding`` when the GGUF sets ``<arch>.pooling_type`` (an embedding model), ``completion``
   otherwise (clients such as ``llm-ollama`` refuse to embed with a model lacking ``embedding``);
-* ``vision`` when the GGUF has a vision tower (``<arch>.vision.block_count``) or a projector is
-  present;
+* ``vision`` when the GGUF has a vision tower (``<arch>.vision.block_count``) or a projector
+  with a vision encoder (``clip.has_vision_encoder``; any projector when its header is not
+  given); ``audio`` likewise for an audio encoder (``clip.has_audio_encoder``), as Ollama adds it;
 * ``tools`` when the template uses tools, ``insert`` when it uses a suffix (Ollama templates'
   ``.Suffix``) or the vocabulary has fill-in-the-middle tokens (what llama-server's /infill needs);
 * ``thinking`` when the template has a thinking block (``<think>``, ``reasoning_content``,
@@ -59,6 +60,7 @@ def capabilities(
     template: str,
     *,
     projector: bool = False,
+    projector_fields: Mapping[str, Any] | None = None,
     family: str = "",
     tensor_names: Iterable[str] = (),
 ) -> list[str]:
@@ -68,8 +70,11 @@ def capabilities(
         found = ["rerank"]
     else:
         found = ["completion" if generates(fields, names) else "embedding"]
-    if f"{arch}.vision.block_count" in fields or projector:
+    sees = projector_fields is None or bool(projector_fields.get("clip.has_vision_encoder"))
+    if f"{arch}.vision.block_count" in fields or (projector and sees):
         found.append("vision")
+    if f"{arch}.audio.block_count" in fields or (projector and projector_fields and projector_fields.get("clip.has_audio_encoder")):
+        found.append("audio")
     if _TOOLS.search(template):
         found.append("tools")
     if _SUFFIX.search(template) or any(key in fields for key in _FIM_KEYS):

@@ -10,6 +10,12 @@ entries with aliases, adapters, a projector, default options and scheduling sett
     options = { num_ctx = 8192, temperature = 0.2 }
     pinned = true
 
+Multimodal projectors (``mmproj``) are never models: they pair with their model on their own
+where that is unambiguous (:mod:`trioshed.models.projectors`), in the store folder or in a
+sub-folder holding one model (llama.cpp's router layout: the model is named after the folder);
+``models.toml``'s ``projector =`` wins, and an ambiguous folder is logged and said in
+``/api/show``.
+
 The folder is re-read on each lookup (a stat per file: cheap), so models copied in while
 trioshed runs appear at once; ``models.toml`` is re-parsed when its size or mtime changes
 (or on :meth:`ModelStore.reload`), and its problems are logged each time it is.
@@ -28,6 +34,12 @@ from trioshed.core.model import ModelSpec
 from trioshed.errors import BadRequest, Forbidden, ModelNotFound
 from trioshed.models.catalogue import Catalogue, Entry, load_catalogue
 from trioshed.models.names import is_name_part, split_name
+from trioshed.models.projectors import (
+    FolderPairing,
+    first_architecture,
+    is_projector_name,
+    pair_folder,
+)
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +58,9 @@ class ModelStore:
         self.allow_symlinks = allow_symlinks
         self._digests: dict[str, _DigestCacheEntry] = {}
         self._catalogue: tuple[tuple[int, int, int] | None, Catalogue] | None = None
+        #: folder -> (its identity when scanned, its pairing); file identity -> architecture
+        self._pairings: dict[Path, tuple[tuple[int, int], FolderPairing]] = {}
+        self._architectures: dict[tuple[str, int, int], str | None] = {}
 
     def _inside(self, file: Path) -> bool:
         """Whether ``file`` (in the store folder) really lies in it: a symlink pointing out of the
@@ -102,11 +117,13 @@ class ModelStore:
                            *((("projector", entry.projector),) if entry.projector else ())):  # fmt: skip
             if not Path(path).is_file():
                 raise BadRequest(f"models.toml: {what} {path!r} of model '{name}' does not exist")
+        projector, problem = (entry.projector, "") if entry.projector else self.projector_of(Path(entry.path))
         return self._spec_from_file(
             name,
             Path(entry.path),
             adapters=entry.adapters,
-            projector=entry.projector,
+            projector=projector,
+            projector_problem=problem,
             defaults=entry.options,
             num_parallel=entry.num_parallel,
             keep_alive=entry.keep_alive,
@@ -130,7 +147,7 @@ class ModelStore:
         try:
             found = file.stat()
         except (OSError, ValueError):
-            raise ModelNotFound(name) from None
+            return self._resolve_subfolder(name, base)
         if not stat_module.S_ISREG(found.st_mode):
             raise ModelNotFound(name)
         if not self._inside(file):
@@ -138,7 +155,81 @@ class ModelStore:
                 f"model '{name}' is a symlink to a file outside the model store; name that file in "
                 "models.toml, or set TRIOSHED_ALLOW_SYMLINKS=1 to follow such links"
             )
-        return self._spec_from_file(full, file, found)
+        if self._is_projector(file.name, found, str(file)):
+            raise ModelNotFound(name)  # a projector goes with its model, it is not one
+        projector, problem = self.projector_of(file)
+        return self._spec_from_file(full, file, found, projector=projector, projector_problem=problem)
+
+    def _resolve_subfolder(self, name: str, base: str) -> ModelSpec:
+        """``base/`` holding one model (and maybe its projector): llama.cpp's router layout."""
+        folder = self.root / base
+        if base.startswith(".") or not folder.is_dir() or not self._inside(folder):
+            raise ModelNotFound(name)
+        models = [n for n in self._names(folder) if n not in self._pairing(folder).projectors]
+        if len(models) != 1:
+            raise ModelNotFound(name)
+        file = folder / models[0]
+        if not self._inside(file):
+            raise ModelNotFound(name)
+        projector, problem = self.projector_of(file)
+        return self._spec_from_file(f"{base}:latest", file, projector=projector, projector_problem=problem)
+
+    # -- projectors --------------------------------------------------------------------------
+
+    def projector_of(self, model: Path) -> tuple[str | None, str]:
+        """The projector that goes with the model file ``model`` on its own (its folder's
+        pairing), or None and why not when the folder leaves it ambiguous ("" when it holds
+        none for it). Only folders of this store are paired."""
+        folder = model.parent
+        if folder != self.root and folder.parent != self.root:
+            return None, ""
+        pairing = self._pairing(folder)
+        paired = pairing.paired.get(model.name)
+        return (str(folder / paired), "") if paired else (None, pairing.ambiguous.get(model.name, ""))
+
+    def _names(self, folder: Path) -> list[str]:
+        try:
+            with os.scandir(folder) as found:
+                return sorted(e.name for e in found if e.name.endswith(".gguf") and not e.name.startswith("."))
+        except OSError:
+            return []
+
+    def _is_projector(self, file_name: str, st: os.stat_result, path: str) -> bool:
+        """Whether a GGUF file is a projector: by its name, else by its first header key (read
+        once per file version)."""
+        if is_projector_name(file_name):
+            return True
+        key = (path, st.st_size, st.st_mtime_ns)
+        if key not in self._architectures:
+            if len(self._architectures) > 8192:
+                self._architectures.clear()
+            self._architectures[key] = first_architecture(path)
+        return self._architectures[key] == "clip"
+
+    def _pairing(self, folder: Path) -> FolderPairing:
+        """``folder``'s pairing, scanned again when the folder changed (its mtime); an
+        ambiguous pairing is logged each time it is scanned."""
+        try:
+            st = folder.stat()
+        except OSError:
+            return FolderPairing()
+        identity = (st.st_mtime_ns, st.st_ino)
+        cached = self._pairings.get(folder)
+        if cached is not None and cached[0] == identity:
+            return cached[1]
+        names = self._names(folder)
+        by_header = set()
+        for n in names:
+            try:
+                if not is_projector_name(n) and self._is_projector(n, (folder / n).stat(), str(folder / n)):
+                    by_header.add(n)
+            except OSError:
+                continue
+        pairing = pair_folder(names, projectors=by_header)
+        for model, why in sorted(pairing.ambiguous.items()):
+            log.warning("no projector for %s: %s; name it in models.toml (projector = \"...\")", folder / model, why)
+        self._pairings[folder] = (identity, pairing)
+        return pairing
 
     def links_out(self) -> list[Path]:
         """``*.gguf`` symlinks pointing out of the store: not served unless TRIOSHED_ALLOW_SYMLINKS."""
@@ -150,14 +241,20 @@ class ModelStore:
         specs: dict[str, ModelSpec] = {}
         try:
             with os.scandir(self.root) as found:
-                entries = sorted((e for e in found if e.name.endswith(".gguf")), key=lambda e: e.name)
+                entries = sorted((e for e in found if not e.name.startswith(".")), key=lambda e: e.name)
         except OSError:  # no folder (yet), or not one
             entries = []
+        pairing = self._pairing(self.root) if entries else FolderPairing()
+        folders: list[str] = []
         # One stat per file: a store of thousands lists in milliseconds (the glob, the
         # is_file and two resolves per file were ~17 system calls each).
         for found_file in entries:
+            if not found_file.name.endswith(".gguf"):
+                if is_name_part(found_file.name) and found_file.is_dir(follow_symlinks=False):
+                    folders.append(found_file.name)
+                continue
             stem = found_file.name[: -len(".gguf")]
-            if not is_name_part(stem):
+            if not is_name_part(stem) or found_file.name in pairing.projectors:
                 continue
             try:
                 st = found_file.stat()  # follows a symlink
@@ -166,7 +263,16 @@ class ModelStore:
             if not stat_module.S_ISREG(st.st_mode) or (found_file.is_symlink() and not self._inside(Path(found_file.path))):
                 continue
             name = f"{stem}:latest"
-            specs[name] = ModelSpec(name=name, path=found_file.path, size=st.st_size, modified=st.st_mtime)
+            paired = pairing.paired.get(found_file.name)
+            specs[name] = ModelSpec(name=name, path=found_file.path, size=st.st_size, modified=st.st_mtime,
+                                    projector=str(self.root / paired) if paired else None,
+                                    projector_problem=pairing.ambiguous.get(found_file.name, ""))  # fmt: skip
+        for folder in folders:
+            if f"{folder}:latest" not in specs:
+                try:
+                    specs[f"{folder}:latest"] = self._resolve_subfolder(folder, folder)
+                except (ModelNotFound, OSError):
+                    continue  # not a model's folder
         for name, entry in self.catalogue().names.items():  # entries and their aliases
             try:
                 specs[name] = self._spec_from_entry(entry, name)

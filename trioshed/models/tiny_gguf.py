@@ -213,14 +213,15 @@ def write_tiny_model(
 
 
 @contextmanager
-def gguf_written_atomically(target: Path) -> Iterator[gguf.GGUFWriter]:
-    """A llama GGUF writer whose file appears at ``target`` whole or not at all: written to a
-    temporary file beside it, renamed over ``target`` once the block has added everything."""
+def gguf_written_atomically(target: Path, arch: str = "llama") -> Iterator[gguf.GGUFWriter]:
+    """A GGUF writer (``general.architecture`` ``arch``) whose file appears at ``target`` whole
+    or not at all: written to a temporary file beside it, renamed over ``target`` once the block
+    has added everything."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     os.close(fd)
     try:
-        writer = gguf.GGUFWriter(tmp_name, "llama")
+        writer = gguf.GGUFWriter(tmp_name, arch)
         yield writer
         writer.write_header_to_file()
         writer.write_kv_data_to_file()

@@ -13,6 +13,17 @@ sizes add up. The compute line can repeat when the graph is reserved again: the 
 backend wins. The ``memory breakdown`` table at exit is in whole MiB and adds nothing the lines
 above lack, so it is only used as a fallback for the model size.
 
+A multimodal projector (``--mmproj``) is loaded by llama.cpp's ``clip`` code after the model and
+reports its own lines, which must not replace the model's (the same ``CPU compute buffer`` words):
+
+    clip_ctx: CLIP using CPU backend
+    load_hparams: model size:         0.09 MiB
+    reserve_compute_meta:        CPU compute buffer size =     0.04 MiB
+
+Its weights (``model size``, on the backend it names) and compute buffers are kept apart, per
+projector context (a model that sees and hears loads two), in ``projector`` and
+``projector_compute``.
+
 A draft model (``--model-draft``) is loaded after the target and reports the same lines after
 ``loading draft model``: its buffers are added to the target's (its output and compute buffers
 kept apart first, so that neither model's last report replaces the other's).
@@ -24,6 +35,7 @@ incremental so that the runner can feed each stderr line as it arrives. Pure: no
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 from trioshed.core.model import MeasuredMemory
 
@@ -46,6 +58,8 @@ _KV_SUMMARY = re.compile(
 )
 _OUTPUT = re.compile(r"\b(\S+) +output buffer size = +" + _NUM + r" MiB")
 _COMPUTE = re.compile(r"\b(\S+) compute buffer size = +" + _NUM + r" MiB")
+_CLIP_BACKEND = re.compile(r"CLIP using (\S+) backend")
+_CLIP_WEIGHTS = re.compile(r"load_hparams: model size: +" + _NUM + r" MiB")
 # "| - CUDA0 (desc) | total = free + (self = model + context + compute) + unaccounted |"
 _BREAKDOWN_GPU = re.compile(
     r"\|\s*- (.+?)\s*\|\s*\d+\s*=\s*\d+\s*\+\s*\(\s*\d+\s*=\s*(\d+)\s*\+\s*\d+\s*\+\s*\d+\s*\)"
@@ -76,6 +90,8 @@ class MemoryLogParser:
         self.kv_types: tuple[str, str] | None = None
         #: Output and compute buffers of the model now loading: the target's, then a draft's.
         self._phases: list[tuple[dict[str, int], dict[str, int]]] = [(self._output, self._compute)]
+        #: Per projector context: its backend, its weights and its compute buffers by backend.
+        self._clips: list[tuple[str, dict[str, int], dict[str, int]]] = []
 
     def feed(self, line: str) -> None:
         """Take one log line (with or without its newline); unrelated lines are ignored cheaply."""
@@ -83,7 +99,17 @@ class MemoryLogParser:
             self._output, self._compute = {}, {}
             self._phases.append((self._output, self._compute))
             return
+        if "CLIP using" in line and (m := _CLIP_BACKEND.search(line)):
+            self._clips.append((m[1], {}, {}))
+            return
         if "size" not in line and "|" not in line:
+            return
+        if self._clips and ("load_hparams" in line or "reserve_compute_meta" in line):
+            backend, weights, compute = self._clips[-1]
+            if m := _CLIP_WEIGHTS.search(line):
+                weights[backend] = _mib(m[1])
+            elif m := _COMPUTE.search(line):
+                compute[m[1]] = _mib(m[2])
             return
         if "buffer size" in line:
             if m := _MODEL.search(line):
@@ -137,7 +163,17 @@ class MemoryLogParser:
             compute=self._summed(1),
             output=self._summed(0),
             kv_buffers=dict(self._kv_buffers),
+            projector=_sum_by_name(w for _, w, _ in self._clips),
+            projector_compute=_sum_by_name(c for _, _, c in self._clips),
         )
+
+
+def _sum_by_name(parts: Iterable[dict[str, int]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for part in parts:
+        for name, n in part.items():
+            out[name] = out.get(name, 0) + n
+    return out
 
 
 def parse_memory_log(text: str) -> MeasuredMemory | None:

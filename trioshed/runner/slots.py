@@ -47,7 +47,12 @@ from trioshed.runner.slotstore import SlotStore, file_identity
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RunnerSlots", "WarmReturns", "WarmStats", "cache_key"]
+__all__ = ["MEDIA_NOTE", "RunnerSlots", "WarmReturns", "WarmStats", "cache_key"]
+
+#: What a runner with a projector says of its warm returns: llama-server (b10068) answers a save
+#: of a slot holding image or audio tokens 501 ("a pure-text prefix is supported"), so such a
+#: slot is skipped, quietly and counted (``saves_skipped``), and its text-only slots are saved.
+MEDIA_NOTE = "text-only slots are saved; a slot holding image or audio tokens is not (llama-server saves only pure text)"
 
 
 @dataclass(frozen=True)
@@ -125,7 +130,10 @@ class WarmReturns:
         except OSError as exc:
             log.warning("warm returns: off for %s: %s", model.name, exc)
             return None
-        return RunnerSlots(self, key, model.name, options.num_ctx, pool, bytes_per_token)
+        slots = RunnerSlots(self, key, model.name, options.num_ctx, pool, bytes_per_token)
+        if model.projector:
+            slots.note = MEDIA_NOTE
+        return slots
 
 
 class RunnerSlots:
@@ -144,6 +152,9 @@ class RunnerSlots:
         self._open = True  # a slot may still be unused: restores are looked for
         self._restored: set[int] = set()
         self._lock = trio.Lock()
+        #: A word on what is saved (a runner with a projector: :data:`MEDIA_NOTE`), for /api/ps.
+        self.note = ""
+        self._media_said = False
 
     # -- restore ---------------------------------------------------------------------------
 
@@ -277,6 +288,12 @@ class RunnerSlots:
         committed = False  # once the commit thread has it, the file is the thread's
         try:
             status, raw = await self._pool.post(f"/slots/{slot}?action=save", json.dumps({"filename": temp}).encode())
+            if status == 501 and b"image/audio" in raw:  # a slot holding media: never saved
+                self.warm._count("saves_skipped")
+                if not self._media_said:
+                    self._media_said = True
+                    log.info("warm returns: not saving %s's slots holding image or audio tokens (llama-server saves only pure text)", self.model)
+                return False
             if status != 200:
                 self.warm._count("save_failures")
                 log.warning("warm returns: llama-server did not save %s slot %d (%d: %s)", self.model, slot, status, raw[:200])

@@ -46,6 +46,8 @@ class RunnerStats:
     #: Speculative decoding since the runner loaded: tokens drafted, and of those accepted.
     drafted: int = 0
     accepted: int = 0
+    #: A word on its warm returns (a runner with a projector saves only text-only slots).
+    warm_returns: str = ""
 
 
 @dataclass(frozen=True)
@@ -123,6 +125,7 @@ def runner_stats(r: Runner, *, waiting: int, now: float, wall: float) -> RunnerS
         pinned=r.pinned,
         spec=r.model,
         drafted=drafted,
+        warm_returns=r.handle.slots.note if r.handle is not None and r.handle.slots is not None else "",
         accepted=accepted,
     )
 

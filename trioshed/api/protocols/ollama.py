@@ -41,8 +41,35 @@ _IMAGE_MAGIC: tuple[tuple[bytes, str], ...] = (
 )
 
 
+def _audio_format(head: bytes) -> str | None:
+    """``wav`` or ``mp3`` when the first bytes are a WAV or MP3 file's (Ollama's ``images``
+    carry audio too, for models that hear), else None."""
+    if head[:4] == b"RIFF" and head[8:12] == b"WAVE":
+        return "wav"
+    if head[:3] == b"ID3" or (len(head) > 1 and head[0] == 0xFF and head[1] & 0xE0 == 0xE0):
+        return "mp3"
+    return None
+
+
+def _head(image: str) -> bytes:
+    try:
+        return base64.b64decode(image[:64] + "=" * (-len(image[:64]) % 4), validate=True)
+    except (binascii.Error, ValueError):
+        return b""
+
+
+def media_needs(images: object) -> set[str]:
+    """``vision`` for images, ``audio`` for sounds among Ollama's base64 ``images``."""
+    out = set()
+    for image in images if isinstance(images, list) else []:
+        audio = isinstance(image, str) and not image.startswith("data:") and _audio_format(_head("".join(image.split())))
+        out.add("audio" if audio else "vision")
+    return out
+
+
 def _image_part(image: object, where: str) -> dict[str, Any]:
-    """An OpenAI ``image_url`` content part for one Ollama base64 image."""
+    """An OpenAI content part for one Ollama base64 image: ``image_url``, or ``input_audio``
+    for a WAV or MP3 file."""
     if not isinstance(image, str):
         raise BadRequest(f"{where} must be base64-encoded strings, got {json_type(image)}")
     if image.startswith("data:"):
@@ -52,6 +79,8 @@ def _image_part(image: object, where: str) -> dict[str, Any]:
         head = base64.b64decode(image[:64] + "=" * (-len(image[:64]) % 4), validate=True)
     except (binascii.Error, ValueError):
         raise BadRequest(f"{where} must be base64-encoded image data") from None
+    if audio := _audio_format(head):
+        return {"type": "input_audio", "input_audio": {"data": image, "format": audio}}
     mime = "image/webp" if head[:4] == b"RIFF" and head[8:12] == b"WEBP" else None
     for magic, kind in _IMAGE_MAGIC:
         if head.startswith(magic):
@@ -323,19 +352,20 @@ NO_CONTEXT: list[int] = []
 def needs(kind: Kind, body: Mapping[str, Any]) -> set[str]:
     """The capabilities (``/api/show``'s names) an Ollama request needs besides generating:
     ``tools`` for chat with tools, ``thinking`` for ``think`` true or a level, ``vision`` for
-    images, ``insert`` for a generate ``suffix`` (Ollama's checks)."""
+    images (``audio`` for sounds sent as images), ``insert`` for a generate ``suffix`` (Ollama's
+    checks)."""
     out = set()
     if thinking_requested(body.get("think")):
         out.add("thinking")
     if kind == "generate":
-        if body.get("images"):
-            out.add("vision")
+        out |= media_needs(body.get("images"))
         if body.get("suffix"):
             out.add("insert")
         return out
     if isinstance(body.get("tools"), list) and body["tools"]:
         out.add("tools")
     messages = body.get("messages")
-    if isinstance(messages, list) and any(isinstance(m, Mapping) and m.get("images") for m in messages):
-        out.add("vision")
+    for m in messages if isinstance(messages, list) else []:
+        if isinstance(m, Mapping):
+            out |= media_needs(m.get("images"))
     return out

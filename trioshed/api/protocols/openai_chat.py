@@ -293,7 +293,7 @@ FINISHED = b'"finish_reason":"'
 def chat_needs(body: Mapping[str, Any]) -> set[str]:
     """The capabilities a chat completion needs besides generating: ``tools`` for tools,
     ``thinking`` for a ``reasoning_effort`` other than ``none`` (as Ollama maps it to ``think``),
-    ``vision`` for ``image_url`` content parts."""
+    ``vision`` for ``image_url`` content parts, ``audio`` for ``input_audio`` ones."""
     out = set()
     if isinstance(body.get("tools"), list) and body["tools"]:
         out.add("tools")
@@ -301,4 +301,6 @@ def chat_needs(body: Mapping[str, Any]) -> set[str]:
         out.add("thinking")
     if has_part(body.get("messages"), "image_url"):
         out.add("vision")
+    if has_part(body.get("messages"), "input_audio"):
+        out.add("audio")
     return out
