@@ -30,6 +30,7 @@ from trioshed.cli.chat_session import Session, command_set, parameter
 from trioshed.config import Settings
 from trioshed.testing.server import open_test_server
 from trioshed.testing.tiny import write_tiny_model
+from trioshed.testing.vision import tiny_png, write_tiny_vision_projector
 
 slow = pytest.mark.slow
 #: The longest a terminal test waits for one thing to appear on the screen.
@@ -349,6 +350,37 @@ async def test_images_on_a_terminal(recorder: Settings, tmp_path: Path) -> None:
     assert sent["messages"][0]["images"] == [base64.b64encode(PNG).decode()]
     assert then["messages"][-2:] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "and now?"}]
     assert then["options"] == {"num_predict": 12}
+
+
+@slow
+async def test_an_image_path_reaches_a_real_vision_model(tmp_path: Path) -> None:
+    """On a real server with the tiny vision pair (a model and its projector in one folder): a
+    path typed in the prompt is attached, and the runner reads the image (the prompt is the
+    image's tokens longer than the same words without it); the same model's copy without a
+    projector refuses the path with the capability message."""
+    store = tmp_path / "models"
+    write_tiny_model(store / "tiny.gguf")
+    write_tiny_model(store / "text.gguf")
+    write_tiny_vision_projector(store / "mmproj-tiny-f16.gguf")
+    picture = tmp_path / "cat.png"
+    picture.write_bytes(tiny_png())
+    with trio.fail_after(300):
+        async with open_test_server(store) as server:
+            host = server.base_url.removeprefix("http://")
+            async with terminal("tiny", host, tmp_path) as term:
+                await term.until(">>> ")
+                await term.enter("/set verbose")
+                await term.enter("/set parameter num_predict 2")
+                plain = stat(await term.enter("what is it"), "prompt eval count")
+                await term.enter("/clear")
+                term.type(f"what is it {picture}\n")  # a long line: readline scrolls its echo
+                await term.until(f"Added image '{picture}'")
+                assert stat(await term.until(">>> "), "prompt eval count") > plain  # the image's tokens came with it
+                await term.enter("/load text")
+                term.type(f"what is it {picture}\n")
+                assert 'error: "text" does not support vision' in await term.until(">>> ")
+                term.type("/bye\n")
+                assert await term.process.wait() == 0
 
 
 def brief_store(model_store: Path) -> Path:
