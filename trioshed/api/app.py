@@ -21,6 +21,7 @@ from trioshed.api import (
     embed,
     events,
     fast,
+    keys,
     manage,
     metrics,
     observe,
@@ -79,6 +80,7 @@ def create_app(state: AppState) -> QuartTrio:
     app.register_blueprint(pin.bp)
     app.register_blueprint(tools.bp)
     app.register_blueprint(usage.bp)
+    app.register_blueprint(keys.bp)  # the shared store's API keys (admin)
     app.config["TRIOSHED_METRICS"] = metrics.Metrics(state.scheduler, warm=state.warm)
     observe.install(
         app, app.config["TRIOSHED_METRICS"], log_json=state.settings.log_format == "json", finished=state.request_finished
