@@ -3,7 +3,7 @@ the SQLite file's migration from before versions, and the URL's password never s
 
 PostgreSQL is Debian's (``initdb``/``pg_ctl``, started in a temporary folder by
 :mod:`trioshed.testing.postgres`). Where it is not installed these tests are skipped, except
-under CI (``CI`` set), where they fail: ``.ci/run`` installs it.
+under ``.ci/run`` (``TRIOSHED_TEST_NEEDS_POSTGRES`` set), where they fail: ``.ci/run`` installs it.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import psycopg
 import pytest
 
 from trioshed.config import Settings
+from trioshed.testing.postgres import PASSWORD, Postgres, find_bin, running_postgres
 from trioshed.usage.db import UsageDB
 from trioshed.usage.ledger import DAY, Spend
 from trioshed.usage.pg import PgStore
@@ -28,10 +29,8 @@ from trioshed.usage.schema import VERSION
 from trioshed.usage.sqlstore import SqlStore
 from trioshed.usage.store import KeyRow, redact
 
-from trioshed.testing.postgres import PASSWORD, Postgres, find_bin, running_postgres
-
 NO_POSTGRES = find_bin() is None
-if NO_POSTGRES and os.environ.get("CI"):
+if NO_POSTGRES and os.environ.get("TRIOSHED_TEST_NEEDS_POSTGRES"):
     raise RuntimeError("CI: PostgreSQL is not installed (apt-get install postgresql); the team tests need it")
 needs_postgres = pytest.mark.skipif(NO_POSTGRES, reason="PostgreSQL is not installed (apt-get install postgresql)")
 _names = itertools.count()
