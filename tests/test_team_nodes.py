@@ -12,9 +12,11 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 
 import httpx
+import pytest
 import trio
 
 from tests.test_team_store import fresh_database, needs_postgres, postgres  # noqa: F401
+from trioshed.cli import main
 from trioshed.server import Server
 from trioshed.testing.postgres import PASSWORD, Postgres, running_postgres
 from trioshed.testing.server import open_test_server
@@ -120,3 +122,29 @@ async def test_the_database_stopped_under_load_loses_no_usage_row(tmp_path: Path
             rows = await servers[2].state.usage.query()  # type: ignore[union-attr]
             assert sum(r["requests"] for r in rows) == sent and sum(r["prompt_tokens"] for r in rows) == sent
             assert all(n.state.usage.dropped == 0 for n in servers)  # type: ignore[union-attr]
+
+
+async def test_the_keys_command(postgres: Postgres, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: F811
+
+
+    async with nodes(tmp_path, fresh_database(postgres), n=1) as (a,):
+        monkeypatch.setenv("TRIOSHED_HOST", a.base_url.removeprefix("http://"))
+        monkeypatch.setenv("TRIOSHED_API_KEY", "boss-secret-1")
+
+        async def cli(*argv: str) -> tuple[int, str]:
+            code = await trio.to_thread.run_sync(main, list(argv))
+            out = capsys.readouterr()
+            return code, out.out + out.err
+
+        code, out = await cli("keys", "create", "bob", "--tokens-per-day", "500", "--models", "tiny*")
+        secret = out.split()[-1]
+        assert code == 0 and secret.startswith("tsk-")
+        code, out = await cli("keys", "list")
+        assert code == 0 and "bob" in out and "500" in out and secret not in out
+        assert (await cli("keys", "update", "bob", "--tokens-per-day", "0"))[0] == 0
+        code, out = await cli("keys", "rotate", "bob")
+        assert code == 0 and out.split()[-1] != secret
+        assert await status(a, "GET", "/api/tags", {"Authorization": f"Bearer {secret}"}) == 401  # the old secret
+        assert (await cli("keys", "revoke", "bob"))[0] == 0
+        code, out = await cli("keys", "revoke", "bob")
+        assert code == 1 and "Error: no API key 'bob'" in out

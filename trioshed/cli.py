@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from trioshed import __version__
+from trioshed import __version__, keys_cli
 from trioshed.config import Settings
 
 if TYPE_CHECKING:
@@ -716,6 +716,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--by", choices=("day", "hour"), default="day")
     p.add_argument("--csv", action="store_true", help="CSV instead of a table")
 
+    keys_cli.add_parser(sub)  # trioshed keys create|list|update|revoke|rotate
+
     p = command("help", "help about any command", epilog="")
     p.add_argument("topic", metavar="COMMAND", nargs="?")
     return parser
@@ -724,7 +726,7 @@ def build_parser() -> argparse.ArgumentParser:
 COMMANDS = {
     "serve": _cmd_serve, "start": _cmd_serve, "show": _cmd_show, "run": _cmd_run, "stop": _cmd_stop,
     "pull": _cmd_pull, "create": _cmd_create, "push": _cmd_push, "list": _cmd_list, "ls": _cmd_list, "ps": _cmd_ps, "cp": _cmd_cp, "rm": _cmd_rm,
-    "usage": _cmd_usage,
+    "usage": _cmd_usage, "keys": keys_cli.run,
 }  # fmt: skip
 
 
