@@ -114,7 +114,7 @@ OLLAMA_VERBS = {"serve", "create", "show", "run", "stop", "pull", "push", "list"
 
 def test_the_verbs_are_ollamas() -> None:
     verbs = set(build_parser()._subparsers._group_actions[0].choices)  # type: ignore[union-attr]
-    assert verbs == OLLAMA_VERBS | {"start", "usage"}  # usage: trioshed's own (keys and budgets)
+    assert verbs == OLLAMA_VERBS | {"start", "usage", "keys"}  # usage, keys: trioshed's own (keys and budgets)
     assert set(COMMANDS) == verbs - {"help"}
 
 

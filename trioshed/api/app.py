@@ -17,6 +17,7 @@ from trioshed.api import (
     embed,
     events,
     fast,
+    keys,
     manage,
     metrics,
     ollama,
@@ -62,6 +63,7 @@ def create_app(state: AppState) -> QuartTrio:
     app.register_blueprint(pin.bp)
     app.register_blueprint(tools.bp)
     app.register_blueprint(usage.bp)
+    app.register_blueprint(keys.bp)  # the shared store's API keys (admin)
     app.config["TRIOSHED_METRICS"] = metrics.Metrics(state.scheduler, warm=state.warm)
     wrapper = RequestWrapper(
         Gate(state),

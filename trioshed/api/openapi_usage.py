@@ -28,6 +28,7 @@ def usage_paths() -> dict[str, Schema]:
                 "summary": "Requests and tokens per API key, model and day or hour (a user key: its own)",
                 "parameters": [
                     _param("key", "one key's usage"), _param("model", "one model's usage"),
+                    _param("node", "one node's rows (default: every node's, summed)"),
                     _param("since", "from: RFC 3339, YYYY-MM-DD (UTC) or Unix seconds"),
                     _param("until", "to (excluded), as since"),
                     _param("by", "day (default) or hour (the last 14 days)", {"type": "string", "enum": ["day", "hour"]}),
