@@ -6,10 +6,12 @@ request on the third, and the database stopped under load and started again lose
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -99,6 +101,21 @@ async def test_a_budget_spent_on_two_nodes_refuses_the_next_request_on_the_third
         assert body["database"]["kind"] == "postgresql" and PASSWORD not in str(body)
 
 
+async def said(node: Server) -> tuple[dict[str, Any], dict[str, Any], str]:
+    """What a node says of its database: in ``/api/ps``, in the status page's first state
+    message (``/api/events``) and in ``/metrics``."""
+    async with httpx.AsyncClient(base_url=node.base_url, timeout=30) as client:
+        ps = (await client.get("/api/ps", headers=BOSS)).json()
+        metrics = (await client.get("/metrics", headers=BOSS)).text
+        async with client.stream("GET", "/api/events", headers=BOSS) as events:
+            lines = events.aiter_lines()
+            async for line in lines:
+                if line == "event: state":
+                    page = json.loads((await anext(lines)).removeprefix("data: "))
+                    break
+    return ps["database"], page["database"], metrics
+
+
 async def test_the_database_stopped_under_load_loses_no_usage_row(tmp_path: Path) -> None:
     with running_postgres() as pg:  # its own server: this test stops it
         async with nodes(tmp_path, fresh_database(pg)) as servers:
@@ -120,11 +137,18 @@ async def test_the_database_stopped_under_load_loses_no_usage_row(tmp_path: Path
                     await load(0.2)
             await load(1.0)
             assert any(n.state.usage.pending for n in servers)  # type: ignore[union-attr]
+            down = await said(servers[0])
+            assert down[0]["reachable"] is False and down[0]["problem"] == "is unreachable" and down[0]["pending"] > 0
+            assert down[1] == down[0]  # the status page says what /api/ps says
+            assert 'trioshed_database_up{kind="postgresql"} 0.0' in down[2] and PASSWORD not in str(down)
             await trio.to_thread.run_sync(pg.start)
             await load(1.5)
             with trio.fail_after(20):
                 while any(n.state.usage.pending or n.state.usage.problem for n in servers):  # type: ignore[union-attr]  # noqa: ASYNC110
                     await trio.sleep(0.1)
+            up = await said(servers[0])
+            assert up[0]["reachable"] is True and up[0]["pending"] == 0 and up[0]["problem"] is None
+            assert 'trioshed_database_up{kind="postgresql"} 1.0' in up[2] and "trioshed_usage_rows_dropped_total 0.0" in up[2]
             rows = await servers[2].state.usage.query()  # type: ignore[union-attr]
             assert sum(r["requests"] for r in rows) == sent and sum(r["prompt_tokens"] for r in rows) == sent
             assert all(n.state.usage.dropped == 0 for n in servers)  # type: ignore[union-attr]

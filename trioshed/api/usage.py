@@ -104,7 +104,6 @@ async def usage() -> Response:
             body["pending"] = len(st.usage.pending)
             body["dropped"] = st.usage.dropped
             body["problem"] = st.usage.problem or None
-            if st.usage.db is not None:  # which store (a URL without its password), and this node's name
-                body["database"] = {"kind": st.usage.db.kind, "where": st.usage.where, "node": st.usage.node,
-                                    "reachable": not st.usage.problem}  # fmt: skip
+            if (store := st.usage.statistics()) is not None:  # which store (a URL without its password), this node's name
+                body["database"] = store.as_json()
     return Response(json.dumps(body), content_type="application/json")

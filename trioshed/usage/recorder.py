@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -65,6 +66,26 @@ def describe(exc: BaseException) -> str:
     return f"cannot be used: {exc}"
 
 
+@dataclass(frozen=True)
+class StoreStatus:
+    """The store as this node sees it now (``/api/ps``, ``/metrics``, the status page): its kind
+    and where it is (a URL without its password), this node's name, whether the last use of it
+    worked, the fault when not, and the rows waiting, dropped and written since start."""
+
+    kind: str
+    where: str
+    node: str
+    reachable: bool
+    problem: str
+    pending: int
+    dropped: int
+    written: int
+
+    def as_json(self) -> dict[str, object]:
+        return {"kind": self.kind, "where": self.where, "node": self.node, "reachable": self.reachable,
+                "problem": self.problem or None, "pending": self.pending, "dropped": self.dropped}  # fmt: skip
+
+
 class UsageRecorder:
     def __init__(
         self, store: Path | Store | None, *, bound: int = BOUND, interval: float = 1.0, node: str = "",
@@ -88,6 +109,13 @@ class UsageRecorder:
     @property
     def path(self) -> str:
         return self.where
+
+    def statistics(self) -> StoreStatus | None:
+        """A snapshot of the store's state on this node; None without a store (TRIOSHED_USAGE=0)."""
+        if self.db is None:
+            return None
+        return StoreStatus(self.db.kind, self.where, self.node, not self.problem, self.problem,
+                           len(self.pending), self.dropped, self.written)  # fmt: skip
 
     def record_trace(self, trace: RequestTrace) -> None:
         """A finished request (the HTTP edge's trace): counted when it reached a model."""
