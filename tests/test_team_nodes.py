@@ -96,9 +96,12 @@ async def test_a_budget_spent_on_two_nodes_refuses_the_next_request_on_the_third
         assert await status(c, "POST", "/api/embed", BOSS, json={"model": "nothing-here", "input": "hi"}) == 404
         async with httpx.AsyncClient(base_url=b.base_url, timeout=30) as client:  # any node answers for the team
             body = (await client.get("/api/usage", headers=BOSS)).json()
-        (row,) = body["usage"]
-        assert (row["requests"], row["prompt_tokens"], row["completion_tokens"]) == (2, 80, 40)
+        assert [(r["node"], r["requests"], r["prompt_tokens"], r["completion_tokens"]) for r in body["usage"]] == [
+            ("a", 1, 40, 20), ("b", 1, 40, 20)]  # fmt: skip
         assert body["database"]["kind"] == "postgresql" and PASSWORD not in str(body)
+        async with httpx.AsyncClient(base_url=c.base_url, timeout=30) as client:
+            csv = (await client.get("/api/usage", headers=BOSS, params={"format": "csv"})).text.splitlines()
+        assert csv[0].endswith(",seconds,node") and [line.rsplit(",", 1)[1] for line in csv[1:]] == ["a", "b"]
 
 
 async def said(node: Server) -> tuple[dict[str, Any], dict[str, Any], str]:

@@ -64,16 +64,20 @@ def spends(n: int, key: str = "ann", when: float = 20 * DAY + 3600.5) -> list[Sp
     return [Spend(key, "tiny:latest", when + i, prompt=10, cached=4, completion=5, error=i == 0, seconds=0.25) for i in range(n)]
 
 
-def test_usage_rows_are_per_node_and_summed_for_the_team(store: SqlStore) -> None:
+def test_usage_rows_are_per_node_and_the_team_is_every_nodes(store: SqlStore) -> None:
     assert store.version() == VERSION
     store.write(spends(3), 20 * DAY + 4000, "a")
     store.write(spends(2), 20 * DAY + 4000, "b")
-    (row,) = store.query(by="day", key="ann")
-    assert row == {"key": "ann", "model": "tiny:latest", "start": 20 * DAY, "requests": 5, "prompt_tokens": 50,
-                   "cached_tokens": 20, "completion_tokens": 25, "errors": 2, "seconds": 1.25}  # fmt: skip
-    assert [r["requests"] for r in store.query(node="b")] == [2]
-    assert store.today(20 * DAY + 5000) == [("ann", 50, 25)]
-    assert store.today(20 * DAY + 5000, "a") == [("ann", 30, 15)]
+    store.write(spends(1), 20 * DAY + 4000, "a")  # added to a's row
+    a, b = store.query(by="day", key="ann")
+    assert a == {"key": "ann", "model": "tiny:latest", "node": "a", "start": 20 * DAY, "requests": 4, "prompt_tokens": 40,
+                 "cached_tokens": 16, "completion_tokens": 20, "errors": 2, "seconds": 1.0}  # fmt: skip
+    assert (b["node"], b["requests"], b["prompt_tokens"], b["errors"]) == ("b", 2, 20, 1)
+    assert [(r["node"], r["requests"]) for r in store.query(node="b")] == [("b", 2)]
+    assert [(r["node"], r["requests"]) for r in store.query(by="hour", key="ann")] == [("a", 4), ("b", 2)]
+    assert store.query(key="bob") == []
+    assert store.today(20 * DAY + 5000) == [("ann", 60, 30)]  # budgets: every node's
+    assert store.today(20 * DAY + 5000, "a") == [("ann", 40, 20)]
     (other,) = store.others(20 * DAY + 3610, "a")  # what b spent, seen from a
     assert (other.key, other.day_prompt, other.day_completion, other.minute_prompt, other.minute_completion) == ("ann", 20, 10, 20, 10)
     assert store.others(20 * DAY + 3800, "a")[0].minute_prompt == 0  # minutes ago: out of the minute
@@ -122,11 +126,11 @@ def test_a_sqlite_file_from_before_versions_is_upgraded_in_place_keeping_every_r
     assert [(r["key"], r["start"], r["requests"], r["prompt_tokens"]) for r in db.query()] == [("bob", 19 * DAY, 1, 5), ("ann", 20 * DAY, 3, 30)]
     assert db.query(by="hour")[0]["completion_tokens"] == 15
     db.write([Spend("ann", "tiny", 20 * DAY + 10, prompt=1)], 20 * DAY + 20, "gpu-1")  # new rows beside the old ones
-    assert db.query(key="ann", by="day")[0]["requests"] == 4
+    assert [(r["node"], r["requests"]) for r in db.query(key="ann", by="day")] == [("", 3), ("gpu-1", 1)]
     db.close()
     again = UsageDB(path)  # opened again: nothing more to migrate, nothing lost
     again.open()
-    assert again.version() == VERSION and again.query(key="ann")[0]["requests"] == 4
+    assert again.version() == VERSION and sum(r["requests"] for r in again.query(key="ann")) == 4
     again.close()
     with closing(sqlite3.connect(path)) as check:
         assert check.execute("SELECT count(*) FROM schema_version").fetchone() == (1,)
@@ -157,3 +161,4 @@ async def test_an_unreachable_database_is_said_without_its_password(
     assert PASSWORD not in str(exc.value)
     assert recorder.db is not None
     recorder.db.close()
+

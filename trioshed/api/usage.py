@@ -3,7 +3,7 @@ database (:mod:`trioshed.usage`).
 
 Query parameters: ``key``, ``model`` (exact names), ``since`` and ``until`` (RFC 3339 times,
 ``YYYY-MM-DD`` dates in UTC, or Unix seconds; ``until`` excluded), ``node`` (one node's rows;
-default: every node's summed: with a shared store, the whole team's), ``by`` (``day``, the default,
+default: every node's, one row per node: with a shared store, the whole team), ``by`` (``day``, the default,
 or ``hour``: kept for the last 14 days), ``format`` (``json``, the default, or ``csv``). A user
 key reads its own usage only; an admin key everyone's, with each key's budgets left today.
 """
@@ -25,7 +25,7 @@ from trioshed.keys import ApiKey, current_key
 
 bp = Blueprint("usage", __name__)
 
-FIELDS = ("key", "model", "start", "requests", "prompt_tokens", "cached_tokens", "completion_tokens", "errors", "seconds")
+FIELDS = ("key", "model", "start", "requests", "prompt_tokens", "cached_tokens", "completion_tokens", "errors", "seconds", "node")  # node last: a column added to the file's
 
 
 class UsageUnavailable(TrioshedError):

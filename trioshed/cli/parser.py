@@ -124,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--by", choices=("day", "hour"), default="day")
     p.add_argument("--csv", action="store_true", help="CSV instead of a table")
 
+    p.add_argument("--node", help="one node's usage (default: every node of the team)")
 
     _keys_parser(command("keys", "manage the API keys of the store (admin; TRIOSHED_API_KEY: the key asking)"))
 

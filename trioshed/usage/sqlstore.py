@@ -134,8 +134,8 @@ class SqlStore:
         self, *, by: str = "day", key: str | None = None, model: str | None = None, node: str | None = None,
         since: float | None = None, until: float | None = None,
     ) -> list[dict[str, Any]]:  # fmt: skip
-        """Rows per (key, model, period), every node's summed (or ``node``'s), oldest first;
-        ``since`` inclusive, ``until`` exclusive."""
+        """Rows per (key, model, node, period), every node's (or ``node``'s), oldest first;
+        ``since`` inclusive, ``until`` exclusive. The team's total is the rows' sum."""
         name, unit, size = TABLES[by]
         where: list[str] = []
         args: list[object] = []
@@ -150,14 +150,15 @@ class SqlStore:
             where.append(f"{unit} < ?")
             args.append(int(until))
         sums = ", ".join(f"CAST(sum({c}) AS {'DOUBLE PRECISION' if c == 'seconds' else 'BIGINT'})" for c in COLUMNS)
-        sql = f"SELECT key, model, {unit}, {sums} FROM {name}"
+        sql = f"SELECT key, model, node, {unit}, {sums} FROM {name}"
         if where:
             sql += " WHERE " + " AND ".join(where)
-        sql += f" GROUP BY key, model, {unit} ORDER BY {unit}, key, model"
+        sql += f" GROUP BY key, model, node, {unit} ORDER BY {unit}, key, model, node"
         with self._transaction() as tx:
             rows = tx.run(sql, args)
         return [
-            {"key": r[0], "model": r[1], "start": int(r[2]), **{c: (float(v) if c == "seconds" else int(v)) for c, v in zip(COLUMNS, r[3:], strict=True)}}
+            {"key": r[0], "model": r[1], "node": r[2], "start": int(r[3]),
+             **{c: (float(v) if c == "seconds" else int(v)) for c, v in zip(COLUMNS, r[4:], strict=True)}}
             for r in rows
         ]  # fmt: skip
 
