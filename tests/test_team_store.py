@@ -16,11 +16,14 @@ from collections.abc import Iterator
 from contextlib import closing
 from pathlib import Path
 
+import httpx
 import psycopg
 import pytest
+import trio
 
 from trioshed.config import Settings
 from trioshed.testing.postgres import PASSWORD, Postgres, find_bin, running_postgres
+from trioshed.testing.server import open_test_server
 from trioshed.usage.db import UsageDB
 from trioshed.usage.ledger import DAY, Spend
 from trioshed.usage.pg import PgStore
@@ -162,3 +165,28 @@ async def test_an_unreachable_database_is_said_without_its_password(
     assert recorder.db is not None
     recorder.db.close()
 
+
+async def test_keys_over_the_api_on_one_box_and_never_on_a_server_without_keys(tmp_path: Path) -> None:
+    """SQLite (one box) serves the keys routes as PostgreSQL does; a server without API keys
+    refuses to make one (it would lock its clients out; anyone reaching it could)."""
+    models = tmp_path / "models"
+    models.mkdir()
+    boss = {"Authorization": "Bearer boss-secret-1"}
+    with trio.fail_after(60):
+        async with open_test_server(models, usage_db=tmp_path / "usage.db") as server:
+            async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as http:
+                for method, path in (("POST", "/api/keys"), ("GET", "/api/keys"), ("DELETE", "/api/keys/ann"), ("POST", "/api/keys/ann/rotate")):
+                    r = await http.request(method, path, json={"name": "ann"})
+                    assert r.status_code == 403 and "TRIOSHED_API_KEY" in r.json()["error"], (method, path, r.text)
+                assert (await http.get("/api/tags")).status_code == 200  # still keyless: nothing was made
+        async with open_test_server(models, usage_db=tmp_path / "usage.db", api_key="boss-secret-1") as server:
+            async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as http:
+                made = await http.post("/api/keys", headers=boss, json={"name": "ann", "tokens_per_day": 10})
+                assert made.status_code == 201 and made.json()["tokens_per_day"] == 10
+                ann = {"Authorization": f"Bearer {made.json()['key']}"}
+                assert (await http.get("/api/tags", headers=ann)).status_code == 200
+                assert (await http.patch("/api/keys/ann", headers=boss, json={"weight": -1})).status_code == 400
+        async with open_test_server(models, usage_db=tmp_path / "usage.db") as server:  # restarted without TRIOSHED_API_KEY
+            async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as http:
+                assert (await http.get("/api/tags")).status_code == 401  # the store's key is in force
+                assert (await http.get("/api/tags", headers=ann)).status_code == 200

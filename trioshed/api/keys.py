@@ -9,7 +9,9 @@ admin-only: :data:`trioshed.access.USER_ROUTES` lists none of them).
 - ``DELETE /api/keys/<name>``: revoke it (refused on every node within the keys' refresh).
 - ``POST /api/keys/<name>/rotate``: a new secret for it (the old one stops working).
 
-Errors are Ollama's ``{"error": message}``: 400 a bad field, 404 no such key, 409 the name is
+Errors are Ollama's ``{"error": message}``: 400 a bad field, 403 a server without API keys (its
+first key is ``TRIOSHED_API_KEY`` or the keys file's: a key made here would lock out every client
+of a keyless server, and anyone reaching it could make one), 404 no such key, 409 the name is
 taken, 503 the store cannot be reached. A change is in force on this node when the answer
 comes, and on the others within :data:`trioshed.usage.keysync.KEYS_REFRESH` seconds.
 """
@@ -26,8 +28,8 @@ from typing import Any
 from quart import Blueprint, Response, request
 
 from trioshed.api.preamble import state
-from trioshed.errors import BadRequest, Conflict, TrioshedError
-from trioshed.keys import LIMIT_FIELDS, ROLES, check_glob, digest
+from trioshed.errors import BadRequest, Conflict, Forbidden, TrioshedError
+from trioshed.keys import ANONYMOUS, LIMIT_FIELDS, ROLES, check_glob, current_key, digest
 from trioshed.usage.store import KeyRow
 
 bp = Blueprint("keys", __name__)
@@ -127,6 +129,15 @@ def _json(body: object, status: int = 200) -> Response:
 
 async def _body() -> object:
     return await request.get_json(force=True, silent=True)
+
+
+@bp.before_request
+async def _keys_in_use() -> None:
+    if current_key.get() is ANONYMOUS:
+        raise Forbidden(
+            "this server has no API keys: managing keys needs an admin key; start it with "
+            "TRIOSHED_API_KEY (or an admin key in TRIOSHED_KEYS_FILE)"
+        )
 
 
 @bp.post("/api/keys")
