@@ -190,3 +190,29 @@ async def test_keys_over_the_api_on_one_box_and_never_on_a_server_without_keys(t
             async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as http:
                 assert (await http.get("/api/tags")).status_code == 401  # the store's key is in force
                 assert (await http.get("/api/tags", headers=ann)).status_code == 200
+
+
+async def test_budgets_fail_closed_while_the_database_cannot_be_reached_and_serving_goes_on(tmp_path: Path) -> None:
+    """A node whose database is down from the start serves; with TRIOSHED_BUDGETS_FAIL_CLOSED a
+    key with budgets is refused (503, Retry-After) on both serving paths, keys without budgets are
+    served, and /api/ps says why (without the password)."""
+    models = tmp_path / "models"
+    models.mkdir()
+    keys = tmp_path / "keys.toml"
+    keys.write_text('[[key]]\nname = "ann"\nkey = "ann-secret-1"\ntokens_per_day = 1000\n'
+                    '[[key]]\nname = "bob"\nkey = "bob-secret-1"\n')  # fmt: skip
+    url = f"postgresql://postgres:{PASSWORD}@127.0.0.1:1/postgres"  # nothing listens there
+    ask = {"model": "nothing-here", "prompt": "hi", "stream": False}
+    with trio.fail_after(60):
+        async with open_test_server(models, api_key="boss-secret-1", keys_file=keys, database=url, budgets_fail_closed=True) as server:
+            async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as http:
+                ann, bob = {"Authorization": "Bearer ann-secret-1"}, {"Authorization": "Bearer bob-secret-1"}
+                refused = await http.post("/api/generate", headers=ann, json=ask)  # the fast path
+                assert refused.status_code == 503 and refused.headers["Retry-After"] == "5", refused.text
+                assert "API key 'ann' has token budgets and the usage database is unreachable" in refused.json()["error"]
+                assert (await http.post("/api/embed", headers=ann, json={"model": "nothing-here", "input": "x"})).status_code == 503
+                assert (await http.get("/api/tags", headers=ann)).status_code == 200  # spends nothing: served
+                assert (await http.post("/api/generate", headers=bob, json=ask)).status_code == 404  # no budget: past the gate
+                ps = (await http.get("/api/ps", headers={"Authorization": "Bearer boss-secret-1"})).json()
+                assert ps["database"]["reachable"] is False and ps["database"]["problem"] == "is unreachable"
+                assert PASSWORD not in str(ps) and "postgres:***@127.0.0.1:1" in ps["database"]["where"]
