@@ -239,11 +239,17 @@ def digest(secret: str) -> str:
 def merge(local: Sequence[ApiKey], stored: Sequence[ApiKey], revoked: frozenset[str] = frozenset()) -> list[ApiKey]:
     """The keys in force: ``TRIOSHED_API_KEY``'s and the file's (``local``), less those revoked
     in the store and those the store holds by name or secret (the store's copy wins: a rotated or
-    updated key), plus the store's keys that are not revoked."""
-    names = {k.name for k in stored} | revoked
+    updated key, in the local key's place), plus the store's other keys; ``stored`` holds no
+    revoked key."""
+    by_name = {k.name: k for k in stored}
     digests = {k.digest for k in stored}
-    kept = [k for k in local if k.name not in names and (k.digest or digest(k.secret)) not in digests]
-    return [*kept, *stored]
+    out: list[ApiKey] = []
+    for k in local:  # in the file's order (the status page's), the store's copy in its place
+        if k.name in by_name:
+            out.append(by_name.pop(k.name))
+        elif k.name not in revoked and (k.digest or digest(k.secret)) not in digests:
+            out.append(k)
+    return [*out, *by_name.values()]
 
 
 def keyring(
