@@ -80,7 +80,10 @@ async def test_the_usage_command(model_store: Path, tmp_path: Path) -> None:
             prompt, completion = int(table[1].split("\t")[4]), int(table[1].split("\t")[6])
             assert table[3:] == ["KEY\tBUDGET\tLIMIT\tLEFT", f"ann\ttokens_per_day\t1000000\t{1000000 - prompt - completion}"]
             csv = (await cli("usage", "--csv", "--by", "hour", env=env)).stdout.decode().splitlines()
-            assert csv[0] == "key,model,start,requests,prompt_tokens,cached_tokens,completion_tokens,errors,seconds"
+            assert csv[0] == "key,model,start,requests,prompt_tokens,cached_tokens,completion_tokens,errors,seconds,node"
+            node = server.state.usage.node  # type: ignore[union-attr]  # the host name: TRIOSHED_NODE_NAME unset
+            assert csv[1].endswith(f",{node}") and table[0].split("\t")[-1] == "NODE" and table[1].split("\t")[-1] == node
+            assert (await cli("usage", "--node", "elsewhere", env=env)).stdout.decode().splitlines()[1:] == ["", *table[3:]]  # no row of that node; budgets as ever
             refused = await cli("usage", "--key", "default", env=env)
             assert "may read its own usage only" in one_error_line(refused)
 
@@ -114,7 +117,7 @@ OLLAMA_VERBS = {"serve", "create", "show", "run", "stop", "pull", "push", "list"
 
 def test_the_verbs_are_ollamas() -> None:
     verbs = set(build_parser()._subparsers._group_actions[0].choices)  # type: ignore[union-attr]
-    assert verbs == OLLAMA_VERBS | {"start", "usage"}  # usage: trioshed's own (keys and budgets)
+    assert verbs == OLLAMA_VERBS | {"start", "usage", "keys"}  # usage, keys: trioshed's own (keys and budgets)
     assert set(COMMANDS) == verbs - {"help"}
 
 

@@ -6,6 +6,8 @@ Quick profile here (3 examples per operation, seed 1, ~10 s); ``make fuzz`` runs
 (``/api/push``, ``/api/create``, ``/api/blobs``, ``/api/pull``) are left out: pull and push
 would reach out to the internet, and their bad input is tested against loopback stand-ins in
 ``test_pull*.py`` and ``test_create*.py``; so is ``/api/events``, a stream that never ends.
+The server has no API key, so ``/api/keys`` answers 403 (documented) and makes no key: a key
+made there would turn every later request into a 401.
 """
 
 from __future__ import annotations

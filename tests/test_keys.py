@@ -238,3 +238,17 @@ async def test_weighted_fair_shares_with_a_real_runner(model_store: Path, tmp_pa
     window = served[first : first + 40]
     share = window.count("heavy") / len(window)
     assert len(window) == 40 and 0.62 <= share <= 0.88, (share, " ".join(n[0] for n in served))  # 3:1 is 0.75; 1:1 gives 0.5
+
+
+def test_the_store_s_keys_merge_with_the_file_s_in_the_file_s_order() -> None:
+    from trioshed.keys import digest, merge
+
+    file = [ApiKey("ops", "ops-secret-1", role="admin"), ApiKey("ann", "ann-secret-1"), ApiKey("old", "old-secret-1")]
+    stored = [  # the store's copies come by name: the imported ann (updated there), a key made over the API
+        ApiKey("ann", "", tokens_per_day=5, digest=digest("ann-secret-1")),
+        ApiKey("bob", "", digest=digest("bob-secret-1")),
+        ApiKey("cid", "", digest=digest("ops-secret-1")),  # holds ops's secret: the store's wins
+    ]
+    keys = merge(file, stored, revoked=frozenset({"old"}))
+    assert [(k.name, k.tokens_per_day) for k in keys] == [("ann", 5), ("bob", 0), ("cid", 0)]
+    assert [k.name for k in merge(file, stored[:2])] == ["ops", "ann", "old", "bob"]  # the file's order, then the store's own

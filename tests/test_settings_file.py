@@ -50,6 +50,9 @@ vulkan_software = true
 fast_routes = false
 usage_db = "usage/usage.db"
 usage = false
+database = "postgresql://trioshed:pw@db.example/trioshed"
+node_name = "gpu-1"
+budgets_fail_closed = true
 speculation = false
 batch_invariant = true
 """

@@ -119,7 +119,7 @@ def test_the_database_sums_per_day_and_hour(tmp_path: Path) -> None:
     db.write(spends(3), 20 * DAY + 4000)
     db.write(spends(2, key="bob"), 20 * DAY + 4000)
     (row,) = db.query(by="day", key="ann")
-    assert row == {"key": "ann", "model": "tiny:latest", "start": 20 * DAY, "requests": 3, "prompt_tokens": 30,
+    assert row == {"key": "ann", "model": "tiny:latest", "node": "", "start": 20 * DAY, "requests": 3, "prompt_tokens": 30,
                    "cached_tokens": 12, "completion_tokens": 15, "errors": 1, "seconds": 0.75}
     assert [r["start"] for r in db.query(by="hour")] == [20 * DAY + 3600] * 2
     assert db.query(since=21 * DAY) == [] and len(db.query(until=21 * DAY)) == 2

@@ -250,3 +250,18 @@ async def test_status_page_shows_each_keys_tokens_today_and_budget_left_to_an_ad
                 assert rows[0][:2] == ["ops", "admin"] and rows[1][:2] == ["ann", "user"]
                 assert rows[1][4] == f"tokens per day: {100000 - spent} of 100000" and rows[0][4] == "no budget"
                 assert [p for p in browser.problems() if "status of 401" not in p] == []  # the first try, before the key
+                assert await browser.evaluate("document.getElementById('database').hidden")  # its database works: no banner
+
+
+async def test_status_page_says_when_the_database_cannot_be_reached(chromium: str, model_store: Path, tmp_path: Path) -> None:
+    unreachable = "postgresql://trioshed:db-secret-9@127.0.0.1:1/team"  # nothing listens there
+    with trio.fail_after(120):
+        async with open_browser(chromium, tmp_path / "chromium.log") as browser:
+            async with serve_process(model_store, TRIOSHED_API_KEY=KEY, TRIOSHED_DATABASE=unreachable, TRIOSHED_NODE_NAME="gpu-1") as served:
+                await browser.navigate(f"{served.url}/ui")
+                await browser.wait_for("document.body.dataset.stream === 'key' && !document.getElementById('key-form').hidden")
+                await browser.evaluate(f"document.getElementById('key-input').value = {KEY!r}")
+                await browser.evaluate("document.getElementById('key-form').requestSubmit()")
+                said = await browser.wait_for("!document.getElementById('database').hidden && document.getElementById('database').textContent")
+                assert said.startswith("usage database postgresql://trioshed:***@127.0.0.1:1/team is unreachable (node gpu-1): serving continues")
+                assert "db-secret-9" not in said and "db-secret-9" not in served.log()

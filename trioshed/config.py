@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from trioshed._util import read_toml
+from trioshed.core.dburl import redact
 from trioshed.core.model import KV_CACHE_TYPES, Device
 from trioshed.core.speculation import DEFAULT as SPECULATION_DEFAULT
 from trioshed.core.speculation import parse_speculation
@@ -199,6 +200,13 @@ class Settings:
     #: models folder), and whether usage is recorded at all.
     usage_db: Path | None = None
     usage: bool = True
+    #: The shared store of a team of nodes (trioshed.usage.store): ``postgresql://...`` (keys,
+    #: usage and budgets shared by every node pointing at it); None: the SQLite file above.
+    database: str | None = None
+    node_name: str | None = None  # this node's name in usage rows (None: the host name)
+    #: When the shared store cannot be read: budgets count what this node knows (False, the
+    #: default: serving goes on) or keys with budgets are refused (True).
+    budgets_fail_closed: bool = False
     runner_verbose: bool = True
     rpc_servers: tuple[RpcServer, ...] = ()
     rpc_allow_public: bool = False
@@ -247,7 +255,8 @@ class Settings:
             try:
                 kwargs.update(_parse_setting(name, raw))
             except ValueError as exc:
-                raise ValueError(f"TRIOSHED_{name.upper()}={raw!r}: {exc}") from None
+                shown = redact(raw) if name == "database" else raw  # never the password
+                raise ValueError(f"TRIOSHED_{name.upper()}={shown!r}: {exc}") from None
         kwargs.update(overrides)
         settings = cls(**kwargs)  # type: ignore[arg-type]
         settings.validate()
@@ -317,6 +326,19 @@ def _at_least(minimum: int, what: str = "") -> Callable[[str], int]:
     return parse
 
 
+def _database_url(value: str) -> str:
+    """``postgresql://`` or ``postgres://`` URL (its password is never repeated in an error)."""
+    if not value.startswith(("postgresql://", "postgres://")):
+        raise ValueError("write a postgresql://user:password@host:port/database URL (SQLite needs no setting: TRIOSHED_USAGE_DB)")
+    return value
+
+
+def _node_name(value: str) -> str:
+    if not value.replace("-", "").replace("_", "").replace(".", "").isalnum() or len(value) > 100:
+        raise ValueError("a node name is letters, digits, '.', '-' or '_' (at most 100)")
+    return value
+
+
 #: Every setting: its name in a settings file, and (upper-cased, prefixed) its variable.
 _PARSERS: dict[str, Callable[[str], object]] = {
     "host": parse_host,
@@ -341,6 +363,9 @@ _PARSERS: dict[str, Callable[[str], object]] = {
     "keys_file": lambda v: Path(v).expanduser(),
     "usage_db": lambda v: Path(v).expanduser(),
     "usage": _bool,
+    "database": _database_url,
+    "node_name": _node_name,
+    "budgets_fail_closed": _bool,
     "rpc_servers": parse_rpc_servers,
     "rpc_allow_public": _bool,
     "rpc_probe_interval": lambda v: _positive_timeout(parse_duration(v)),
@@ -390,7 +415,8 @@ def load_settings_file(path: Path) -> dict[str, object]:
                 raw = str(Path(path).parent / raw)  # a bare llama_server name is looked up on PATH
             kwargs.update(_parse_setting(key, raw))
         except ValueError as exc:
-            raise ValueError(f"settings file {path}: {key} = {value!r}: {exc}") from None
+            shown = redact(str(value)) if key == "database" else value  # never the password
+            raise ValueError(f"settings file {path}: {key} = {shown!r}: {exc}") from None
     return kwargs
 
 

@@ -20,13 +20,16 @@ the keys file ``TRIOSHED_KEYS_FILE`` (TOML)::
     prompt_tokens_per_day = 0     # ... or separately: prompt_/completion_tokens_per_minute/_day
 
 ``TRIOSHED_API_KEY`` is an admin key. With no key configured every request is one tenant (``ANONYMOUS``), as before. A key is found
-by comparing the presented token with *every* key in constant time (no early exit).
+by comparing the presented token's SHA-256 digest with *every* key's in constant time (no early
+exit). Keys made over the API (:mod:`trioshed.api.keys`) live in the store as digests only: the
+ring in force is the file's keys merged with the store's (:func:`merge`).
 """
 
 from __future__ import annotations
 
 import fnmatch
 import functools
+import hashlib
 import hmac
 import math
 import re
@@ -45,6 +48,8 @@ BUDGETS: tuple[tuple[str, str, str], ...] = tuple(
     for kind in ("", "prompt_", "completion_") for window in ("minute", "day")
 )  # fmt: skip
 _BUDGET_FIELDS = tuple(b[0] for b in BUDGETS)
+#: The whole-number fields of a key: its limits and its budgets (0: none).
+LIMIT_FIELDS = (*_LIMITS, *_BUDGET_FIELDS)
 ROLES = ("user", "admin")
 _GLOB = re.compile(r"[A-Za-z0-9._:/@*?\[\]!+-]+")
 
@@ -65,6 +70,7 @@ class ApiKey:
     prompt_tokens_per_day: int = 0
     completion_tokens_per_minute: int = 0
     completion_tokens_per_day: int = 0
+    digest: str = field(default="", repr=False, compare=False)  # the secret's (digest()): keys from the store have no secret
 
     @property
     def admin(self) -> bool:
@@ -100,22 +106,24 @@ class KeyRing:
         names = [k.name for k in keys]
         if len(set(names)) != len(names):
             raise ValueError(f"API key names must be unique: {', '.join(sorted(names))}")
-        secrets = [k.secret for k in keys]
-        if len(set(secrets)) != len(secrets) or not all(secrets):
+        if not all(k.secret or k.digest for k in keys):
+            raise ValueError("every API key needs its own non-empty secret")
+        digests = [k.digest or digest(k.secret) for k in keys]
+        if len(set(digests)) != len(digests):
             raise ValueError("every API key needs its own non-empty secret")
         self.keys = tuple(keys)
-        self._secrets = tuple(k.secret.encode() for k in keys)
+        self._digests = tuple(d.encode() for d in digests)
 
     @property
     def required(self) -> bool:
         return bool(self.keys)
 
     def identify(self, presented: str) -> ApiKey | None:
-        """The key whose secret is ``presented``, compared with every key in constant time."""
-        token = presented.encode()
+        """The key whose secret is ``presented``: its digest compared with every key's in constant time."""
+        token = digest(presented).encode()
         found = None
-        for key, secret in zip(self.keys, self._secrets, strict=True):
-            if hmac.compare_digest(token, secret) and found is None:
+        for key, known in zip(self.keys, self._digests, strict=True):
+            if hmac.compare_digest(token, known) and found is None and presented:
                 found = key
         return found
 
@@ -217,15 +225,40 @@ def load_keys_file(path: Path) -> tuple[ApiKey, ...]:
             patterns = tuple(check_glob(m) for m in models)
         except ValueError as exc:
             raise ValueError(f"{where('models')} ({name}): {exc}") from None
-        keys.append(ApiKey(name, secret, float(weight), role=role, models=patterns, **limits))
+        keys.append(ApiKey(name, secret, float(weight), role=role, models=patterns, **limits))  # type: ignore[arg-type]  # limits: whole numbers only
     return tuple(keys)
 
 
-def keyring(api_key: str | None, keys_file: Path | None) -> KeyRing:
+def digest(secret: str) -> str:
+    """What the store keeps of a secret: SHA-256, hex. A fast hash is right for the long random
+    secrets ``trioshed keys create`` makes (32 random bytes); a short secret from a keys file is
+    only as strong as it is long."""
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def merge(local: Sequence[ApiKey], stored: Sequence[ApiKey], revoked: frozenset[str] = frozenset()) -> list[ApiKey]:
+    """The keys in force: ``TRIOSHED_API_KEY``'s and the file's (``local``), less those revoked
+    in the store and those the store holds by name or secret (the store's copy wins: a rotated or
+    updated key, in the local key's place), plus the store's other keys; ``stored`` holds no
+    revoked key."""
+    by_name = {k.name: k for k in stored}
+    digests = {k.digest for k in stored}
+    out: list[ApiKey] = []
+    for k in local:  # in the file's order (the status page's), the store's copy in its place
+        if k.name in by_name:
+            out.append(by_name.pop(k.name))
+        elif k.name not in revoked and (k.digest or digest(k.secret)) not in digests:
+            out.append(k)
+    return [*out, *by_name.values()]
+
+
+def keyring(
+    api_key: str | None, keys_file: Path | None, stored: Sequence[ApiKey] = (), revoked: frozenset[str] = frozenset()
+) -> KeyRing:
     keys = [ApiKey("default", api_key, role="admin")] if api_key else []
     if keys_file is not None:
         keys += load_keys_file(keys_file)
-    return KeyRing(keys)
+    return KeyRing(merge(keys, stored, revoked) if stored or revoked else keys)
 
 
 class RequestRate:

@@ -45,7 +45,8 @@ from trioshed.runner.slots import WarmReturns
 from trioshed.runner.slotstore import SlotStore
 from trioshed.scheduler import Scheduler
 from trioshed.scheduler.timeline import run_timeline
-from trioshed.usage.recorder import UsageRecorder
+from trioshed.usage.keysync import KeySync
+from trioshed.usage.team import build_recorder
 
 log = logging.getLogger(__name__)
 
@@ -178,8 +179,10 @@ async def serve(
     store = Stores(settings.models, allow_symlinks=settings.allow_symlinks)
     log_tail = LogTail()  # the status page's log: the last lines, in memory
     state = AppState(settings=settings, store=store, scheduler=scheduler, warm=warm, log_tail=log_tail)
-    state.usage = UsageRecorder(settings.usage_path if settings.usage else None)
-    quart_app = create_app(state)
+    state.usage = build_recorder(settings)  # SQLite, or the team's PostgreSQL (TRIOSHED_DATABASE)
+    quart_app = create_app(state)  # installs the gate's key rebuild, state.reload_keys
+    assert state.reload_keys is not None
+    state.key_sync = KeySync(state.usage, settings.keys_file, reload=state.reload_keys)
     fast = quart_app.config["TRIOSHED_FAST"] if settings.fast_routes else None
     app = Drain(quart_app, idle_timeout=settings.stream_idle_timeout, fast=fast)  # type: ignore[arg-type]
     config = hypercorn_config(settings)
@@ -207,6 +210,7 @@ async def serve(
     async with trio.open_nursery() as nursery:
         await nursery.start(log_tail.run_installed)
         await nursery.start(state.usage.run)  # cancelled last: writes what is left (shielded)
+        await nursery.start(state.key_sync.run)  # the store's keys in force before listening, then polled
         await nursery.start(scheduler.run)
         nursery.start_soon(run_timeline, scheduler, state.timeline)  # the status page's last hour
         if links := state.store.links_out():

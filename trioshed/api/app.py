@@ -17,6 +17,7 @@ from trioshed.api import (
     embed,
     events,
     fast,
+    keys,
     manage,
     metrics,
     ollama,
@@ -64,7 +65,8 @@ def create_app(state: AppState) -> QuartTrio:
     app.register_blueprint(tools.bp)
     app.register_blueprint(usage.bp)
     app.register_blueprint(transcriptions.bp)
-    app.config["TRIOSHED_METRICS"] = metrics.Metrics(state.scheduler, warm=state.warm)
+    app.register_blueprint(keys.bp)  # the shared store's API keys (admin)
+    app.config["TRIOSHED_METRICS"] = metrics.Metrics(state.scheduler, warm=state.warm, usage=state.usage)
     wrapper = RequestWrapper(
         Gate(state),
         app.config["TRIOSHED_METRICS"],

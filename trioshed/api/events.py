@@ -74,12 +74,13 @@ def state_message(st: AppState) -> dict[str, Any]:
 
 
 def for_key(message: dict[str, Any], key: ApiKey) -> dict[str, Any]:
-    """A state message as ``key`` may see it: an admin sees all (and every key's usage), a user
-    key only its own models' runners, memory and queue, and its own usage."""
-    if key.admin or not key.models:
-        if not key.admin:
-            message = {**message, "usage": [u for u in message.get("usage", []) if u.get("key") == key.name]}
+    """A state message as ``key`` may see it: an admin sees all (every key's usage, the usage
+    store), a user key only its own models' runners, memory and queue, and its own usage."""
+    if key.admin:
         return message
+    message = {k: v for k, v in message.items() if k != "database"}  # where the store is: admin only
+    if not key.models:
+        return {**message, "usage": [u for u in message.get("usage", []) if u.get("key") == key.name]}
     out = dict(message)
     out["runners"] = [r for r in message.get("runners", []) if key.may_use(str(r.get("model", "")))]
     out["queue"] = [q for q in message.get("queue", []) if key.may_use(str(q.get("model", "")))]
@@ -113,6 +114,13 @@ def usage_message(st: AppState, now: float) -> list[dict[str, Any]]:
             entry["budgets"] = {f: {"limit": getattr(k, f), "left": left} for f, left in st.usage.ledger.left(k, now).items()}
         out.append(entry)
     return out
+
+
+def database_message(st: AppState) -> dict[str, Any] | None:
+    """The usage store as this node sees it (the status page, admin): reachable or its fault,
+    rows waiting and dropped; None without a store."""
+    store = st.usage.statistics() if st.usage is not None else None
+    return store.as_json() if store is not None else None
 
 
 def _event(e: Any) -> dict[str, Any]:
@@ -158,7 +166,7 @@ async def stream(st: AppState, stopping: trio.Event | None, key: ApiKey | None =
         last_models: list[dict[str, Any]] | None = None
         while stopping is None or not stopping.is_set():
             sent = False
-            current = for_key({**state_message(st), "usage": usage_message(st, time.time())}, key)
+            current = for_key({**state_message(st), "usage": usage_message(st, time.time()), "database": database_message(st)}, key)
             if last_state is None or {**current, "time": 0} != {**last_state, "time": 0}:
                 last_state = current
                 sent = True

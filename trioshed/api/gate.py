@@ -36,9 +36,9 @@ class Gate:
         self.origins = access.allowed_origins(state.settings.origins)
         self.check_host = access.is_loopback(state.settings.host)  # else the API key guards (serve says so)
         self.hostname = socket.gethostname()
-        self.keys = keyring(state.settings.api_key, state.settings.keys_file)  # TRIOSHED_API_KEY, TRIOSHED_KEYS_FILE
-        self.rate = RequestRate()
         self.state = state
+        self.keys = keyring(state.settings.api_key, state.settings.keys_file, *self._stored())  # TRIOSHED_API_KEY, TRIOSHED_KEYS_FILE, the store's
+        self.rate = RequestRate()
         state.reload_keys = self.reload_keys
         state.keys = self.keys.keys
         self.max_body = state.settings.max_body
@@ -113,17 +113,22 @@ class Gate:
         usage = self.state.usage
         if usage is None or not key.budgets() or path not in access.SPENDING_ROUTES:
             return
-        over = usage.ledger.refusal(key, time.time())
+        over = usage.refusal(key, time.time())  # every node's spends (a shared store)
         if over is not None:
             budget, limit, retry = over
             raise TooManyRequests(key.name, budget, limit, retry)
 
     def reload_keys(self) -> KeyRing:
         """Read the keys again (SIGHUP); ValueError, the old keys staying in force, when bad."""
-        ring = keyring(self.state.settings.api_key, self.state.settings.keys_file)
+        ring = keyring(self.state.settings.api_key, self.state.settings.keys_file, *self._stored())
         self.keys = ring
         self.state.keys = ring.keys
         return ring
+
+    def _stored(self) -> tuple[tuple[ApiKey, ...], frozenset[str]]:
+        """The store's keys in force and the names revoked there (trioshed.usage.keysync)."""
+        sync = self.state.key_sync
+        return (sync.stored, sync.revoked) if sync is not None else ((), frozenset())
 
     def cors(self, get: Callable[[str], str | None]) -> list[tuple[str, str]]:
         """The CORS headers for an allowed Origin (none without one)."""

@@ -4,7 +4,8 @@ Two sources, one registry (per app, so that several servers in one process never
 clash):
 
 - at scrape time, :class:`SchedulerCollector` reads the scheduler's ``statistics()`` snapshot
-  (queue, leases, runners by state, memory per device, the scheduler's own running totals);
+  (queue, leases, runners by state, memory per device, the scheduler's own running totals), and
+  :class:`StoreCollector` the usage store's (whether it is reachable, rows waiting and dropped);
 - as things happen, :class:`Metrics` counts and times: loads, evictions, unloads and crashes
   from the scheduler's event history (``Scheduler.events``, read at each scrape from where the
   last one stopped), and every finished request from the HTTP edge (:mod:`trioshed.api.observe`).
@@ -31,6 +32,7 @@ from trioshed.runner.slots import WarmReturns
 from trioshed.scheduler import Scheduler, SchedulerStatistics
 from trioshed.scheduler.events import SchedulerEvent
 from trioshed.trace import RequestTrace
+from trioshed.usage.recorder import UsageRecorder
 
 bp = Blueprint("metrics", __name__)
 
@@ -228,14 +230,34 @@ class WarmCollector:
         yield _gauge("trioshed_kv_files", "Saved slot files on disk.", stats.files)
 
 
+class StoreCollector:
+    """Reads the usage store's ``statistics()`` at scrape time (nothing without a store)."""
+
+    def __init__(self, usage: UsageRecorder) -> None:
+        self._usage = usage
+
+    def collect(self) -> Iterator[Metric]:
+        store = self._usage.statistics()
+        if store is None:
+            return
+        up = GaugeMetricFamily("trioshed_database_up", "Whether this node's last use of the usage store worked (1) or not (0), by kind (sqlite, postgresql).", labels=["kind"])
+        up.add_metric([store.kind], float(store.reachable))
+        yield up
+        yield _gauge("trioshed_usage_rows_pending", "Usage rows waiting in memory to be written to the store.", store.pending)
+        yield CounterMetricFamily("trioshed_usage_rows_dropped", "Usage rows dropped: more were waiting than the bound while the store could not be written.", value=store.dropped)
+        yield CounterMetricFamily("trioshed_usage_rows_written", "Usage rows written to the store by this node.", value=store.written)
+
+
 class Metrics:
     """The app's registry: the scheduler's snapshot plus what is counted as it happens."""
 
-    def __init__(self, scheduler: Scheduler, *, warm: WarmReturns | None = None) -> None:
+    def __init__(self, scheduler: Scheduler, *, warm: WarmReturns | None = None, usage: UsageRecorder | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(SchedulerCollector(scheduler))  # type: ignore[arg-type]
         if warm is not None and warm.enabled:
             self.registry.register(WarmCollector(warm))  # type: ignore[arg-type]
+        if usage is not None:
+            self.registry.register(StoreCollector(usage))  # type: ignore[arg-type]
         ProcessCollector(registry=self.registry)  # process_resident_memory_bytes, cpu seconds, fds
         r = self.registry
         self.model_loads = Counter("trioshed_model_loads", "Runner loads started, by model.", ["model"], registry=r)

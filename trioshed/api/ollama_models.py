@@ -111,8 +111,12 @@ async def ps() -> Any:
 
     key = current_key.get()
     out = await trio.to_thread.run_sync(lambda: [entry(r) for r in stats.runners if key.may_use(r.model)])
+    body: dict[str, Any] = {"models": out}
+    store = st.usage.statistics() if st.usage is not None and key.admin else None
+    if store is not None and (store.kind != "sqlite" or not store.reachable):
+        body["database"] = store.as_json()  # trioshed's addition, admin only: a team's store, or any store at fault
     if not stats.remote or not key.admin:  # which RPC server holds which model: admin only
-        return {"models": out}
+        return body
     servers = [
         {
             "address": s.address,
@@ -126,7 +130,7 @@ async def ps() -> Any:
         }
         for s in stats.remote
     ]
-    return {"models": out, "rpc_servers": servers}
+    return {**body, "rpc_servers": servers}
 
 
 async def _runner_settings(

@@ -15,6 +15,7 @@ from quart import Blueprint, current_app
 
 from trioshed import __version__
 from trioshed.api import openapi_audio, openapi_llama, openapi_rerank
+from trioshed.api.openapi_keys import keys_paths
 from trioshed.api.openapi_parts import BOOL as _BOOL
 from trioshed.api.openapi_parts import INT as _INT
 from trioshed.api.openapi_parts import NUM as _NUM
@@ -458,7 +459,7 @@ def _paths() -> Schema:
         "/ui/ui.css": {"get": _get_op("The status page's style sheet", "text/css", _STR, auth=False)},
         "/metrics": {"get": _get_op("Prometheus metrics (text exposition format 0.0.4)", "text/plain", _STR)},
         "/openapi.json": {"get": _get_op("This document", "application/json", {"type": "object"})},
-        **openapi_llama.llama_paths(), **usage_paths(), **openapi_rerank.rerank_paths(), **openapi_audio.audio_paths(),
+        **openapi_llama.llama_paths(), **usage_paths(), **keys_paths(), **openapi_rerank.rerank_paths(), **openapi_audio.audio_paths(),
     }
 
 

@@ -8,7 +8,7 @@ from trioshed.api.openapi_parts import Schema
 _ROW: Schema = {
     "type": "object",
     "properties": {
-        "key": {"type": "string"}, "model": {"type": "string"}, "start": {"type": "string", "format": "date-time"},
+        "key": {"type": "string"}, "model": {"type": "string"}, "node": {"type": "string"}, "start": {"type": "string", "format": "date-time"},
         **{n: {"type": "integer"} for n in ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", "errors")},
         "seconds": {"type": "number"},
     },
@@ -28,6 +28,7 @@ def usage_paths() -> dict[str, Schema]:
                 "summary": "Requests and tokens per API key, model and day or hour (a user key: its own)",
                 "parameters": [
                     _param("key", "one key's usage"), _param("model", "one model's usage"),
+                    _param("node", "one node's rows (default: every node's, a row per node)"),
                     _param("since", "from: RFC 3339, YYYY-MM-DD (UTC) or Unix seconds"),
                     _param("until", "to (excluded), as since"),
                     _param("by", "day (default) or hour (the last 14 days)", {"type": "string", "enum": ["day", "hour"]}),

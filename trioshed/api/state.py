@@ -23,6 +23,7 @@ from trioshed.runner.slots import WarmReturns
 from trioshed.scheduler import Scheduler
 from trioshed.scheduler.events import Timeline
 from trioshed.trace import RequestTrace
+from trioshed.usage.keysync import KeySync
 from trioshed.usage.recorder import UsageRecorder
 
 if TYPE_CHECKING:  # imported by the first pull: with its HTTP client, memory an idle server never needs
@@ -42,6 +43,8 @@ class AppState:
     timeline: Timeline = field(default_factory=Timeline)  # the status page's last hour (serve() samples it)
     #: usage per key and model, and the token budgets' ledger (serve() runs its writer)
     usage: UsageRecorder | None = None
+    #: the shared store's keys read on this node (serve() runs it; None without a store)
+    key_sync: KeySync | None = None
     #: re-read the keys file (the gate installs it; SIGHUP calls it)
     reload_keys: Callable[[], object] | None = None
     keys: tuple[ApiKey, ...] = ()  # the API keys in force (the gate's, reloaded on SIGHUP)

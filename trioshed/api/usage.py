@@ -2,7 +2,8 @@
 database (:mod:`trioshed.usage`).
 
 Query parameters: ``key``, ``model`` (exact names), ``since`` and ``until`` (RFC 3339 times,
-``YYYY-MM-DD`` dates in UTC, or Unix seconds; ``until`` excluded), ``by`` (``day``, the default,
+``YYYY-MM-DD`` dates in UTC, or Unix seconds; ``until`` excluded), ``node`` (one node's rows;
+default: every node's, one row per node: with a shared store, the whole team), ``by`` (``day``, the default,
 or ``hour``: kept for the last 14 days), ``format`` (``json``, the default, or ``csv``). A user
 key reads its own usage only; an admin key everyone's, with each key's budgets left today.
 """
@@ -24,7 +25,7 @@ from trioshed.keys import ApiKey, current_key
 
 bp = Blueprint("usage", __name__)
 
-FIELDS = ("key", "model", "start", "requests", "prompt_tokens", "cached_tokens", "completion_tokens", "errors", "seconds")
+FIELDS = ("key", "model", "start", "requests", "prompt_tokens", "cached_tokens", "completion_tokens", "errors", "seconds", "node")  # node last: a column added to the file's
 
 
 class UsageUnavailable(TrioshedError):
@@ -83,7 +84,7 @@ async def usage() -> Response:
     rows: list[dict[str, Any]] = []
     if st.usage is not None and st.usage.db is not None:
         try:
-            rows = await st.usage.query(by=by, key=who, model=args.get("model"), since=since, until=until)
+            rows = await st.usage.query(by=by, key=who, model=args.get("model"), node=args.get("node"), since=since, until=until)
         except OSError as exc:
             raise UsageUnavailable(f"usage cannot be read now: {exc}") from None
     rows = [{**r, "start": _iso(r["start"]), "seconds": round(r["seconds"], 3)} for r in rows]
@@ -103,4 +104,6 @@ async def usage() -> Response:
             body["pending"] = len(st.usage.pending)
             body["dropped"] = st.usage.dropped
             body["problem"] = st.usage.problem or None
+            if (store := st.usage.statistics()) is not None:  # which store (a URL without its password), this node's name
+                body["database"] = store.as_json()
     return Response(json.dumps(body), content_type="application/json")

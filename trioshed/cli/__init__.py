@@ -4,8 +4,9 @@
 one (``TRIOSHED_HOST``, :mod:`~trioshed.cli.client`), printing what ``ollama`` prints
 (:mod:`~trioshed.cli.format`): ``run`` and its chat (:mod:`~trioshed.cli.chat`), the store's verbs
 ``pull``/``create``/``push``/``cp``/``rm`` (:mod:`~trioshed.cli.store`), and the queries
-``list``/``ps``/``show``/``stop``/``usage`` (:mod:`~trioshed.cli.queries`). Every verb is a
-function of the parsed flags and the settings that returns the exit status or raises
+``list``/``ps``/``show``/``stop``/``usage`` (:mod:`~trioshed.cli.queries`), and ``keys``, the
+shared store's API keys (:mod:`~trioshed.cli.keys`). Every verb is a function of the parsed
+flags and the settings that returns the exit status or raises
 :class:`~trioshed.cli.client.CommandError`; :func:`main` parses, reads the settings, calls it and
 turns every error into one line, ``Error: ...``, with exit status 1 (2 for a bad command line or
 setting); never a traceback.
@@ -21,6 +22,7 @@ from collections.abc import Callable
 
 from trioshed.cli.chat import cmd_run
 from trioshed.cli.client import CommandError, say
+from trioshed.cli.keys import cmd_keys
 from trioshed.cli.parser import CLIENT_EPILOG, SERVE_EPILOG, build_parser, settings_from_args
 from trioshed.cli.queries import cmd_list, cmd_ps, cmd_show, cmd_stop, cmd_usage, version_line
 from trioshed.cli.serve import cmd_serve
@@ -33,7 +35,7 @@ __all__ = ["CLIENT_EPILOG", "COMMANDS", "SERVE_EPILOG", "CommandError", "build_p
 COMMANDS: dict[str, Callable[[argparse.Namespace, Settings], int]] = {
     "serve": cmd_serve, "start": cmd_serve, "show": cmd_show, "run": cmd_run, "stop": cmd_stop,
     "pull": cmd_pull, "create": cmd_create, "push": cmd_push, "list": cmd_list, "ls": cmd_list, "ps": cmd_ps, "cp": cmd_cp, "rm": cmd_rm,
-    "usage": cmd_usage,
+    "usage": cmd_usage, "keys": cmd_keys,
 }  # fmt: skip
 
 

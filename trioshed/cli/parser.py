@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from trioshed.config import Settings
+from trioshed.keys import LIMIT_FIELDS
 
 
 def settings_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Settings:
@@ -123,6 +124,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--by", choices=("day", "hour"), default="day")
     p.add_argument("--csv", action="store_true", help="CSV instead of a table")
 
+    p.add_argument("--node", help="one node's usage (default: every node of the team)")
+
+    _keys_parser(command("keys", "manage the API keys of the store (admin; TRIOSHED_API_KEY: the key asking)"))
+
     p = command("help", "help about any command", epilog="")
     p.add_argument("topic", metavar="COMMAND", nargs="?")
     return parser
+
+
+def _keys_parser(keys: argparse.ArgumentParser) -> None:
+    """``keys``' verbs: create, list, update, revoke, rotate (:mod:`trioshed.cli.keys`)."""
+    verbs = keys.add_subparsers(dest="keys_verb", metavar="VERB", required=True, parser_class=_Parser)
+
+    def limits(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--role", choices=("user", "admin"))
+        p.add_argument("--weight", type=float, help="share of runner slots against other keys")
+        p.add_argument("--models", dest="patterns", metavar="PATTERN", nargs="*", help="the models it may use (glob patterns; none: every model)")
+        for f in LIMIT_FIELDS:
+            p.add_argument(f"--{f.replace('_', '-')}", dest=f, type=int, metavar="N", help="0: no limit")
+
+    p = verbs.add_parser("create", help="a new key; its secret is printed once")
+    p.add_argument("name", metavar="NAME")
+    limits(p)
+    p = verbs.add_parser("list", help="the keys (never a secret)")
+    p.add_argument("--json", action="store_true", help="JSON instead of a table")
+    p = verbs.add_parser("update", help="change a key's role, weight, models, limits or budgets")
+    p.add_argument("name", metavar="NAME")
+    limits(p)
+    verbs.add_parser("revoke", help="revoke a key on every node").add_argument("name", metavar="NAME")
+    verbs.add_parser("rotate", help="a new secret for a key (printed once); the old one stops working").add_argument("name", metavar="NAME")

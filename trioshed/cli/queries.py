@@ -26,7 +26,7 @@ SHOW_NONE = {
     "template": "No prompt template was specified for this model.",
 }
 
-USAGE_COLUMNS = ("key", "model", "start", "requests", "prompt_tokens", "cached_tokens", "completion_tokens", "errors", "seconds")
+USAGE_COLUMNS = ("key", "model", "start", "requests", "prompt_tokens", "cached_tokens", "completion_tokens", "errors", "seconds", "node")
 
 
 def cmd_list(args: argparse.Namespace, settings: Settings) -> int:
@@ -74,7 +74,7 @@ def cmd_stop(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_usage(args: argparse.Namespace, settings: Settings) -> int:
     """Usage per key, model and day (or hour) from ``GET /api/usage``: a table, or its CSV."""
     params = {k: v for k, v in (("key", args.key), ("model", args.model), ("since", args.since),
-                                ("until", args.until), ("by", args.by)) if v}  # fmt: skip
+                                ("until", args.until), ("by", args.by), ("node", args.node)) if v}  # fmt: skip
     if args.csv:
         params["format"] = "csv"
     with open_client(settings) as client:

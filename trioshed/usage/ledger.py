@@ -4,6 +4,9 @@ A finished request is a :class:`Spend`. The ledger keeps, per key name, the last
 and today's totals (UTC days), enough to answer every budget of :data:`trioshed.keys.BUDGETS`.
 Budgets are checked when a request starts, from what was spent so far: requests already running
 may take a key past its budget (a stream is never cut for it), the next one is refused.
+
+In a team of nodes the ledger also holds what the *other* nodes spent (:meth:`Ledger.set_others`,
+refreshed from the shared store by the recorder), and every budget counts both.
 """
 
 from __future__ import annotations
@@ -40,6 +43,15 @@ class Ledger:
         self._minute: dict[str, deque[tuple[float, int, int]]] = {}
         self._minute_sums: dict[str, list[int]] = {}  # name -> [prompt, completion] in the window (kept, not summed per ask)
         self._day: dict[str, tuple[int, int, int]] = {}  # name -> (day number, prompt, completion)
+        #: name -> (day number, prompt, completion today, prompt, completion in the last minute)
+        #: spent by the other nodes, as last read from the shared store
+        self._others: dict[str, tuple[int, int, int, int, int]] = {}
+
+    def set_others(self, spends: dict[str, tuple[int, int, int, int]], now: float) -> None:
+        """What the other nodes spent per key name, read at ``now``: (prompt, completion) today
+        and in the last minute. Replaces what was known."""
+        day = int(now // DAY)
+        self._others = {name: (day, *v) for name, v in spends.items()}
 
     def spend(self, s: Spend) -> None:
         if not (s.prompt or s.completion):
@@ -64,17 +76,22 @@ class Ledger:
 
     def today(self, name: str, now: float) -> tuple[int, int]:
         """(prompt, completion) tokens ``name`` spent today (UTC)."""
+        day = int(now // DAY)
         known = self._day.get(name)
-        if known is None or known[0] != int(now // DAY):
-            return 0, 0
-        return known[1], known[2]
+        prompt, completion = (known[1], known[2]) if known is not None and known[0] == day else (0, 0)
+        other = self._others.get(name)
+        if other is not None and other[0] == day:
+            return prompt + other[1], completion + other[2]
+        return prompt, completion
 
     def minute(self, name: str, now: float) -> tuple[int, int]:
+        other = self._others.get(name)
+        extra = (other[3], other[4]) if other is not None else (0, 0)
         if name not in self._minute:
-            return 0, 0
+            return extra
         self._trim(name, now)
         prompt, completion = self._minute_sums[name]
-        return prompt, completion
+        return prompt + extra[0], completion + extra[1]
 
     def left(self, key: ApiKey, now: float) -> dict[str, int]:
         """Each budget of ``key`` -> the tokens left in it now (0 when spent)."""

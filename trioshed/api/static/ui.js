@@ -159,6 +159,16 @@ function renderKeys(usage) {
   $("keys-section").hidden = rows.length === 0;
 }
 
+// The usage store (admin): said only while this node cannot use it (serving goes on meanwhile)
+function renderDatabase(db) {
+  const down = Boolean(db && !db.reachable);
+  $("database").hidden = !down;
+  if (down) {
+    $("database").textContent = `usage database ${db.where} ${db.problem || "cannot be reached"} (node ${db.node}): ` +
+      `serving continues; ${db.pending} usage rows wait in memory` + (db.dropped ? `, ${db.dropped} dropped` : "");
+  }
+}
+
 function renderModels(models) {
   $("model-names").replaceChildren(...models.map((m) => el("option", { value: m })));
 }
@@ -407,6 +417,7 @@ function handle(type, data) {
     renderRunners(data.runners);
     renderQueue(data.queue);
     renderKeys(data.usage);
+    renderDatabase(data.database);
     $("updated").textContent = "updated " + clock(data.time);
   } else if (type === "events") {
     const seen = ui.events.length ? ui.events[ui.events.length - 1].seq : 0;
