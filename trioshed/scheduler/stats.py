@@ -15,6 +15,7 @@ from trioshed.core.model import MeasuredMemory, MemoryEstimate, ModelSpec, Place
 from trioshed.core.queue import Waiting
 from trioshed.core.views import CPU_ID, RunnerState
 from trioshed.devices.rpc import RemoteDevices, RemoteStats
+from trioshed.scheduler.contracts import Upstream
 from trioshed.scheduler.request import Request
 from trioshed.scheduler.runner import Runner
 
@@ -46,6 +47,8 @@ class RunnerStats:
     #: Speculative decoding since the runner loaded: tokens drafted, and of those accepted.
     drafted: int = 0
     accepted: int = 0
+    # Its connection pool once ready, to observe it (GET /slots for /metrics), never to serve.
+    upstream: Upstream | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -124,6 +127,7 @@ def runner_stats(r: Runner, *, waiting: int, now: float, wall: float) -> RunnerS
         spec=r.model,
         drafted=drafted,
         accepted=accepted,
+        upstream=r.handle.upstream if r.handle is not None else None,
     )
 
 
