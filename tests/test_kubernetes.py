@@ -23,13 +23,16 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import httpx
 import jsonschema
 import kubernetes_validate
 import pytest
+import trio
 import yaml
 
 from trioshed.api.drain import CUT_GRACE
 from trioshed.config import parse_duration
+from trioshed.testing.server import open_test_server
 
 ROOT = Path(__file__).resolve().parent.parent / "packaging" / "kubernetes"
 KUSTOMIZATIONS = (ROOT, ROOT / "postgres")
@@ -212,3 +215,15 @@ def test_the_pool_is_wired_together() -> None:
     assert env == {"TRIOSHED_API_KEY": "trioshed", "TRIOSHED_DATABASE": "trioshed"}
     assert not {"TRIOSHED_API_KEY", "TRIOSHED_DATABASE"} & set(settings)
     assert settings["TRIOSHED_METRICS_PUBLIC"] == "true"  # the picker scrapes without a key
+
+
+async def test_the_probe_path_turns_503_when_the_pod_drains(model_store: Path) -> None:
+    """Readiness follows the drain; the path needs no key (the kubelet sends none)."""
+    probe = _by_key(render(ROOT))[("apps/v1", "Deployment", "trioshed")]["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]
+    path = probe["httpGet"]["path"]
+    with trio.fail_after(30):
+        async with open_test_server(model_store, api_key="probe-test-key") as server, httpx.AsyncClient(base_url=server.base_url) as http:
+            assert (await http.get(path)).status_code == 200
+            server.drain.begin()
+            r = await http.get(path)
+            assert r.status_code == 503 and r.headers["retry-after"] == "5"
