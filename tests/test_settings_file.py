@@ -42,6 +42,7 @@ max_body = "16MiB"
 http_idle_timeout = 45
 max_connections = 256
 allow_symlinks = true
+metrics_public = true
 kv_cache_dir = "kv"
 kv_cache_budget = "2GiB"
 kv_save_timeout = "3s"
@@ -87,6 +88,7 @@ def test_every_setting_can_be_given_in_the_file(tmp_path: Path) -> None:
     assert s.fast_routes is False
     assert s.speculation == "off"  # false: no speculation (the default is "ngram")
     assert s.batch_invariant is True
+    assert s.metrics_public is True
     # the file covers every TRIOSHED_* setting there is
     assert set(load_settings_file(path)) - {"port"} == set(SETTING_NAMES)
 

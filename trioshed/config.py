@@ -218,6 +218,7 @@ class Settings:
     http_idle_timeout: float = 30.0
     max_connections: int = 512
     allow_symlinks: bool = False
+    metrics_public: bool = False  # GET /metrics without an API key (an endpoint picker sends none)
     #: Warm returns: where slots are saved before an unload, the disk budget (0 disables the
     #: feature) and how long an unload waits for a save (trioshed.runner.slots).
     kv_cache_dir: Path = field(default_factory=lambda: _cache_home() / "trioshed" / "kv")
@@ -376,6 +377,7 @@ _PARSERS: dict[str, Callable[[str], object]] = {
     "http_idle_timeout": lambda v: _positive_timeout(parse_duration(v)),
     "max_connections": _at_least(1),
     "allow_symlinks": _bool,
+    "metrics_public": _bool,
     "kv_cache_dir": lambda v: Path(v).expanduser(),
     "kv_cache_budget": parse_bytes,
     "kv_save_timeout": lambda v: _positive_timeout(parse_duration(v)),

@@ -42,6 +42,7 @@ class Gate:
         state.reload_keys = self.reload_keys
         state.keys = self.keys.keys
         self.max_body = state.settings.max_body
+        self.metrics_public = state.settings.metrics_public  # TRIOSHED_METRICS_PUBLIC
 
     def origin_ok(self, origin: str, host: str) -> bool:
         return access.same_origin(origin, host) or access.origin_allowed(origin, self.origins)
@@ -72,7 +73,9 @@ class Gate:
 
         ``count=False``: the caller calls :meth:`admit` itself, once the request is known to go
         no other way."""
-        public = method in ("GET", "HEAD") and (path == "/" or path in ui.PUBLIC)
+        public = method in ("GET", "HEAD") and (
+            path == "/" or path in ui.PUBLIC or (path == "/metrics" and self.metrics_public)
+        )
         key = None
         if self.keys.required and not public:
             # constant time, against every key and both headers: nothing tells how much of a guess was right

@@ -4,8 +4,10 @@ Two sources, one registry (per app, so that several servers in one process never
 clash):
 
 - at scrape time, :class:`SchedulerCollector` reads the scheduler's ``statistics()`` snapshot
-  (queue, leases, runners by state, memory per device, the scheduler's own running totals), and
-  :class:`StoreCollector` the usage store's (whether it is reachable, rows waiting and dropped);
+  (queue, leases, runners by state, memory per device, the scheduler's own running totals),
+  :class:`StoreCollector` the usage store's (whether it is reachable, rows waiting and dropped),
+  and :class:`~trioshed.api.metrics_gateway.GatewayCollector` the readings of the Gateway API
+  Inference Extension's model-server protocol (the route first reads the runners' slots);
 - as things happen, :class:`Metrics` counts and times: loads, evictions, unloads and crashes
   from the scheduler's event history (``Scheduler.events``, read at each scrape from where the
   last one stopped), and every finished request from the HTTP edge (:mod:`trioshed.api.observe`).
@@ -28,6 +30,7 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.utils import floatToGoString
 from quart import Blueprint, Response, current_app
 
+from trioshed.api.metrics_gateway import GatewayCollector
 from trioshed.runner.slots import WarmReturns
 from trioshed.scheduler import Scheduler, SchedulerStatistics
 from trioshed.scheduler.events import SchedulerEvent
@@ -254,6 +257,8 @@ class Metrics:
     def __init__(self, scheduler: Scheduler, *, warm: WarmReturns | None = None, usage: UsageRecorder | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(SchedulerCollector(scheduler))  # type: ignore[arg-type]
+        self.gateway = GatewayCollector(scheduler)
+        self.registry.register(self.gateway)  # type: ignore[arg-type]
         if warm is not None and warm.enabled:
             self.registry.register(WarmCollector(warm))  # type: ignore[arg-type]
         if usage is not None:
@@ -430,4 +435,5 @@ def _label_value(v: str) -> str:
 @bp.get("/metrics")
 async def metrics() -> Response:
     metrics: Metrics = current_app.config["TRIOSHED_METRICS"]
+    await metrics.gateway.refresh()  # the runners' slots, for the KV-cache utilization
     return Response(metrics.render(), content_type=CONTENT_TYPE_PLAIN_0_0_4)

@@ -51,6 +51,10 @@ class Upstream(Protocol):
         """``request("POST", …)`` read whole: its status and body."""
         ...
 
+    async def get(self, path: str) -> tuple[int, bytes]:
+        """``request("GET", …)`` read whole: its status and body."""
+        ...
+
 
 @dataclass(frozen=True)
 class CountOn:

@@ -15,6 +15,7 @@ from trioshed.core.model import MeasuredMemory, MemoryEstimate, ModelSpec, Place
 from trioshed.core.queue import Waiting
 from trioshed.core.views import CPU_ID, RunnerState
 from trioshed.devices.rpc import RemoteDevices, RemoteStats
+from trioshed.scheduler.contracts import Upstream
 from trioshed.scheduler.request import Request
 from trioshed.scheduler.runner import Runner
 
@@ -48,6 +49,8 @@ class RunnerStats:
     accepted: int = 0
     #: A word on its warm returns (a runner with a projector saves only text-only slots).
     warm_returns: str = ""
+    # Its connection pool once ready, to observe it (GET /slots for /metrics), never to serve.
+    upstream: Upstream | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -127,6 +130,7 @@ def runner_stats(r: Runner, *, waiting: int, now: float, wall: float) -> RunnerS
         drafted=drafted,
         warm_returns=r.handle.slots.note if r.handle is not None and r.handle.slots is not None else "",
         accepted=accepted,
+        upstream=r.handle.upstream if r.handle is not None else None,
     )
 
 
