@@ -171,7 +171,7 @@ async def serve(
     state = AppState(settings=settings, store=store, scheduler=scheduler, warm=warm, log_tail=log_tail)
     state.usage = UsageRecorder(settings.usage_path if settings.usage else None)
     quart_app = create_app(state)
-    fast = quart_app.config["TRIOSHED_FAST"] if settings.fast_routes else None
+    fast = quart_app.config["TRIOSHED_FAST"]  # the generating routes (TRIOSHED_FAST_ROUTES) and blob uploads
     app = Drain(quart_app, idle_timeout=settings.stream_idle_timeout, fast=fast)  # type: ignore[arg-type]
     config = hypercorn_config(settings)
     connections = ConnectionStats(settings.max_connections)

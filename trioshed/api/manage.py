@@ -1,9 +1,10 @@
 """Ollama's model-management routes: blobs, create, copy, delete, push (pull is :mod:`trioshed.api.pull`).
 
 * ``HEAD /api/blobs/sha256:<hex>``: 200 when the blob is in trioshed's store (``pulled/``), 404
-  when not. ``POST``: the upload, streamed to a partial file while it is hashed, renamed into
-  place only when its sha256 matches (201; 200 when it was there already; 400 on a mismatch,
-  nothing kept; 413 above 2 TiB; 507 when the disk has no room). See :mod:`trioshed.models.blobs`.
+  when not. ``POST``: the upload, served as plain ASGI by :mod:`trioshed.api.upload` (in
+  constant memory), streamed to a partial file while it is hashed, renamed into place only when
+  its sha256 matches (201; 200 when it was there already; 400 on a mismatch, nothing kept; 413
+  above 2 TiB; 507 when the disk has no room). See :mod:`trioshed.models.blobs`.
 * ``POST /api/create``: Ollama's fields (``model``, ``from``, ``files``, ``adapters``,
   ``template``, ``system``, ``license``, ``parameters``, ``messages``, ``quantize``) or the older
   ``modelfile`` text; checked whole before the answer starts (400/403/404/501), then streamed
@@ -32,12 +33,11 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 from quart import Blueprint, Response, request
-from quart_trio.wrappers.request import TrioRequest
 
 from trioshed.api.preamble import read_body, state, store_writer
 from trioshed.api.protocols.errors import ollama_error
-from trioshed.errors import BadRequest, Forbidden, TrioshedError
-from trioshed.models.blobs import MAX_BLOB, has_blob, receive_blob
+from trioshed.errors import BadRequest, NotSupported, TrioshedError
+from trioshed.models.blobs import has_blob
 from trioshed.models.create import Creator, Prepared
 
 if TYPE_CHECKING:  # imported by the first push: with its HTTP client, memory an idle server never needs
@@ -52,16 +52,6 @@ HOW_TO_ADD = (
     "GGUF file into the model store (TRIOSHED_MODELS; NAME.gguf is model NAME), or point TRIOSHED_MODELS at an existing "
     "Ollama store (e.g. ~/.ollama/models, several folders separated by ':')"
 )
-
-
-class StoreRequest(TrioRequest):
-    """Quart's request, whose body may be as large as a blob on ``/api/blobs/`` (it is streamed
-    to disk there, never held); every other route keeps ``TRIOSHED_MAX_BODY``."""
-
-    def __init__(self, method: str, scheme: str, path: str, *args: Any, **kwargs: Any) -> None:
-        if method == "POST" and path.startswith("/api/blobs/"):
-            kwargs["max_content_length"] = MAX_BLOB
-        super().__init__(method, scheme, path, *args, **kwargs)
 
 
 def _name(body: dict[str, object], *keys: str) -> str:
@@ -100,24 +90,15 @@ async def copy() -> Response:
 
 @bp.route("/api/blobs/<digest>", methods=["HEAD", "POST"])
 async def blobs(digest: str) -> Response:
-    if request.method == "HEAD":
-        st = state()
-        root = st.store.pull_root
-        found = root is not None and await trio.to_thread.run_sync(has_blob, root, digest)
-        return Response("", status=200 if found else 404)
-    st = store_writer()
+    """``HEAD``. ``POST`` (the upload) is served as plain ASGI before Quart sees it
+    (:mod:`trioshed.api.upload`: Quart would hold the whole body in memory); it is routed here
+    too so that Quart answers a refused upload (the gate's 401/403/429) as it answers any route."""
+    if request.method != "HEAD":
+        raise NotSupported("blob uploads are served by trioshed's upload path, not through this application")
+    st = state()
     root = st.store.pull_root
-    if root is None:
-        raise Forbidden("blob uploads need a folder store to write into (its pulled/ folder); every folder in "
-                        "TRIOSHED_MODELS is a read-only Ollama store", headers={"Connection": "close"})  # fmt: skip
-    if await trio.to_thread.run_sync(has_blob, root, digest):
-        return Response("", status=200, headers={"Connection": "close"})  # the body is not read
-    try:
-        new = await receive_blob(root, digest, aiter(request.body), length=request.content_length)
-    except TrioshedError as exc:
-        exc.headers = {**(exc.headers or {}), "Connection": "close"}  # the rest of the body is not read
-        raise
-    return Response("", status=201 if new else 200)
+    found = root is not None and await trio.to_thread.run_sync(has_blob, root, digest)
+    return Response("", status=200 if found else 404)
 
 
 @bp.post("/api/create")
