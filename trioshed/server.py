@@ -198,6 +198,7 @@ async def serve(
     async with trio.open_nursery() as nursery:
         await nursery.start(log_tail.run_installed)
         await nursery.start(state.usage.run)  # cancelled last: writes what is left (shielded)
+        await nursery.start(state.writer.run)  # the store's writer: pulls, creates, pushes run there
         await nursery.start(scheduler.run)
         nursery.start_soon(run_timeline, scheduler, state.timeline)  # the status page's last hour
         if links := state.store.links_out():

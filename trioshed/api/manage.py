@@ -29,7 +29,8 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from functools import partial
+from typing import Any
 
 import trio
 from quart import Blueprint, Response, request
@@ -38,10 +39,7 @@ from trioshed.api.preamble import read_body, state, store_writer
 from trioshed.api.protocols.errors import ollama_error
 from trioshed.errors import BadRequest, NotSupported, TrioshedError
 from trioshed.models.blobs import has_blob
-from trioshed.models.create import Creator, Prepared
-
-if TYPE_CHECKING:  # imported by the first push: with its HTTP client, memory an idle server never needs
-    from trioshed.models import push as pushing
+from trioshed.models.writer import Lines
 
 log = logging.getLogger(__name__)
 bp = Blueprint("manage", __name__)
@@ -74,7 +72,7 @@ async def delete() -> Response:
     spec = await trio.to_thread.run_sync(st.store.find_for_delete, name)
     if not await trio.to_thread.run_sync(st.store.shares_file, spec):
         await st.scheduler.unload(spec)  # waits until its runners have exited
-    await trio.to_thread.run_sync(st.store.delete, name)
+    await st.writer.change(lambda claimed: st.store.delete(name, protect=claimed))
     return Response("", status=200)
 
 
@@ -84,7 +82,7 @@ async def copy() -> Response:
     body = await read_body()
     source = _name(body, "source")
     destination = _name(body, "destination")
-    await trio.to_thread.run_sync(st.store.copy, source, destination)
+    await st.writer.change(lambda _: st.store.copy(source, destination))
     return Response("", status=200)
 
 
@@ -110,22 +108,28 @@ async def create() -> Response:
         raise BadRequest('"stream" must be true or false')
     creator = st.creator()
     prepared = await creator.prepare(body)
+    lines = st.writer.start(partial(creator.run, prepared))
     if not stream:
-        async for _ in creator.run(prepared):
-            pass
+        async with lines:
+            async for _ in lines:
+                pass
         return Response(json.dumps({"status": "success"}), content_type="application/json")
-    response = Response(_progress(creator, prepared), content_type=NDJSON)
+    response = Response(progress_body(lines, f"create of {prepared.request.name.display()}"), content_type=NDJSON)
     response.timeout = None  # copying a large model file outlasts Quart's RESPONSE_TIMEOUT
     return response
 
 
-async def _progress(creator: Creator, prepared: Prepared) -> AsyncIterator[bytes]:
-    try:
-        async for line in creator.run(prepared):
-            yield _line(line)
-    except TrioshedError as exc:
-        log.warning("create of %s failed: %s", prepared.request.name.display(), exc.message)
-        yield _line(ollama_error(exc.status, exc.message))
+async def progress_body(lines: Lines, what: str) -> AsyncIterator[bytes]:
+    """A store operation's progress lines as NDJSON (a streamed body), its error as the last
+    line. The operation runs as a task of the store writer (:mod:`trioshed.models.writer`): this
+    body only reads a channel, and closing it (the client left) cancels the operation there."""
+    async with lines:
+        try:
+            async for line in lines:
+                yield _line(line)
+        except TrioshedError as exc:
+            log.warning("%s failed: %s", what, exc.message)
+            yield _line(ollama_error(exc.status, exc.message))
 
 
 @bp.post("/api/push")
@@ -140,21 +144,12 @@ async def push() -> Response:
     from trioshed.models import push as pushing
 
     prepared = await pushing.prepare(st.store, name, insecure=insecure)
+    lines = st.writer.start(partial(pushing.run, prepared, writer=st.writer))
     if not stream:
-        async for _ in pushing.run(prepared):
-            pass
+        async with lines:
+            async for _ in lines:
+                pass
         return Response(json.dumps({"status": "success"}), content_type="application/json")
-    response = Response(_pushing(prepared), content_type=NDJSON)
+    response = Response(progress_body(lines, f"push of {prepared.session.target.display}"), content_type=NDJSON)
     response.timeout = None  # a push of gigabytes outlasts Quart's RESPONSE_TIMEOUT
     return response
-
-
-async def _pushing(prepared: pushing.Prepared) -> AsyncIterator[bytes]:
-    from trioshed.models import push as pushing
-
-    try:
-        async for line in pushing.run(prepared):
-            yield _line(line)
-    except TrioshedError as exc:
-        log.warning("push of %s failed: %s", prepared.session.target.display, exc.message)
-        yield _line(ollama_error(exc.status, exc.message))
