@@ -350,8 +350,7 @@ async def test_a_create_that_fills_the_disk_is_507_and_keeps_nothing(small_tmpfs
     before = tree_snapshot(small_tmpfs)
     prepared = await creator.prepare({"model": "bigger", "from": "big", "system": "hi"})
     with pytest.raises(InsufficientStorage):
-        async for _ in creator.run(prepared):
-            pass
+        await creator.run(prepared, _ignore)
     assert tree_snapshot(small_tmpfs) == before
 
 
@@ -391,6 +390,10 @@ async def test_quantize_is_answered_as_ollama_answers_when_it_cannot(tmp_path: P
         await creator.prepare({"model": "m", "files": {"q8.gguf": digests["q8.gguf"]}, "quantize": "q4_K_M"})
     with pytest.raises(NotSupported, match="llama-quantize"):
         await creator.prepare({"model": "m", "files": {"f16.gguf": digests["f16.gguf"]}, "quantize": "q4_K_M"})
+
+
+async def _ignore(line: dict[str, Any]) -> None:
+    pass
 
 
 class _one:

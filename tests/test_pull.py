@@ -49,8 +49,14 @@ def puller(root: Path, stand_in: StandIn, **kwargs: Any) -> Puller:
     return Puller(root, registries=registries, **kwargs)
 
 
-async def collect(p: Puller, name: str) -> list[dict[str, Any]]:
-    return [line async for line in p.pull(name)]
+async def collect(p: Puller, name: str, **kwargs: Any) -> list[dict[str, Any]]:
+    lines: list[dict[str, Any]] = []
+
+    async def report(line: dict[str, Any]) -> None:
+        lines.append(line)
+
+    await p.pull(name, report, **kwargs)
+    return lines
 
 
 def content(path: str) -> bytes:
@@ -231,10 +237,12 @@ async def test_two_concurrent_pulls_share_one_download(tmp_path: Path, gguf: byt
         follower_waiting = trio.Event()
 
         async def run(key: str, name: str) -> None:
-            async for line in p.pull(name):
+            async def report(line: dict[str, Any]) -> None:
                 results[key].append(line)
                 if key == "b" and line.get("digest") == digest and line["completed"] < line["total"]:
                     follower_waiting.set()  # b follows a's download, which the gate holds
+
+            await p.pull(name, report)
 
         with trio.fail_after(30):
             async with trio.open_nursery() as nursery:
@@ -263,14 +271,15 @@ async def test_a_follower_takes_over_when_the_download_owner_is_cancelled(tmp_pa
         got: list[dict[str, Any]] = []
 
         async def owner() -> None:
-            async for _ in p.pull("m"):
-                pass
+            await collect(p, "m")
 
         async def follower() -> None:
-            async for line in p.pull("m"):
+            async def report(line: dict[str, Any]) -> None:
                 got.append(line)
                 if line.get("digest") == digest and line["completed"] < line["total"]:
                     follower_waiting.set()
+
+            await p.pull("m", report)
 
         with trio.fail_after(30):
             async with trio.open_nursery() as nursery:
@@ -385,7 +394,7 @@ async def test_insecure_reaches_a_names_own_registry_over_http(tmp_path: Path, g
         p = Puller(root, registries=Registries(), backoff=0.0)  # the default registry is not involved
         with pytest.raises(RegistryError, match=rf"cannot reach https://{re.escape(host)}"):
             await p.prepare(f"{host}/team/m:v1")  # https to a plain-HTTP server: refused, nothing kept
-        lines = [line async for line in p.pull(f"{host}/team/m:v1", insecure=True)]
+        lines = await collect(p, f"{host}/team/m:v1", insecure=True)
     check_shape(lines)
     assert o.OllamaStore(root).resolve(f"{host}/team/m:v1").name == f"{host}/team/m:v1"
     assert (root / "manifests" / host / "team/m/v1").is_file()

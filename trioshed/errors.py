@@ -16,6 +16,7 @@
     ├── QueueFull (503, Retry-After)     the pending queue holds TRIOSHED_MAX_QUEUE requests
     ├── LoadCooldown (503, Retry-After)  the model failed to load recently; retried after a back-off
     ├── EventStreamsBusy (503, Retry-After)  GET /api/events already streams to its most pages
+    ├── OutOfFiles (503, Retry-After)    the process has no file descriptor left (EMFILE/ENFILE)
     ├── InsufficientMemory (507)         the model cannot fit even with every other model unloaded
     │   ├── PinnedModelsInTheWay         it would fit only by evicting models pinned in models.toml
     │   ├── ContextOutOfMemory           the request needs a larger context than fits in memory
@@ -148,6 +149,20 @@ class EventStreamsBusy(TrioshedError):
     def __init__(self, limit: int) -> None:
         super().__init__(
             f"{limit} status pages already follow GET /api/events (the most at once); close one, or try again later",
+            headers={"Retry-After": "5"},
+        )
+
+
+class OutOfFiles(TrioshedError):
+    """The process (or the system) has no file descriptor left for a file it must open: a
+    passing condition (many connections at once), so 503 with a retry, never a 500."""
+
+    status = 503
+
+    def __init__(self, what: str) -> None:
+        super().__init__(
+            f"cannot {what}: trioshed has too many files open; try again shortly, or raise its "
+            "open-file limit (LimitNOFILE in the service, ulimit -n)",
             headers={"Retry-After": "5"},
         )
 

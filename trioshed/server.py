@@ -14,6 +14,7 @@ import functools
 import logging
 import os
 import signal
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -183,7 +184,7 @@ async def serve(
     quart_app = create_app(state)  # installs the gate's key rebuild, state.reload_keys
     assert state.reload_keys is not None
     state.key_sync = KeySync(state.usage, settings.keys_file, reload=state.reload_keys)
-    fast = quart_app.config["TRIOSHED_FAST"] if settings.fast_routes else None
+    fast = quart_app.config["TRIOSHED_FAST"]  # the generating routes (TRIOSHED_FAST_ROUTES) and blob uploads
     app = Drain(quart_app, idle_timeout=settings.stream_idle_timeout, fast=fast)  # type: ignore[arg-type]
     config = hypercorn_config(settings)
     connections = ConnectionStats(settings.max_connections)
@@ -207,41 +208,57 @@ async def serve(
         ", ".join(s.address for s in settings.rpc_servers) or "none",
     )
     http_stopped = trio.Event()
-    async with trio.open_nursery() as nursery:
-        await nursery.start(log_tail.run_installed)
-        await nursery.start(state.usage.run)  # cancelled last: writes what is left (shielded)
-        await nursery.start(state.key_sync.run)  # the store's keys in force before listening, then polled
-        await nursery.start(scheduler.run)
-        nursery.start_soon(run_timeline, scheduler, state.timeline)  # the status page's last hour
-        if links := state.store.links_out():
-            log.warning(
-                "not serving %d model file(s) that are symlinks out of the store: %s; name them in "
-                "models.toml, or set TRIOSHED_ALLOW_SYMLINKS=1 to follow such links",
-                len(links), ", ".join(str(p) for p in links),
-            )  # fmt: skip
-        catalogue = state.store.catalogue()  # parsed now: its problems are logged at start-up
-        if catalogue.entries or catalogue.problems:
-            log.info(
-                "models.toml: %d models, %d problems, %d to preload",
-                len(catalogue.entries), len(catalogue.problems), len(catalogue.preload),
-            )  # fmt: skip
-        await preload_models(state)  # before listening: the first request finds them loaded
-        if handle_signals:
-            nursery.start_soon(_receive_signals, app)
-            nursery.start_soon(reload_on_sighup, state)
-        nursery.start_soon(_drain_on_request, app, scheduler, settings.shutdown_timeout, http_stopped)
-        nursery.start_soon(trim_when_quiet, scheduler.wait_changed, partial(_idle, scheduler))
-        async with trio.open_nursery() as http_nursery:
-            urls = await http_nursery.start(partial(serve_http, app, config, connections, shutdown_trigger=http_stopped.wait))
-            urls = [u.replace("0.0.0.0", "127.0.0.1") for u in urls]
-            log.info("trioshed listening on %s", ", ".join(urls))
-            systemd.notify("READY=1")
-            nursery.start_soon(systemd.run_notifier, partial(_status, scheduler, app))
-            task_status.started(Server(settings, state, urls, devices, app, connections))
-        # hypercorn has finished its graceful shutdown: now stop and reap the runners
-        systemd.notify("STOPPING=1")
-        nursery.cancel_scope.cancel(reason="shutdown")
+    # The usage writer outlives every request: shielded from a cancellation of serve(), it is
+    # stopped (and writes what is left) only once the nursery holding hypercorn has ended.
+    usage_scope = trio.CancelScope(shield=True)
+    async with trio.open_nursery() as outer:
+        await outer.start(_run_in, usage_scope, state.usage.run)
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(log_tail.run_installed)
+                await nursery.start(state.writer.run)  # the store's writer: pulls, creates, pushes run there
+                await nursery.start(state.key_sync.run)  # the store's keys in force before listening, then polled
+                await nursery.start(scheduler.run)
+                nursery.start_soon(run_timeline, scheduler, state.timeline)  # the status page's last hour
+                if links := state.store.links_out():
+                    log.warning(
+                        "not serving %d model file(s) that are symlinks out of the store: %s; name them in "
+                        "models.toml, or set TRIOSHED_ALLOW_SYMLINKS=1 to follow such links",
+                        len(links), ", ".join(str(p) for p in links),
+                    )  # fmt: skip
+                catalogue = state.store.catalogue()  # parsed now: its problems are logged at start-up
+                if catalogue.entries or catalogue.problems:
+                    log.info(
+                        "models.toml: %d models, %d problems, %d to preload",
+                        len(catalogue.entries), len(catalogue.problems), len(catalogue.preload),
+                    )  # fmt: skip
+                await preload_models(state)  # before listening: the first request finds them loaded
+                if handle_signals:
+                    nursery.start_soon(_receive_signals, app)
+                    nursery.start_soon(reload_on_sighup, state)
+                nursery.start_soon(_drain_on_request, app, scheduler, settings.shutdown_timeout, http_stopped)
+                nursery.start_soon(trim_when_quiet, scheduler.wait_changed, partial(_idle, scheduler))
+                async with trio.open_nursery() as http_nursery:
+                    urls = await http_nursery.start(partial(serve_http, app, config, connections, shutdown_trigger=http_stopped.wait))
+                    urls = [u.replace("0.0.0.0", "127.0.0.1") for u in urls]
+                    log.info("trioshed listening on %s", ", ".join(urls))
+                    systemd.notify("READY=1")
+                    nursery.start_soon(systemd.run_notifier, partial(_status, scheduler, app))
+                    task_status.started(Server(settings, state, urls, devices, app, connections))
+                # hypercorn has finished its graceful shutdown: now stop and reap the runners
+                systemd.notify("STOPPING=1")
+                nursery.cancel_scope.cancel(reason="shutdown")
+        finally:
+            usage_scope.cancel(reason="every request has ended")
     log.info("trioshed stopped")
+
+
+async def _run_in(
+    scope: trio.CancelScope, run: Callable[..., Awaitable[None]], *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """``run(task_status=...)`` inside ``scope``."""
+    with scope:
+        await run(task_status=task_status)
 
 
 async def _drain_on_request(drain: Drain, scheduler: Scheduler, grace: float, http_stopped: trio.Event) -> None:

@@ -42,7 +42,6 @@ BODY_TIMEOUT = 120  # seconds for a whole request body (408 after): 32 MiB at >=
 
 def create_app(state: AppState) -> QuartTrio:
     app = QuartTrio("trioshed", static_folder=None)  # no /static/<path> route: nothing static is served
-    app.request_class = manage.StoreRequest  # blob uploads stream past TRIOSHED_MAX_BODY
     app.config["TRIOSHED"] = state
     app.config["RESPONSE_TIMEOUT"] = None  # token streams may run for many minutes
     app.config["BODY_TIMEOUT"] = BODY_TIMEOUT
@@ -77,18 +76,19 @@ def create_app(state: AppState) -> QuartTrio:
     # (which traces every request itself). Quart's ASGI types are narrower than the plain dicts.
     quart_asgi: ASGIApp = app.asgi_app  # type: ignore[assignment]
     app.asgi_app = wrapper.traced_app(quart_asgi)  # type: ignore[method-assign,assignment]
+    generating = {
+        "/api/generate": ollama.generate,
+        "/api/chat": ollama.chat,
+        "/v1/chat/completions": openai.chat_completions,
+        "/v1/completions": openai.completions,
+        "/v1/messages": anthropic.messages,
+        "/v1/responses": responses.responses,
+    }
     app.config["TRIOSHED_FAST"] = fast.FastPath(
         quart_asgi,
         state,
         wrapper,
-        {
-            "/api/generate": ollama.generate,
-            "/api/chat": ollama.chat,
-            "/v1/chat/completions": openai.chat_completions,
-            "/v1/completions": openai.completions,
-            "/v1/messages": anthropic.messages,
-            "/v1/responses": responses.responses,
-        },
+        generating if state.settings.fast_routes else {},  # blob uploads are served there always
         body_timeout=BODY_TIMEOUT,
     )
 

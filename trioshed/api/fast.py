@@ -5,7 +5,8 @@ for the body and one for the answer, matches the URL and runs the hooks; per str
 adds a layer to the send path. On the generating routes (``POST`` ``/api/generate``,
 ``/api/chat``, ``/v1/chat/completions``, ``/v1/completions``, ``/v1/messages``,
 ``/v1/responses``) that is most of what trioshed spends besides the relay itself, so
-:class:`FastPath` serves them directly:
+:class:`FastPath` serves them directly (and blob uploads, whose bodies must be read as they are
+written out: :mod:`trioshed.api.upload`):
 
 1. the same :class:`~trioshed.api.wrapper.RequestWrapper` as the Quart hooks: the trace, the
    gate (Origin, Host, key, announced size and type, rate), errors and CORS;
@@ -33,6 +34,7 @@ from typing import Any
 import trio
 from quart import Response
 
+from trioshed.api import upload
 from trioshed.api.bodypump import run_with_pump
 from trioshed.api.preamble import fast_request
 from trioshed.api.state import AppState
@@ -46,9 +48,10 @@ Handler = Callable[[], Awaitable[Any]]
 
 
 class FastPath:
-    """Serves ``handlers`` (path -> the Quart view function of ``POST path``) without Quart;
-    everything else, and what is not the plain case, goes to ``app`` (the Quart app's own ASGI
-    callable, untraced: every request is traced here, once, by ``wrapper``)."""
+    """Serves ``handlers`` (path -> the Quart view function of ``POST path``) and blob uploads
+    (:mod:`trioshed.api.upload`, always: their bodies must not go through Quart's) without
+    Quart; everything else, and what is not the plain case, goes to ``app`` (the Quart app's own
+    ASGI callable, untraced: every request is traced here, once, by ``wrapper``)."""
 
     def __init__(
         self,
@@ -82,23 +85,45 @@ class FastPath:
         with self.wrapper.traced(scope, send) as traced_send:
             if self.wants(scope):
                 await self._serve(scope, receive, traced_send)
+            elif scope["type"] == "http" and upload.wants(scope):
+                await self._upload(scope, receive, traced_send)
             else:
                 await self.delegate(scope, receive, traced_send)
 
-    async def _serve(self, scope: Message, receive: Receive, send: Send) -> None:
+    def _enter(self, scope: Message, route: str) -> tuple[Entry, Headers, int | None] | None:
+        """The gate's entry (not counted yet), the header lookup and the announced length; None
+        when the gate refuses (Quart then answers it, after the same checks)."""
         headers: dict[str, str] = {}
         for name, value in scope["headers"]:
             headers.setdefault(name.decode("latin-1").lower(), value.decode("latin-1"))
         get = lambda name: headers.get(name.lower())  # noqa: E731
-        path, method = scope["path"], scope["method"]
         try:
-            length = (
-                None if "transfer-encoding" in headers else int(headers.get("content-length", "0"))
-            )
-            entry = self.wrapper.enter(method, path, get, length, route=path, count=False)
+            length = None if "transfer-encoding" in headers else int(headers.get("content-length", "0"))
+            entry = self.wrapper.enter(scope["method"], scope["path"], get, length, route=route, count=False)
         except (TrioshedError, ValueError):
+            return None
+        return entry, get, length
+
+    async def _upload(self, scope: Message, receive: Receive, send: Send) -> None:
+        """A blob upload, streamed to disk in constant memory (:mod:`trioshed.api.upload`)."""
+        entered = self._enter(scope, upload.ROUTE)
+        if entered is None:
+            await self.delegate(scope, receive, send)
+            return
+        entry, get, length = entered
+
+        async def app(scope: Message, receive: Receive, send: Send) -> None:
+            await upload.serve_upload(self.wrapper, entry, scope, receive, send, get, length)
+
+        await run_with_pump(app, scope, receive, send)
+
+    async def _serve(self, scope: Message, receive: Receive, send: Send) -> None:
+        path, method = scope["path"], scope["method"]
+        entered = self._enter(scope, path)
+        if entered is None:
             await self.delegate(scope, receive, send)  # the same checks there, and their answer
             return
+        entry, get, _ = entered
         read: list[Message] = []
         body = bytearray()
         with trio.move_on_after(self.body_timeout):

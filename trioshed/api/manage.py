@@ -1,9 +1,10 @@
 """Ollama's model-management routes: blobs, create, copy, delete, push (pull is :mod:`trioshed.api.pull`).
 
 * ``HEAD /api/blobs/sha256:<hex>``: 200 when the blob is in trioshed's store (``pulled/``), 404
-  when not. ``POST``: the upload, streamed to a partial file while it is hashed, renamed into
-  place only when its sha256 matches (201; 200 when it was there already; 400 on a mismatch,
-  nothing kept; 413 above 2 TiB; 507 when the disk has no room). See :mod:`trioshed.models.blobs`.
+  when not. ``POST``: the upload, served as plain ASGI by :mod:`trioshed.api.upload` (in
+  constant memory), streamed to a partial file while it is hashed, renamed into place only when
+  its sha256 matches (201; 200 when it was there already; 400 on a mismatch, nothing kept; 413
+  above 2 TiB; 507 when the disk has no room). See :mod:`trioshed.models.blobs`.
 * ``POST /api/create``: Ollama's fields (``model``, ``from``, ``files``, ``adapters``,
   ``template``, ``system``, ``license``, ``parameters``, ``messages``, ``quantize``) or the older
   ``modelfile`` text; checked whole before the answer starts (400/403/404/501), then streamed
@@ -28,20 +29,17 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from functools import partial
+from typing import Any
 
 import trio
 from quart import Blueprint, Response, request
-from quart_trio.wrappers.request import TrioRequest
 
 from trioshed.api.preamble import read_body, state, store_writer
 from trioshed.api.protocols.errors import ollama_error
-from trioshed.errors import BadRequest, Forbidden, TrioshedError
-from trioshed.models.blobs import MAX_BLOB, has_blob, receive_blob
-from trioshed.models.create import Creator, Prepared
-
-if TYPE_CHECKING:  # imported by the first push: with its HTTP client, memory an idle server never needs
-    from trioshed.models import push as pushing
+from trioshed.errors import BadRequest, NotSupported, TrioshedError
+from trioshed.models.blobs import has_blob
+from trioshed.models.writer import Lines
 
 log = logging.getLogger(__name__)
 bp = Blueprint("manage", __name__)
@@ -52,16 +50,6 @@ HOW_TO_ADD = (
     "GGUF file into the model store (TRIOSHED_MODELS; NAME.gguf is model NAME), or point TRIOSHED_MODELS at an existing "
     "Ollama store (e.g. ~/.ollama/models, several folders separated by ':')"
 )
-
-
-class StoreRequest(TrioRequest):
-    """Quart's request, whose body may be as large as a blob on ``/api/blobs/`` (it is streamed
-    to disk there, never held); every other route keeps ``TRIOSHED_MAX_BODY``."""
-
-    def __init__(self, method: str, scheme: str, path: str, *args: Any, **kwargs: Any) -> None:
-        if method == "POST" and path.startswith("/api/blobs/"):
-            kwargs["max_content_length"] = MAX_BLOB
-        super().__init__(method, scheme, path, *args, **kwargs)
 
 
 def _name(body: dict[str, object], *keys: str) -> str:
@@ -84,7 +72,7 @@ async def delete() -> Response:
     spec = await trio.to_thread.run_sync(st.store.find_for_delete, name)
     if not await trio.to_thread.run_sync(st.store.shares_file, spec):
         await st.scheduler.unload(spec)  # waits until its runners have exited
-    await trio.to_thread.run_sync(st.store.delete, name)
+    await st.writer.change(lambda claimed: st.store.delete(name, protect=claimed))
     return Response("", status=200)
 
 
@@ -94,30 +82,21 @@ async def copy() -> Response:
     body = await read_body()
     source = _name(body, "source")
     destination = _name(body, "destination")
-    await trio.to_thread.run_sync(st.store.copy, source, destination)
+    await st.writer.change(lambda _: st.store.copy(source, destination))
     return Response("", status=200)
 
 
 @bp.route("/api/blobs/<digest>", methods=["HEAD", "POST"])
 async def blobs(digest: str) -> Response:
-    if request.method == "HEAD":
-        st = state()
-        root = st.store.pull_root
-        found = root is not None and await trio.to_thread.run_sync(has_blob, root, digest)
-        return Response("", status=200 if found else 404)
-    st = store_writer()
+    """``HEAD``. ``POST`` (the upload) is served as plain ASGI before Quart sees it
+    (:mod:`trioshed.api.upload`: Quart would hold the whole body in memory); it is routed here
+    too so that Quart answers a refused upload (the gate's 401/403/429) as it answers any route."""
+    if request.method != "HEAD":
+        raise NotSupported("blob uploads are served by trioshed's upload path, not through this application")
+    st = state()
     root = st.store.pull_root
-    if root is None:
-        raise Forbidden("blob uploads need a folder store to write into (its pulled/ folder); every folder in "
-                        "TRIOSHED_MODELS is a read-only Ollama store", headers={"Connection": "close"})  # fmt: skip
-    if await trio.to_thread.run_sync(has_blob, root, digest):
-        return Response("", status=200, headers={"Connection": "close"})  # the body is not read
-    try:
-        new = await receive_blob(root, digest, aiter(request.body), length=request.content_length)
-    except TrioshedError as exc:
-        exc.headers = {**(exc.headers or {}), "Connection": "close"}  # the rest of the body is not read
-        raise
-    return Response("", status=201 if new else 200)
+    found = root is not None and await trio.to_thread.run_sync(has_blob, root, digest)
+    return Response("", status=200 if found else 404)
 
 
 @bp.post("/api/create")
@@ -129,22 +108,28 @@ async def create() -> Response:
         raise BadRequest('"stream" must be true or false')
     creator = st.creator()
     prepared = await creator.prepare(body)
+    lines = st.writer.start(partial(creator.run, prepared))
     if not stream:
-        async for _ in creator.run(prepared):
-            pass
+        async with lines:
+            async for _ in lines:
+                pass
         return Response(json.dumps({"status": "success"}), content_type="application/json")
-    response = Response(_progress(creator, prepared), content_type=NDJSON)
+    response = Response(progress_body(lines, f"create of {prepared.request.name.display()}"), content_type=NDJSON)
     response.timeout = None  # copying a large model file outlasts Quart's RESPONSE_TIMEOUT
     return response
 
 
-async def _progress(creator: Creator, prepared: Prepared) -> AsyncIterator[bytes]:
-    try:
-        async for line in creator.run(prepared):
-            yield _line(line)
-    except TrioshedError as exc:
-        log.warning("create of %s failed: %s", prepared.request.name.display(), exc.message)
-        yield _line(ollama_error(exc.status, exc.message))
+async def progress_body(lines: Lines, what: str) -> AsyncIterator[bytes]:
+    """A store operation's progress lines as NDJSON (a streamed body), its error as the last
+    line. The operation runs as a task of the store writer (:mod:`trioshed.models.writer`): this
+    body only reads a channel, and closing it (the client left) cancels the operation there."""
+    async with lines:
+        try:
+            async for line in lines:
+                yield _line(line)
+        except TrioshedError as exc:
+            log.warning("%s failed: %s", what, exc.message)
+            yield _line(ollama_error(exc.status, exc.message))
 
 
 @bp.post("/api/push")
@@ -159,21 +144,12 @@ async def push() -> Response:
     from trioshed.models import push as pushing
 
     prepared = await pushing.prepare(st.store, name, insecure=insecure)
+    lines = st.writer.start(partial(pushing.run, prepared, writer=st.writer))
     if not stream:
-        async for _ in pushing.run(prepared):
-            pass
+        async with lines:
+            async for _ in lines:
+                pass
         return Response(json.dumps({"status": "success"}), content_type="application/json")
-    response = Response(_pushing(prepared), content_type=NDJSON)
+    response = Response(progress_body(lines, f"push of {prepared.session.target.display}"), content_type=NDJSON)
     response.timeout = None  # a push of gigabytes outlasts Quart's RESPONSE_TIMEOUT
     return response
-
-
-async def _pushing(prepared: pushing.Prepared) -> AsyncIterator[bytes]:
-    from trioshed.models import push as pushing
-
-    try:
-        async for line in pushing.run(prepared):
-            yield _line(line)
-    except TrioshedError as exc:
-        log.warning("push of %s failed: %s", prepared.session.target.display, exc.message)
-        yield _line(ollama_error(exc.status, exc.message))

@@ -16,17 +16,14 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from functools import partial
+from typing import Any
 
 from quart import Blueprint, Response
 
+from trioshed.api.manage import progress_body
 from trioshed.api.preamble import read_body, store_writer
-from trioshed.api.protocols.errors import ollama_error
-from trioshed.errors import BadRequest, TrioshedError
-
-if TYPE_CHECKING:  # the puller is made (and its module imported) by the first pull
-    from trioshed.models.pull import Prepared, Puller
+from trioshed.errors import BadRequest
 
 log = logging.getLogger(__name__)
 bp = Blueprint("pull", __name__)
@@ -50,19 +47,12 @@ async def pull() -> Response:
         raise BadRequest('"insecure" and "stream" must be true or false')
     puller = st.puller()
     prepared = await puller.prepare(name, insecure=insecure)
+    lines = st.writer.start(partial(puller.run, prepared))
     if not stream:
-        async for _ in puller.run(prepared):
-            pass
+        async with lines:
+            async for _ in lines:
+                pass
         return Response(json.dumps({"status": "success"}), content_type="application/json")
-    response = Response(_progress(puller, prepared), content_type=NDJSON)
+    response = Response(progress_body(lines, f"pull of {prepared.plan.target.display}"), content_type=NDJSON)
     response.timeout = None  # a pull of gigabytes outlasts Quart's 60 s RESPONSE_TIMEOUT
     return response
-
-
-async def _progress(puller: Puller, prepared: Prepared) -> AsyncIterator[bytes]:
-    try:
-        async for line in puller.run(prepared):
-            yield _line(line)
-    except TrioshedError as exc:
-        log.warning("pull of %s failed: %s", prepared.plan.target.display, exc.message)
-        yield _line(ollama_error(exc.status, exc.message))

@@ -18,6 +18,7 @@ from trioshed.models.create import Creator
 from trioshed.models.gguf_meta import GGUFMetadata, unreadable
 from trioshed.models.header_cache import header_of, read_header, writes_text
 from trioshed.models.stores import Stores
+from trioshed.models.writer import StoreWriter
 from trioshed.runner.command import parse_model_args
 from trioshed.runner.slots import WarmReturns
 from trioshed.scheduler import Scheduler
@@ -48,6 +49,8 @@ class AppState:
     #: re-read the keys file (the gate installs it; SIGHUP calls it)
     reload_keys: Callable[[], object] | None = None
     keys: tuple[ApiKey, ...] = ()  # the API keys in force (the gate's, reloaded on SIGHUP)
+    #: the one writer of the store's manifests and blob deletions (serve() runs its task)
+    writer: StoreWriter = field(default_factory=StoreWriter)
     _puller: Puller | None = None
     _creator: Creator | None = None
 
@@ -57,7 +60,7 @@ class AppState:
         if self._puller is None:
             from trioshed.models.pull import Puller
 
-            self._puller = Puller(self.store.pull_root)
+            self._puller = Puller(self.store.pull_root, writer=self.writer)
         return self._puller
 
     def request_finished(self, trace: RequestTrace, duration: float) -> None:
@@ -73,7 +76,7 @@ class AppState:
     def creator(self) -> Creator:
         """The server's one :class:`Creator` (creates write one at a time)."""
         if self._creator is None:
-            self._creator = Creator(self.store)
+            self._creator = Creator(self.store, self.writer)
         return self._creator
 
     def runner_options(self, model: ModelSpec, overrides: dict[str, Any], need: int = 0) -> RunnerOptions:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
+import sqlite3
 import time
 from datetime import UTC, datetime
 from typing import Any
@@ -22,6 +24,7 @@ from quart import Blueprint, Response, request
 from trioshed.api.preamble import state
 from trioshed.errors import BadRequest, Forbidden, TrioshedError
 from trioshed.keys import ApiKey, current_key
+from trioshed.usage.recorder import describe
 
 bp = Blueprint("usage", __name__)
 
@@ -29,6 +32,9 @@ FIELDS = ("key", "model", "start", "requests", "prompt_tokens", "cached_tokens",
 
 
 class UsageUnavailable(TrioshedError):
+    """The usage database cannot be read now (locked, unreadable, corrupt): 503, in the
+    protocol's error shape."""
+
     status = 503
 
 
@@ -37,9 +43,13 @@ def parse_time(name: str, value: str | None) -> float | None:
     if value is None or value == "":
         return None
     try:
-        return float(value)
+        seconds = float(value)
     except ValueError:
         pass
+    else:
+        if not math.isfinite(seconds):
+            raise BadRequest(f"{name}={value[:40]!r} is not a time: use RFC 3339, YYYY-MM-DD or Unix seconds")
+        return seconds
     try:
         when = datetime.fromisoformat(value.replace("Z", "+00:00"))
     except ValueError:
@@ -85,8 +95,10 @@ async def usage() -> Response:
     if st.usage is not None and st.usage.db is not None:
         try:
             rows = await st.usage.query(by=by, key=who, model=args.get("model"), node=args.get("node"), since=since, until=until)
-        except OSError as exc:
+        except OSError as exc:  # the database could not be opened (the recorder says why)
             raise UsageUnavailable(f"usage cannot be read now: {exc}") from None
+        except sqlite3.Error as exc:  # it opened, then the read failed (locked, damaged since)
+            raise UsageUnavailable(f"usage cannot be read now: the usage database {describe(exc)}") from None
     rows = [{**r, "start": _iso(r["start"]), "seconds": round(r["seconds"], 3)} for r in rows]
     if form == "csv":
         out = io.StringIO()

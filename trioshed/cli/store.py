@@ -15,7 +15,7 @@ import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from trioshed.cli.client import (
     CommandError,
@@ -59,9 +59,11 @@ def pull_here(args: argparse.Namespace, settings: Settings, view: PullView) -> i
     root = Stores(settings.models).pull_root
     say(f"no server at {settings.host}:{settings.port}: pulling into {root or settings.models} directly")
 
+    async def show(line: dict[str, Any]) -> None:
+        print(view.feed(line), end="", file=sys.stderr, flush=True)
+
     async def pull() -> None:
-        async for line in Puller(root).pull(args.model, insecure=args.insecure):
-            print(view.feed(line), end="", file=sys.stderr, flush=True)
+        await Puller(root).pull(args.model, show, insecure=args.insecure)
 
     try:
         trio.run(pull)

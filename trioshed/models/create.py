@@ -28,7 +28,6 @@ import errno
 import json
 import logging
 import re
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,6 +57,7 @@ from trioshed.models.gguf_meta import GGUFError, human_params, read_metadata
 from trioshed.models.pull_plan import CONFIG_V1, MANIFEST_V2, manifest_path_parts
 from trioshed.models.store import ModelStore
 from trioshed.models.stores import Stores, manifest_blobs, prune_blobs
+from trioshed.models.writer import Report, StoreWriter
 
 log = logging.getLogger(__name__)
 
@@ -208,9 +208,10 @@ def _looks_like_path(text: str) -> bool:
 class Creator:
     """Creates models in the Ollama-layout store at ``root`` (a folder store's ``pulled/``)."""
 
-    def __init__(self, stores: Stores) -> None:
+    def __init__(self, stores: Stores, writer: StoreWriter | None = None) -> None:
         self.stores = stores
-        self._lock = trio.Lock()  # one create writes at a time (the prune sees every manifest)
+        #: the store's one writer: a create holds its lock while it writes (the prune sees every manifest)
+        self.writer = writer or StoreWriter()
 
     def _root(self) -> Path:
         root = self.stores.pull_root
@@ -348,16 +349,19 @@ class Creator:
             raise Conflict(f"'{name.display()}' is a model of the folder store {backend.root.name}/ (a GGUF file or a "
                            "models.toml entry), which would hide the created one: choose another name or delete it first")  # fmt: skip
 
-    async def run(self, prepared: Prepared) -> AsyncIterator[dict[str, Any]]:
-        """Progress lines while the layers and the manifest are written; on an error the blobs this
-        create added are removed again and the error raised."""
+    async def run(self, prepared: Prepared, report: Report) -> None:
+        """Report progress lines while the layers and the manifest are written; on an error
+        (cancellation included) the blobs this create added are removed again and the error
+        raised. Holds the store writer's lock throughout, in this one task (``report`` is a
+        channel send); run it as a writer task (:meth:`StoreWriter.start`)."""
         root = self._root()
-        async with self._lock:
+        async with self.writer.lock:
             created: list[str] = []
             try:
+                await trio.to_thread.run_sync(_check_present, root, prepared.layers)
                 layers = list(prepared.layers)
                 for media, path in prepared.imports:
-                    yield {"status": f"copying file {path.name}"}
+                    await report({"status": f"copying file {path.name}"})
                     digest, size, new = await trio.to_thread.run_sync(import_file, root, path)
                     if new:
                         created.append(digest)
@@ -370,7 +374,7 @@ class Creator:
                 layers = _ordered(layers)
                 for layer in layers:
                     verb = "creating new layer" if layer.digest in created else "using existing layer"
-                    yield {"status": f"{verb} {layer.digest}"}
+                    await report({"status": f"{verb} {layer.digest}"})
                 config = {**prepared.config, "rootfs": {"type": "layers", "diff_ids": [x.digest for x in layers]}}
                 config_bytes = json.dumps(config, sort_keys=True, separators=(",", ":")).encode()
                 config_digest, new = await trio.to_thread.run_sync(write_blob, root, config_bytes)
@@ -382,7 +386,7 @@ class Creator:
                     "config": {"mediaType": CONFIG_V1, "digest": config_digest, "size": len(config_bytes)},
                     "layers": [{"mediaType": x.media_type, "digest": x.digest, "size": x.size} for x in layers],
                 }
-                yield {"status": "writing manifest"}
+                await report({"status": "writing manifest"})
                 await trio.to_thread.run_sync(self._write, root, prepared.request.name, json.dumps(manifest).encode())
             except BaseException as exc:
                 with trio.CancelScope(shield=True):
@@ -392,7 +396,7 @@ class Creator:
                         raise InsufficientStorage(sum(x.size for x in prepared.layers), free_space(root), str(root)) from None
                     raise TrioshedError(f"cannot write the model into the store: {exc.strerror}; check the folder's permissions") from None
                 raise
-        yield {"status": "success"}
+        await report({"status": "success"})
 
     def _write(self, root: Path, name: o.OllamaName, data: bytes) -> None:
         parts = manifest_path_parts(name)
@@ -405,7 +409,16 @@ class Creator:
         except OSError as exc:
             raise TrioshedError(f"cannot write the manifest: {exc.strerror}; check the folder's permissions") from None
         keep = {Path(p).name for e in self.stores.catalogue().entries for p in (e.path, *e.adapters, e.projector or "") if p}
-        prune_blobs(root, replaced, keep=keep)  # the old manifest's layers nothing names any more
+        prune_blobs(root, replaced, keep=keep | self.writer.claimed())  # the old manifest's layers nothing names any more
+
+
+def _check_present(root: Path, layers: list[_Layer]) -> None:
+    """The blobs the create names that were in the store when it was checked are still there
+    (a delete may have removed them since; deletions wait for the lock this create holds now)."""
+    for layer in layers:
+        if not blob_path(root, layer.digest).is_file():
+            raise BadRequest(f"blob {layer.digest} is not in the store any more (a model that used it was deleted): "
+                             f"upload it again (POST /api/blobs/{layer.digest})")  # fmt: skip
 
 
 def _remove_blobs(root: Path, digests: list[str]) -> None:

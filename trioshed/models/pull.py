@@ -55,10 +55,9 @@ from __future__ import annotations
 import errno
 import logging
 import shutil
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import httpx
 import trio
@@ -84,6 +83,7 @@ from trioshed.models.registry_client import (
     open_get,
     session_for,
 )
+from trioshed.models.writer import Report, StoreWriter
 
 log = logging.getLogger(__name__)
 
@@ -142,8 +142,10 @@ class Puller:
         free_space: Callable[[Path], int] = _free_space,
         retries: int = 5,
         backoff: float = 0.5,
+        writer: StoreWriter | None = None,
     ) -> None:
         self.root = Path(root) if root is not None else None
+        self.writer = writer or StoreWriter()  # the store's one writer: claims, the manifest's lock
         self._registries = registries
         self._free_space = free_space
         self._retries = retries
@@ -204,10 +206,12 @@ class Puller:
 
     # -- step 2: the blobs and the manifest --------------------------------------------------
 
-    async def run(self, prepared: Prepared) -> AsyncIterator[dict[str, Any]]:
-        """Progress lines, in Ollama's shape, while the layers are fetched and the manifest
-        written. An error is raised (a :class:`TrioshedError`); what was verified stays, a
-        partial download stays for the next pull to resume, the manifest is not written.
+    async def run(self, prepared: Prepared, report: Report) -> None:
+        """Report progress lines, in Ollama's shape, while the layers are fetched and the
+        manifest written. An error is raised (a :class:`TrioshedError`); what was verified stays,
+        a partial download stays for the next pull to resume, the manifest is not written. The
+        layers are claimed from the store writer for the whole pull (a delete of another model
+        sharing one leaves it), the manifest written under its lock.
 
         Cancellation: the pull stops where it is; a blob it was downloading stays partial (a
         pull following that download takes it over)."""
@@ -216,49 +220,47 @@ class Puller:
         blobs = store / "blobs"
         try:
             await trio.to_thread.run_sync(lambda: blobs.mkdir(parents=True, exist_ok=True))
-            yield progress("pulling manifest")
-            async with open_client(session.insecure) as client:
-                for layer in plan.layers:
-                    async for line in self._fetch(client, session, blobs, layer):
-                        yield line
-            yield progress("verifying sha256 digest")
-            for layer in plan.layers:  # each was verified when it completed; check it is still whole
-                path = blobs / f"sha256-{layer.hex}"
-                size = await trio.to_thread.run_sync(lambda p=path: p.stat().st_size if p.is_file() else -1)  # type: ignore[misc]
-                if size != layer.size:
-                    raise RegistryError(f"blob {layer.short} changed while pulling ({size} bytes, {layer.size} expected); pull again")
-            yield progress("writing manifest")
-            await trio.to_thread.run_sync(self._write_manifest, store, plan)
+            await report(progress("pulling manifest"))
+            async with self.writer.claim(f"sha256-{layer.hex}" for layer in plan.layers):
+                async with open_client(session.insecure) as client:
+                    for layer in plan.layers:
+                        await self._fetch(client, session, blobs, layer, report)
+                await report(progress("verifying sha256 digest"))
+                for layer in plan.layers:  # each was verified when it completed; check it is still whole
+                    path = blobs / f"sha256-{layer.hex}"
+                    size = await trio.to_thread.run_sync(lambda p=path: p.stat().st_size if p.is_file() else -1)  # type: ignore[misc]
+                    if size != layer.size:
+                        raise RegistryError(f"blob {layer.short} changed while pulling ({size} bytes, {layer.size} expected); pull again")
+                await report(progress("writing manifest"))
+                await self.writer.change(lambda _: self._write_manifest(store, plan))
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
                 raise InsufficientStorage(plan.total, self._free_space(store if store.exists() else store.parent), str(store)) from None
             raise TrioshedError(f"cannot write the pulled model into {store}: {exc}; check the folder's permissions") from None
-        yield progress("success")
+        await report(progress("success"))
 
-    async def pull(self, name: object, *, insecure: bool = False) -> AsyncIterator[dict[str, Any]]:
+    async def pull(self, name: object, report: Report, *, insecure: bool = False) -> None:
         """Both steps: what ``trioshed pull`` without a server, and tests, use."""
         prepared = await self.prepare(name, insecure=insecure)
-        async for line in self.run(prepared):
-            yield line
+        await self.run(prepared, report)
 
     def _write_manifest(self, store: Path, plan: Plan) -> None:
         write_manifest(store, manifest_path_parts(plan.target.name), plan.manifest)
 
-    async def _fetch(self, client: httpx.AsyncClient, session: Session, blobs: Path, layer: Layer) -> AsyncIterator[dict[str, Any]]:
+    async def _fetch(self, client: httpx.AsyncClient, session: Session, blobs: Path, layer: Layer, report: Report) -> None:
         status = f"pulling {layer.short}"
         check_digest(layer.digest)
         final = blobs / f"sha256-{layer.hex}"
         while True:
             if await trio.to_thread.run_sync(final.is_file):
-                yield progress(status, layer)
+                await report(progress(status, layer))
                 return
             download = self._downloads.get(layer.digest)
             if download is None:
                 download = self._downloads[layer.digest] = _Download(layer)
                 error: BaseException | None = None
                 try:
-                    async for completed in self._download(client, session, blobs, layer, download):
-                        yield progress(status, layer, completed)
+                    await self._download(client, session, blobs, layer, download, lambda completed: report(progress(status, layer, completed)))
                 except BaseException as exc:
                     error = exc
                     raise
@@ -268,17 +270,18 @@ class Puller:
                 continue  # the blob is in place now: its last line says so
             # another pull downloads it: follow its progress
             while not download.done.is_set():
-                yield progress(status, layer, download.completed)
+                await report(progress(status, layer, download.completed))
                 await download.wait_changed()
             if isinstance(download.error, TrioshedError):
                 raise _copy_error(download.error)
             # finished, or its owner was cancelled (then this pull takes over from the partial file)
 
     async def _download(
-        self, client: httpx.AsyncClient, session: Session, blobs: Path, layer: Layer, download: _Download
-    ) -> AsyncIterator[int]:
-        """Bytes completed, as they arrive; then verify and rename. A layer made here (``data``)
-        is written at once."""
+        self, client: httpx.AsyncClient, session: Session, blobs: Path, layer: Layer, download: _Download,
+        step: Callable[[int], Awaitable[None]],
+    ) -> None:
+        """``step`` the bytes completed, as they arrive; then verify and rename. A layer made
+        here (``data``) is written at once."""
         partial = blobs / f"sha256-{layer.hex}-partial"
         final = blobs / f"sha256-{layer.hex}"
         if layer.data is not None:
@@ -288,15 +291,16 @@ class Puller:
             have = 0
             await trio.to_thread.run_sync(partial.unlink)
         download.advance(have)
-        yield have
+        await step(have)
         failures = 0
         url = session.blob_url(layer)
         while have < layer.size:
+            async def received(got: int) -> None:
+                download.advance(got)
+                await step(got)
+
             try:
-                async for got in self._receive(client, session, url, partial, layer, have):
-                    have = got
-                    download.advance(have)
-                    yield have
+                have = await self._receive(client, session, url, partial, layer, have, received)
             except _Interrupted as exc:
                 have = exc.have
                 failures += 1
@@ -316,9 +320,11 @@ class Puller:
             )
 
     async def _receive(
-        self, client: httpx.AsyncClient, session: Session, url: str, partial: Path, layer: Layer, have: int
-    ) -> AsyncIterator[int]:
-        """One GET of the rest of the blob (``Range`` from ``have``), appended to the partial file."""
+        self, client: httpx.AsyncClient, session: Session, url: str, partial: Path, layer: Layer, have: int,
+        step: Callable[[int], Awaitable[None]],
+    ) -> int:
+        """One GET of the rest of the blob (``Range`` from ``have``), appended to the partial
+        file, ``step`` the bytes completed as they are written; returns them at the end."""
         headers = {"Range": f"bytes={have}-"} if have else {}
         try:
             async with open_get(client, session, url, headers=headers) as response:
@@ -348,7 +354,7 @@ class Puller:
                             await trio.to_thread.run_sync(f.write, pending)
                             have += len(pending)
                             pending.clear()
-                            yield have
+                            await step(have)
                 finally:
                     with trio.CancelScope(shield=True):
                         try:
@@ -358,7 +364,7 @@ class Puller:
                         finally:
                             await trio.to_thread.run_sync(f.close)
                 if pending:
-                    yield have
+                    await step(have)
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
                 free = await trio.to_thread.run_sync(self._free_space, partial.parent)
@@ -368,6 +374,7 @@ class Puller:
             raise _Interrupted(have, f"{type(exc).__name__}: {exc}") from None
         if have < layer.size:
             raise _Interrupted(have, "the connection closed early")
+        return have
 
 
 class _Interrupted(Exception):

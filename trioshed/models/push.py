@@ -16,10 +16,8 @@ Progress in Ollama's shape: ``retrieving manifest``, ``pushing <12 hex>`` with
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 from urllib.parse import urljoin
 
 import httpx
@@ -38,6 +36,7 @@ from trioshed.models.pull_plan import (
 )
 from trioshed.models.registry_client import Registries, Session, open_client, send, session_for
 from trioshed.models.stores import Stores
+from trioshed.models.writer import Report, StoreWriter
 
 PUSH_CHUNK = 16 << 20  # bytes sent per PATCH of a blob upload (and the progress granularity)
 
@@ -78,16 +77,24 @@ async def prepare(stores: Stores, name: object, *, insecure: bool = False, regis
     return await trio.to_thread.run_sync(find)
 
 
-async def run(prepared: Prepared) -> AsyncIterator[dict[str, Any]]:
+async def run(prepared: Prepared, report: Report, writer: StoreWriter) -> None:
+    """Report progress lines while each blob and then the manifest are sent. The blobs are
+    claimed from the store ``writer`` meanwhile: a delete of another model sharing one leaves it."""
+    async with writer.claim(path.name for _, path in prepared.layers):
+        await _send_all(prepared, report)
+    await report(progress("success"))
+
+
+async def _send_all(prepared: Prepared, report: Report) -> None:
     session = prepared.session
     repo = f"{session.base}/v2/{session.target.repository}"
-    yield progress("retrieving manifest")
+    await report(progress("retrieving manifest"))
     async with open_client(session.insecure) as client:
         for layer, path in prepared.layers:
             status = f"pushing {layer.short}"
             head = await send(client, session, "HEAD", f"{repo}/blobs/{layer.digest}")
             if head.status_code == 200:
-                yield progress(status, layer)
+                await report(progress(status, layer))
                 continue
             if head.status_code not in (404, 401, 403):
                 _refused(head, f"blob {layer.short}")
@@ -97,7 +104,7 @@ async def run(prepared: Prepared) -> AsyncIterator[dict[str, Any]]:
             location = started.headers.get("location")
             if not location:
                 raise RegistryError("the registry started an upload without a Location; nothing was pushed")
-            yield progress(status, layer, 0)
+            await report(progress(status, layer, 0))
             sent = 0
             f = await trio.to_thread.run_sync(open, path, "rb")
             try:
@@ -111,19 +118,18 @@ async def run(prepared: Prepared) -> AsyncIterator[dict[str, Any]]:
                         _refused(patched, f"blob {layer.short}")
                     location = patched.headers.get("location") or location
                     sent += len(chunk)
-                    yield progress(status, layer, sent)
+                    await report(progress(status, layer, sent))
             finally:
                 await trio.to_thread.run_sync(f.close)
             url = httpx.URL(urljoin(f"{repo}/", location)).copy_merge_params({"digest": layer.digest})
             put = await send(client, session, "PUT", str(url), headers={"Content-Length": "0"})
             if put.status_code not in (201, 204):
                 _refused(put, f"blob {layer.short}")
-        yield progress("pushing manifest")
+        await report(progress("pushing manifest"))
         answer = await send(client, session, "PUT", f"{repo}/manifests/{session.target.name.tag}", content=prepared.manifest,
                             headers={"Content-Type": MANIFEST_V2})  # fmt: skip
         if answer.status_code not in (200, 201, 202):
             _refused(answer, "the manifest")
-    yield progress("success")
 
 
 def _refused(response: httpx.Response, what: str) -> None:

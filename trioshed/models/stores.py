@@ -163,10 +163,12 @@ class Stores:
         ``spec.name`` leaves its runner loaded for the others)."""
         return any(s.path == spec.path and s.name != spec.name for s in self.list())
 
-    def delete(self, name: str) -> ModelSpec:
+    def delete(self, name: str, *, protect: frozenset[str] = frozenset()) -> ModelSpec:
         """Remove the name ``name``, as Ollama removes one name and leaves the others: an alias
         leaves its entry's ``aliases``; an entry's own name goes with its table (its first alias,
-        if any, takes the table over); a plain ``NAME.gguf`` is removed."""
+        if any, takes the table over); a plain ``NAME.gguf`` is removed. The blobs in ``protect``
+        (claimed by a pull or push in progress: :class:`~trioshed.models.writer.StoreWriter`)
+        are never removed."""
         with self._lock:
             spec = self.find_for_delete(name)
             backend, _ = self._find(name)
@@ -174,7 +176,7 @@ class Stores:
                 assert isinstance(spec.origin, OllamaManifest)
                 entries = self.catalogue().entries  # a models.toml entry may name a pulled blob (/api/copy)
                 keep = {Path(p).name for e in entries for p in (e.path, *e.adapters, e.projector or "") if p}
-                remove_pulled(backend.root, Path(spec.origin.path), keep=keep)
+                remove_pulled(backend.root, Path(spec.origin.path), keep=keep | protect)
                 return spec
             entry = backend.catalogue().lookup(spec.name)
             if entry is None:

@@ -113,6 +113,12 @@ class StandIn:
     # -- serving -------------------------------------------------------------------------------
 
     async def _handle(self, stream: trio.SocketStream) -> None:
+        try:
+            await self._serve_one(stream)
+        except trio.BrokenResourceError:
+            pass  # the client left mid-answer (a cancelled pull), as clients of a registry do
+
+    async def _serve_one(self, stream: trio.SocketStream) -> None:
         async with stream:
             data = b""
             while b"\r\n\r\n" not in data:
