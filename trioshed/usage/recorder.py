@@ -226,18 +226,19 @@ class UsageRecorder:
 
     async def call(self, fn: Callable[[Store], T]) -> T:
         """``fn(store)`` in a worker thread, between the writer's own calls; OSError naming the
-        problem when the store cannot be used (and the problem noted, as the writer notes it)."""
+        problem when the store cannot be used (and the problem noted, as the writer notes it). Its
+        words name no path or address: a client may read them (the log names where)."""
         if self.db is None:
             raise OSError("no usage database (TRIOSHED_USAGE=0)")
         async with self._lock:
             if not await self._open():
-                raise OSError(f"usage database {self.where} {self.problem}")
+                raise OSError(f"the usage database {self.problem}")
             db = self.db
             try:
                 return await trio.to_thread.run_sync(lambda: fn(db))
             except StoreError as exc:
                 self._fault(exc)
-                raise OSError(f"usage database {self.where} {self.problem}") from None
+                raise OSError(f"the usage database {self.problem}") from None
 
     def _recovered(self, what: str) -> None:
         if self.problem:
