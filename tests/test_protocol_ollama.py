@@ -19,6 +19,7 @@ from trioshed.api.protocols.ollama import (
     is_load_only,
     load_response,
     now_rfc3339,
+    rfc3339,
 )
 from trioshed.api.protocols.options import RUNNER_OPTION_KEYS, split_options
 from trioshed.errors import BadRequest
@@ -457,6 +458,18 @@ def test_load_response_validates() -> None:
 def test_now_rfc3339_shape() -> None:
     stamp = now_rfc3339()
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d*[1-9])?Z", stamp), stamp
+
+
+@pytest.mark.parametrize("micros", [0, 1, 10, 120_000, 999_999, 1_733_350_000_000_000, 1_733_350_000_500_000, 1_733_350_059_999_990])
+def test_rfc3339_is_datetimes_own_spelling(micros: int) -> None:
+    """The stamp of each chunk, built from a cached second and the microseconds, is what
+    datetime's strftime writes (the form Ollama's ``created_at`` takes), at whole seconds too."""
+    from datetime import UTC, datetime, timedelta
+
+    when = datetime(1970, 1, 1, tzinfo=UTC) + timedelta(microseconds=micros)
+    expected = when.strftime("%Y-%m-%dT%H:%M:%S.%f").rstrip("0").rstrip(".") + "Z"
+    assert rfc3339(micros) == expected
+    assert rfc3339(micros) == expected  # the cached second gives the same answer
 
 
 
