@@ -406,6 +406,16 @@ def report(soak: Soak, args: argparse.Namespace, stop_seconds: float, leftover: 
                 "first": values[0], "last": values[-1], "min": min(values), "max": max(values),
                 "slope_per_hour": round(_slope_per_hour(pts), 2),
             }  # fmt: skip
+            # the last ten minutes: what "flat after warm-up" is judged on (median of the first
+            # and of the last minute of that window, so one sample's GC spike does not decide it)
+            end = pts[-1][0]
+            window = [(t, v) for t, v in pts if t >= end - 600]
+            head = sorted(v for t, v in window if t < window[0][0] + 60)
+            tail = sorted(v for t, v in window if t > end - 60)
+            growth[name]["last_10_min"] = {
+                "seconds": round(end - window[0][0], 1),
+                "change": round(tail[len(tail) // 2] - head[len(head) // 2], 2),
+            }
     return {
         "date": f"{date.today():%Y-%m-%d}",
         "minutes": args.minutes, "clients": args.clients, "seed": args.seed, "fault_every": args.fault_every,
@@ -452,6 +462,8 @@ def markdown(result: dict[str, Any], plot: str | None) -> str:
             rows.append(
                 f"| {label}: after warm-up → end (min-max), slope | {g['first']:g} → {g['last']:g} ({g['min']:g}-{g['max']:g}), {g['slope_per_hour']:+g}/h |"
             )
+            last = g["last_10_min"]
+            rows.append(f"| {label}: change over the last {last['seconds'] / 60:.0f} minutes (first minute's median to last's) | {last['change']:+g} |")
     rows += ["", "| request kind | " + " | ".join(ACCEPTED) + " | unaccounted |", "| --- |" + " --- |" * (len(ACCEPTED) + 1)]
     for kind, counts in result["by_kind"].items():
         rows.append(f"| {kind} | " + " | ".join(str(counts.get(n, 0)) for n in (*ACCEPTED, "unaccounted")) + " |")

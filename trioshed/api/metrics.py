@@ -73,6 +73,7 @@ CAUSES = {
     "ShuttingDown": "shutting_down",
     "RemoteUnavailable": "rpc_server_down",
     "EventStreamsBusy": "event_streams_busy",
+    "OutOfFiles": "out_of_files",
 }
 
 _METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS", "PATCH"})
