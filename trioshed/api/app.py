@@ -17,6 +17,7 @@ from trioshed.api import (
     embed,
     events,
     fast,
+    fleet,
     manage,
     metrics,
     ollama,
@@ -62,6 +63,10 @@ def create_app(state: AppState) -> QuartTrio:
     app.register_blueprint(pin.bp)
     app.register_blueprint(tools.bp)
     app.register_blueprint(usage.bp)
+    app.register_blueprint(fleet.bp)
+    routed = fleet.routed if state.fleet is not None else (lambda view: view)  # in a fleet: any request may go to another node
+    for endpoint, view in list(app.view_functions.items()):
+        app.view_functions[endpoint] = routed(view)  # type: ignore[arg-type]
     app.config["TRIOSHED_METRICS"] = metrics.Metrics(state.scheduler, warm=state.warm)
     wrapper = RequestWrapper(
         Gate(state),
@@ -78,12 +83,12 @@ def create_app(state: AppState) -> QuartTrio:
         state,
         wrapper,
         {
-            "/api/generate": ollama.generate,
-            "/api/chat": ollama.chat,
-            "/v1/chat/completions": openai.chat_completions,
-            "/v1/completions": openai.completions,
-            "/v1/messages": anthropic.messages,
-            "/v1/responses": responses.responses,
+            "/api/generate": routed(ollama.generate),
+            "/api/chat": routed(ollama.chat),
+            "/v1/chat/completions": routed(openai.chat_completions),
+            "/v1/completions": routed(openai.completions),
+            "/v1/messages": routed(anthropic.messages),
+            "/v1/responses": routed(responses.responses),
         },
         body_timeout=BODY_TIMEOUT,
     )

@@ -12,6 +12,7 @@ from trioshed.config import Settings
 from trioshed.core.model import ModelSpec, RunnerOptions
 from trioshed.core.runner_options import runner_options
 from trioshed.errors import DraftUnusable, TrioshedError
+from trioshed.fleet.node import Fleet
 from trioshed.keys import ApiKey
 from trioshed.logtail import LogTail
 from trioshed.models.create import Creator
@@ -45,6 +46,7 @@ class AppState:
     #: re-read the keys file (the gate installs it; SIGHUP calls it)
     reload_keys: Callable[[], object] | None = None
     keys: tuple[ApiKey, ...] = ()  # the API keys in force (the gate's, reloaded on SIGHUP)
+    fleet: Fleet | None = None  # the other nodes (TRIOSHED_FLEET_SECRET; trioshed.fleet)
     _puller: Puller | None = None
     _creator: Creator | None = None
 
