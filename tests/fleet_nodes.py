@@ -53,11 +53,14 @@ def sees(observer: Node, other: Node, model: str | None = None) -> bool:
 
 
 @asynccontextmanager
-async def open_fleet(stores: Sequence[Path], names: Sequence[str] = ("A", "B", "C"), **overrides: object) -> AsyncIterator[list[Node]]:
+async def open_fleet(
+    stores: Sequence[Path], names: Sequence[str] = ("A", "B", "C"), *, peers_extra: tuple[str, ...] = (), **overrides: object
+) -> AsyncIterator[list[Node]]:
     """One node per name, each with its store (one store for all when one is given), each
-    knowing every node's URL (its own included), with fresh readings of each other at yield."""
+    knowing every node's URL (its own included, and ``peers_extra``: nodes started apart), with
+    fresh readings of each other at yield."""
     ports = [free_port() for _ in names]
-    urls = tuple(f"http://127.0.0.1:{p}" for p in ports)
+    urls = tuple(f"http://127.0.0.1:{p}" for p in ports) + peers_extra
     settings = {"peers": urls, "fleet_secret": SECRET, "fleet_interval": 0.1, "fleet_stale": 2.0, **overrides}
     async with AsyncExitStack() as stack:
         nodes: list[Node] = []

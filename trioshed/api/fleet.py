@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
@@ -100,30 +100,32 @@ class RelayedBody:
     def __init__(self, relayed: Relayed, path: str) -> None:
         self._relayed = relayed
         self._path = path
-        self._chunks = self._guarded()
+        self._ended = False
         self._token = trio.lowlevel.current_trio_token()
 
     def __aiter__(self) -> RelayedBody:
         return self
 
     async def __anext__(self) -> bytes:
+        if self._ended:
+            raise StopAsyncIteration
         try:
-            return await self._chunks.__anext__()
+            chunk = await self._relayed.next_chunk()
+        except PeerLost as exc:
+            self._ended = True
+            await self.aclose()
+            return stream_error(self._path, self._relayed.content_type, str(exc))
         except BaseException:
             await self.aclose()
             raise
-
-    async def _guarded(self) -> AsyncIterator[bytes]:
-        try:
-            async for chunk in self._relayed.chunks():
-                yield chunk
-        except PeerLost as exc:
-            yield stream_error(self._path, self._relayed.content_type, str(exc))
+        if chunk is None:
+            await self.aclose()
+            raise StopAsyncIteration
+        return chunk
 
     async def aclose(self) -> None:
-        with trio.move_on_after(1, shield=True):
-            await self._chunks.aclose()  # type: ignore[attr-defined]
-            await self._relayed.aclose()
+        self._ended = True
+        await self._relayed.aclose()
 
     def __del__(self) -> None:
         # Never started (the client left before the body was entered): close it on the Trio thread.

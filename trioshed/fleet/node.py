@@ -106,6 +106,10 @@ class Fleet:
         names = [choice.node, *itertools.takewhile(lambda n: n != self.name, choice.then)]
         raise Forward(model, choice, tuple(Target(n, urls[n]) for n in names if n in urls))
 
+    def inflight(self, node: str) -> int:
+        """Requests this node has sent to ``node`` whose answers are still being relayed."""
+        return sum(len(starts) for (name, _), starts in self._inflight.items() if name == node)
+
     def pending(self, nodes: Sequence[NodeState]) -> dict[tuple[str, str], int]:
         """Requests sent to each (node, model) since that node's state was read."""
         seen = {n.name: n.seen for n in nodes}

@@ -7,7 +7,7 @@ goes to the next node, and when none is left the caller serves it itself. The ru
 one level up: a request is not lost to a node's death before any of its answer was sent.
 
 A stream's first chunk is awaited before the answer starts, so that the status the client gets
-is the serving node's; after that, chunks are passed on as they come (:meth:`Relayed.chunks`),
+is the serving node's; after that, chunks are passed on as they come (:meth:`Relayed.next_chunk`),
 and a node that dies mid-stream raises :class:`PeerLost` for the caller to end the stream with
 its protocol's error. Closing a :class:`Relayed` closes the connection to the node, which cancels
 the request there (a client's disconnect reaches the serving node's runner).
@@ -53,7 +53,7 @@ class Target:
 
 class Relayed:
     """A node's answer, started: its status, headers and first bytes (all of them for a whole
-    answer), and, for a stream, the rest (:meth:`chunks`). :meth:`aclose` is idempotent."""
+    answer), and, for a stream, the rest (:meth:`next_chunk`). :meth:`aclose` is idempotent."""
 
     def __init__(
         self,
@@ -77,22 +77,28 @@ class Relayed:
     def content_type(self) -> str:
         return next((v for k, v in self.headers if k.lower() == "content-type"), "application/json")
 
-    async def chunks(self) -> AsyncIterator[bytes]:
-        """The answer's bytes: the first, then the rest as they come; PeerLost if the node
-        breaks the stream."""
+    async def next_chunk(self) -> bytes | None:
+        """The answer's next bytes (the first, then the rest as they come); None at its end;
+        PeerLost if the node breaks the stream."""
         if self.first:
-            yield self.first
-        if self._rest is None:
-            return
-        try:
-            async for chunk in self._rest:
-                if chunk:
-                    yield chunk
-        except httpx.HTTPError as exc:
-            raise PeerLost(f"node {self.node} broke the stream: {exc or type(exc).__name__}") from None
+            first, self.first = self.first, b""
+            return first
+        while self._rest is not None:
+            try:
+                chunk = await self._rest.__anext__()
+            except StopAsyncIteration:
+                self._rest = None
+                return None
+            except httpx.HTTPError as exc:
+                self._rest = None
+                raise PeerLost(f"node {self.node} broke the stream: {exc or type(exc).__name__}") from None
+            if chunk:
+                return chunk
+        return None
 
     async def aclose(self) -> None:
         self.closed = True
+        self._rest = None
         if self._response is not None:
             response, self._response = self._response, None
             with trio.move_on_after(1, shield=True):
@@ -104,7 +110,7 @@ class Relayed:
     @property
     def whole(self) -> bool:
         """Whether the answer is complete already (not a stream)."""
-        return self._rest is None
+        return self._response is None
 
 
 def forward_headers(headers: Sequence[tuple[str, str]], fleet: dict[str, str]) -> list[tuple[str, str]]:
