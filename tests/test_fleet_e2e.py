@@ -171,3 +171,32 @@ async def test_a_forwarded_stream_is_relayed_and_a_disconnect_cancels_it_upstrea
                 fleet = a.server.state.fleet
                 assert fleet is not None and fleet.inflight("B") == 0
             assert a.loads() == 0 and b.loads() == 1
+
+
+async def test_one_view_lists_the_fleets_models_and_nodes_and_serves_a_model_only_another_node_has(tmp_path: Path) -> None:
+    from trioshed.api.events import state_message
+
+    stores = [tmp_path / "a", tmp_path / "b"]
+    for store, name in zip(stores, ("m1", "m2"), strict=True):
+        store.mkdir()
+        add_tiny(store, name)
+    with trio.fail_after(120):
+        async with open_fleet(stores, names=("A", "B")) as (a, b):
+            async with httpx.AsyncClient(base_url=a.url, timeout=60) as http:
+                tags = (await http.get("/api/tags")).json()["models"]
+                assert [(m["name"], m.get("nodes")) for m in tags] == [("m1:latest", None), ("m2:latest", ["B"])]
+                assert [m["id"] for m in (await http.get("/v1/models")).json()["data"]] == ["m1", "m2"]
+                r = await http.post("/api/generate", json={"model": "m2", **GEN})  # only B has it
+                assert r.status_code == 200, r.text
+                assert b.dispatches("m2") == 1 and a.loads() == 0
+                await wait_until(lambda: sees(a, b, "m2:latest"), a)
+                ps = (await http.get("/api/ps")).json()
+                assert ps["models"] == []  # this node's runners, as Ollama's clients read them
+                nodes = {n["name"]: n for n in ps["nodes"]}
+                assert nodes["A"]["url"] == "" and nodes["B"]["reachable"] is True
+                assert [m["model"] for m in nodes["B"]["loaded"]] == ["m2:latest"]
+                assert nodes["B"]["devices"] and nodes["B"]["max_runners"] >= 1
+                missing = await http.post("/api/generate", json={"model": "nowhere", **GEN})
+                assert missing.status_code == 404
+            fleet = state_message(a.server.state)["fleet"]
+            assert [n["name"] for n in fleet] == ["A", "B"] and fleet[1]["loaded"][0]["model"] == "m2:latest"

@@ -15,6 +15,7 @@ from trioshed.api.preamble import model_capabilities, read_body, resolve, state
 from trioshed.api.state import AppState
 from trioshed.core.estimate import effective_kv_type, estimate
 from trioshed.core.model import ModelSpec, RunnerOptions
+from trioshed.fleet import view as fleet_view
 from trioshed.keys import current_key
 from trioshed.models import modelfile
 from trioshed.models.header_cache import header_of, listing_facts
@@ -82,7 +83,13 @@ async def tags() -> Any:
             for spec in st.store.list() if key.may_use(spec.name)
         ]  # fmt: skip
 
-    return {"models": await trio.to_thread.run_sync(listing)}
+    models = await trio.to_thread.run_sync(listing)
+    if st.fleet is not None:  # the fleet's models: those only other nodes hold, with where
+        here = {m["name"] for m in models}
+        for name, (size, nodes) in sorted(fleet_view.models_elsewhere(st.fleet, here).items()):
+            if key.may_use(name):
+                models.append({"name": name, "model": name, "size": size, "digest": "", "details": {}, "nodes": nodes})
+    return {"models": models}
 
 
 @bp.get("/api/ps")
@@ -109,8 +116,11 @@ async def ps() -> Any:
 
     key = current_key.get()
     out = await trio.to_thread.run_sync(lambda: [entry(r) for r in stats.runners if key.may_use(r.model)])
+    extra: dict[str, Any] = {}
+    if st.fleet is not None and key.admin:  # every node of the fleet: admin only
+        extra["nodes"] = fleet_view.nodes(st.fleet, trio.current_time())
     if not stats.remote or not key.admin:  # which RPC server holds which model: admin only
-        return {"models": out}
+        return {"models": out, **extra}
     servers = [
         {
             "address": s.address,
@@ -124,7 +134,7 @@ async def ps() -> Any:
         }
         for s in stats.remote
     ]
-    return {"models": out, "rpc_servers": servers}
+    return {"models": out, "rpc_servers": servers, **extra}
 
 
 async def _runner_settings(
