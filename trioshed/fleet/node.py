@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 import trio
+from trio_util import RepeatedEvent
 
 from trioshed.core.model import ModelSpec
 from trioshed.core.route import Choice, NodeState, PrefixTable, choose, prefix_key
@@ -26,6 +27,7 @@ from trioshed.fleet.peers import Peer, StateSource
 from trioshed.fleet.relay import Relayed, Target, forward_headers, open_relay
 from trioshed.fleet.state import LocalNode
 from trioshed.keys import ApiKey
+from trioshed.runner.client import ConnectionFailed, UpstreamPool
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +69,8 @@ class Fleet:
         self.routed = PrefixTable()  # where this node sent each conversation
         #: (node, model) -> when each request this node sent there (still in flight) started
         self._inflight: dict[tuple[str, str], list[float]] = {}
+        self._pools: dict[str, UpstreamPool] = {}
+        self.sending = RepeatedEvent()  # set as each request is sent on (tests wait on it)
         self.counts: Counter[str] = Counter()  # forwarded, served_for_peer, relay_failed, ran_here_after_failure
 
     @property
@@ -106,6 +110,15 @@ class Fleet:
         names = [choice.node, *itertools.takewhile(lambda n: n != self.name, choice.then)]
         raise Forward(model, choice, tuple(Target(n, urls[n]) for n in names if n in urls))
 
+    def pool(self, url: str) -> UpstreamPool:
+        """The keep-alive connections to the node at ``url`` (trioshed's own HTTP/1.1 client:
+        httpx costs a third of a relayed request's CPU; see ``trioshed.runner.client``)."""
+        pool = self._pools.get(url)
+        if pool is None:
+            host, _, port = url.removeprefix("http://").rpartition(":")
+            pool = self._pools[url] = UpstreamPool(int(port), host=host, max_idle=64, connect_timeout=3.0, streams_keep_alive=True)
+        return pool
+
     def inflight(self, node: str) -> int:
         """Requests this node has sent to ``node`` whose answers are still being relayed."""
         return sum(len(starts) for (name, _), starts in self._inflight.items() if name == node)
@@ -121,13 +134,18 @@ class Fleet:
         """Send the request on (:func:`trioshed.fleet.relay.open_relay`); None when every target
         failed before answering (then this node serves it). The request counts as in flight on
         its node until the answer is closed."""
-        sent = forward_headers(headers, self.auth.headers(key, self.name))
+        kind, sent = forward_headers(headers, self.auth.headers(key, self.name))
         for target in forward.targets:
             started = trio.current_time()
             slot = self._inflight.setdefault((target.name, forward.model), [])
             slot.append(started)
+            self.sending.set()
             try:
-                relayed = await open_relay(self.client, (target,), method, path, sent, body, down=self.source.mark_down)
+                relayed = await open_relay(self.pool(target.url), target, method, path, kind, sent, body)
+            except ConnectionFailed as exc:
+                log.warning("fleet: node %s failed before answering (%s); trying the next", target.name, exc)
+                self.source.mark_down(target.name, str(exc))
+                relayed = None
             except BaseException:
                 slot.remove(started)
                 raise
@@ -157,5 +175,7 @@ class Fleet:
                     await trio.to_thread.run_sync(self.local.refresh, self.local.stats())
         finally:
             with trio.move_on_after(1, shield=True):
+                for pool in self._pools.values():
+                    await pool.aclose()
                 await self.client.aclose()
 

@@ -17,22 +17,23 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
-import httpx
 import trio
 
 from trioshed.fleet.auth import HEADERS as FLEET_HEADERS
+from trioshed.runner.client import ConnectionFailed, UpstreamPool, UpstreamResponse
 
 log = logging.getLogger(__name__)
 
 #: Content types answered as a stream (relayed chunk by chunk); any other answer is read whole
 #: before it is passed on.
 STREAMS = ("application/x-ndjson", "text/event-stream")
-#: Request headers never passed on: hop-by-hop, the length (recomputed), the client's own
+#: Request headers never passed on: hop-by-hop, the length and type (written apart), the client's own
 #: credentials (the fleet headers carry the key instead) and any fleet header a client forged.
 _DROP_REQUEST = frozenset(
-    {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade",
+    {"host", "content-length", "content-type", "connection", "keep-alive", "transfer-encoding", "te", "upgrade",
      "proxy-authorization", "authorization", "x-api-key", "cookie", "expect"}
 ) | FLEET_HEADERS  # fmt: skip
 #: Answer headers not passed back (the serving path sets its own).
@@ -61,14 +62,14 @@ class Relayed:
         status: int,
         headers: list[tuple[str, str]],
         first: bytes,
-        response: httpx.Response | None = None,
+        stack: AsyncExitStack | None = None,
         rest: AsyncIterator[bytes] | None = None,
     ) -> None:
         self.node = node
         self.status = status
         self.headers = headers
         self.first = first
-        self._response = response
+        self._stack = stack  # holds the connection while a stream is relayed
         self._rest = rest
         self.on_close: Callable[[], None] | None = None  # called once, when closed
         self.closed = False
@@ -77,102 +78,84 @@ class Relayed:
     def content_type(self) -> str:
         return next((v for k, v in self.headers if k.lower() == "content-type"), "application/json")
 
+    @property
+    def whole(self) -> bool:
+        """Whether the answer is complete already (not a stream)."""
+        return self._stack is None
+
     async def next_chunk(self) -> bytes | None:
         """The answer's next bytes (the first, then the rest as they come); None at its end;
         PeerLost if the node breaks the stream."""
         if self.first:
             first, self.first = self.first, b""
             return first
-        while self._rest is not None:
-            try:
-                chunk = await self._rest.__anext__()
-            except StopAsyncIteration:
-                self._rest = None
-                return None
-            except httpx.HTTPError as exc:
-                self._rest = None
-                raise PeerLost(f"node {self.node} broke the stream: {exc or type(exc).__name__}") from None
-            if chunk:
-                return chunk
-        return None
+        if self._rest is None:
+            return None
+        try:
+            return await self._rest.__anext__()
+        except StopAsyncIteration:
+            self._rest = None
+            return None
+        except ConnectionFailed as exc:
+            self._rest = None
+            raise PeerLost(f"node {self.node} broke the stream: {exc}") from None
 
     async def aclose(self) -> None:
         self.closed = True
         self._rest = None
-        if self._response is not None:
-            response, self._response = self._response, None
+        if self._stack is not None:
+            stack, self._stack = self._stack, None
             with trio.move_on_after(1, shield=True):
-                await response.aclose()
+                await stack.aclose()  # an answer not read to its end closes its connection
         done, self.on_close = self.on_close, None
         if done is not None:
             done()
 
-    @property
-    def whole(self) -> bool:
-        """Whether the answer is complete already (not a stream)."""
-        return self._response is None
 
-
-def forward_headers(headers: Sequence[tuple[str, str]], fleet: dict[str, str]) -> list[tuple[str, str]]:
-    """The request headers a node passes on: the client's, less :data:`_DROP_REQUEST`, plus the
-    fleet's own (``fleet``)."""
-    kept = [(k, v) for k, v in headers if k.lower() not in _DROP_REQUEST]
-    return kept + list(fleet.items())
+def forward_headers(headers: Sequence[tuple[str, str]], fleet: dict[str, str]) -> tuple[str, list[tuple[str, str]]]:
+    """The content type and the other request headers a node passes on: the client's, less
+    :data:`_DROP_REQUEST`, plus the fleet's own (``fleet``)."""
+    kind = next((v for k, v in headers if k.lower() == "content-type"), "application/json")
+    kept = [(k, v) for k, v in headers if k.lower() not in _DROP_REQUEST and "\r" not in v and "\n" not in v]
+    return kind, kept + list(fleet.items())
 
 
 async def open_relay(
-    client: httpx.AsyncClient,
-    targets: Sequence[Target],
+    pool: UpstreamPool,
+    target: Target,
     method: str,
     path: str,
+    content_type: str,
     headers: Sequence[tuple[str, str]],
     body: bytes,
-    *,
-    down: Callable[[str, str], None],
 ) -> Relayed | None:
-    """The first of ``targets`` to answer (see the module docstring); None when every one
-    failed before answering. ``down(name, reason)`` is told each node that could not be reached
-    or broke the connection. Cancellation: the connection being opened is closed."""
-    for target in targets:
-        try:
-            relayed = await _try(client, target, method, path, headers, body)
-        except httpx.HTTPError as exc:
-            reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-            log.warning("fleet: node %s failed before answering (%s); trying the next", target.name, reason)
-            down(target.name, reason)
-            continue
-        if relayed is not None:
-            return relayed
-    return None
-
-
-async def _try(
-    client: httpx.AsyncClient, target: Target, method: str, path: str, headers: Sequence[tuple[str, str]], body: bytes
-) -> Relayed | None:
-    """``target``'s answer, started; None when it answered 503 (it takes nothing new)."""
-    request = client.build_request(method, target.url + path, headers=list(headers), content=body)
-    response = await client.send(request, stream=True)
+    """``target``'s answer, started (see the module docstring); None when it answered 503 (it
+    takes nothing new). Raises ConnectionFailed when it failed before answering. Cancellation:
+    the connection being used is closed."""
+    stack = AsyncExitStack()
     try:
-        if response.status_code == 503:
+        response: UpstreamResponse = await stack.enter_async_context(
+            pool.request(method, path, body, content_type=content_type, headers=headers)
+        )
+        if response.status == 503:
             log.info("fleet: node %s answered 503; trying the next", target.name)
-            await response.aclose()
+            await stack.aclose()
             return None
-        kept = [(k, v) for k, v in response.headers.multi_items() if k.lower() not in _DROP_RESPONSE]
-        kind = response.headers.get("content-type", "")
-        if not kind.startswith(STREAMS):
-            whole = await response.aread()
-            await response.aclose()
-            return Relayed(target.name, response.status_code, kept, whole, None)
-        rest = response.aiter_raw().__aiter__()
-        first = b""
-        while not first:
-            try:
-                first = await rest.__anext__()
-            except StopAsyncIteration:
-                await response.aclose()
-                return Relayed(target.name, response.status_code, kept, b"")
-        return Relayed(target.name, response.status_code, kept, first, response, rest)
+        kept = [(k, v) for k, v in response.headers.items() if k not in _DROP_RESPONSE]
+        if not response.headers.get("content-type", "").startswith(STREAMS):
+            whole = await response.read()
+            status = response.status
+            await stack.aclose()
+            return Relayed(target.name, status, kept, whole)
+        rest = response.batches()
+        stack.push_async_callback(rest.aclose)
+        try:
+            first = await rest.__anext__()
+        except StopAsyncIteration:
+            await stack.aclose()
+            return Relayed(target.name, response.status, kept, b"")
+        return Relayed(target.name, response.status, kept, first, stack, rest)
     except BaseException:
         with trio.move_on_after(1, shield=True):
-            await response.aclose()
+            await stack.aclose()
         raise
