@@ -51,6 +51,10 @@ def test_not_loaded_anywhere_goes_where_it_fits_local_first() -> None:
     assert pick([node("A", room=GB), node("B", room=4 * GB), node("C", room=8 * GB)]) == "C"
     # fits nowhere: the local policy (it evicts or queues)
     assert pick([node("A", room=GB), node("B", room=GB)], "big") == "A"
+    # ... unless another node makes room by evicting only idle runners
+    idle = {"m": ModelLoad(slots=1)}
+    busy = {"m": ModelLoad(slots=1, busy=1)}
+    assert pick([node("A", room=GB, loaded=busy), node("B", room=GB, loaded=idle, models={"m": 19 * GB, "big": 20 * GB})], "big") == "B"
 
 
 def test_stale_draining_unreachable_and_storeless_nodes_get_nothing() -> None:
@@ -87,3 +91,15 @@ def test_prefix_table_forgets_after_its_ttl_and_beyond_its_capacity() -> None:
     assert table.owner("p3", 13.0) is None
     assert table.held_by("C", 5.0) == frozenset({"p2"})
     assert prefix_key({"model": "m", "input": [1, 2]}) is None
+
+
+def test_a_long_queue_spreads_by_evicting_only_idle_runners_where_nothing_fits() -> None:
+    models = {"m": 4 * GB, "other": 4 * GB}
+    idle_other = {"other": ModelLoad(slots=4)}
+    full = [node("A", room=0, models=models, loaded={"other": ModelLoad(slots=4, busy=4)}),
+            node("C", room=0, models=models, loaded=idle_other)]  # fmt: skip
+    queued = {"m": ModelLoad(slots=1, busy=1, queued=2)}  # 3 per slot: a queue, not yet worth a reload
+    assert pick([node("B", room=0, models=models, loaded=queued), *full]) == "B"
+    longer = {"m": ModelLoad(slots=1, busy=1, queued=4)}  # 5 per slot: C evicts its idle runner
+    choice = choose("m", [node("B", room=0, models=models, loaded=longer), *full], local="A", now=101.0, stale_after=5.0)
+    assert (choice.node, choice.reason) == ("C", "spread")

@@ -14,22 +14,28 @@ paddler's slot-aware balancing and a model scheduler's loads suggest:
 3. **Warm**: the node with the model loaded and the lightest load (busy + queued slots over
    slots; the local node first on a tie: no hop), if it has a free slot.
 4. **Spread**: every warm node busy with a queue (``SPREAD`` requests per slot): a node where
-   the model fits without evicting anything (its own estimate against its room) loads a copy.
+   the model fits without evicting anything (its own estimate against its room) loads a copy,
+   else, from ``EVICT_SPREAD`` requests per slot, one that makes room by evicting only idle
+   runners.
 5. **Busy warm**: else the warm node with the shortest queue.
 6. **Fits**: not loaded anywhere: a node where it fits without evicting (the local node first,
    else the one with the most room).
-7. **Local**: else the local node under its own scheduling policy (it evicts, or queues),
+7. **Evicts idle**: a node that makes room by evicting only idle runners (the local node first).
+8. **Local**: else the local node under its own scheduling policy (it evicts, or queues),
    or, when its store lacks the model, the node with the shortest queue that has it.
 
 ``pending`` counts the requests this node has sent to a node since that node's state was
 published (they are in nobody's published numbers yet), so that a burst arriving between two
-polls spreads instead of piling onto one node. No I/O, no clock: ``now`` is passed in.
+polls spreads instead of piling onto one node, and ties are broken in an order of each deciding
+node's own, so that nodes reading the same states do not all pick the same one. No I/O, no
+clock: ``now`` is passed in.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import zlib
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -40,6 +46,9 @@ OVERLOAD = 2.0
 #: Requests per slot on every warm node (running and queued) from which a model is loaded on
 #: another node where it fits without evicting: a load costs seconds, a short queue less.
 SPREAD = 2.0
+#: ... and from which a node evicts idle runners to load one: a model's queue that long costs
+#: more than another model's reload.
+EVICT_SPREAD = 4.0
 #: Bytes of a conversation's start that identify it (its first messages, its system prompt).
 PREFIX_BYTES = 1024
 
@@ -77,6 +86,16 @@ class NodeState:
         """Whether a runner of ``model`` can start here without evicting anything."""
         need = self.models.get(model)
         return need is not None and need <= self.room and self.runners < self.max_runners
+
+    def makes_room(self, model: str) -> bool:
+        """Whether a runner of ``model`` can start here by evicting only idle runners (nothing
+        running or queued on them)."""
+        need = self.models.get(model)
+        if need is None:
+            return False
+        idle = [m for m, x in self.loaded.items() if x.ready and not x.busy and not x.queued]
+        freed = sum(self.models.get(m, 0) for m in idle)
+        return need <= self.room + freed and self.runners - len(idle) < self.max_runners
 
 
 @dataclass(frozen=True)
@@ -136,8 +155,8 @@ def choose(
     def load(n: NodeState) -> float:
         return load_of(n, model, pending.get((n.name, model), 0))
 
-    def rank(n: NodeState) -> tuple[float, bool, str]:
-        return (load(n), n.name != local, n.name)
+    def rank(n: NodeState) -> tuple[float, bool, int]:
+        return (load(n), n.name != local, _order(local, n.name))
 
     warm = sorted((n for n in eligible if loaded_on(n, model, pending.get((n.name, model), 0))), key=rank)
     warm_names = {n.name for n in warm}
@@ -156,21 +175,34 @@ def choose(
         if load(best) < 1.0:
             return Choice(best.name, "warm", then(best.name))
         if load(best) >= SPREAD:
-            spare = [n for n in eligible if n.name not in warm_names and n.fits(model)]
+            cold = [n for n in eligible if n.name not in warm_names]
+            spare = [n for n in cold if n.fits(model)]
+            if not spare and load(best) >= EVICT_SPREAD:
+                spare = [n for n in cold if n.makes_room(model)]
             if spare:
-                pick = min(spare, key=lambda n: (n.queued, n.name != local, -n.room, n.name))
+                pick = min(spare, key=lambda n: (n.queued, n.name != local, -n.room, _order(local, n.name)))
                 return Choice(pick.name, "spread", then(pick.name))
-        calmest = min(warm, key=lambda n: (_queue(n, model, pending), load(n), n.name != local, n.name))
+        calmest = min(warm, key=lambda n: (_queue(n, model, pending), load(n), n.name != local, _order(local, n.name)))
         return Choice(calmest.name, "warm, busy", then(calmest.name))
     fitting = [n for n in eligible if n.fits(model)]
     if fitting:
-        pick = min(fitting, key=lambda n: (n.name != local, -n.room, n.name))
+        pick = min(fitting, key=lambda n: (n.name != local, -n.room, _order(local, n.name)))
         return Choice(pick.name, "fits", then(pick.name))
+    evicting = [n for n in eligible if n.makes_room(model)]
+    if evicting:
+        pick = min(evicting, key=lambda n: (n.name != local, n.queued, _order(local, n.name)))
+        return Choice(pick.name, "evicts idle", then(pick.name))
     here = next((n for n in eligible if n.name == local), None)
     if here is not None:
         return Choice(local, "local policy", then(local))
     pick = min(eligible, key=lambda n: (n.queued, n.name))
     return Choice(pick.name, "only there", then(pick.name))
+
+
+def _order(local: str, name: str) -> int:
+    """Ties between nodes broken in an order of the deciding node's own: nodes that read the
+    same (slightly old) states do not all pick the same node."""
+    return zlib.crc32(f"{local}>{name}".encode())
 
 
 def _queue(node: NodeState, model: str, pending: Mapping[tuple[str, str], int]) -> int:
