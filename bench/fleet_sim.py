@@ -272,11 +272,12 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=600)
     parser.add_argument("--rate", type=float, default=60.0, help="requests per second, bursts aside")
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between two readings of the nodes' states")
+    parser.add_argument("--strategies", default="hash,least-queue,fleet", help="comma-separated, of hash, least-queue, fleet")
     args = parser.parse_args()
     print(f"{NODES} nodes of {MEMORY // GiB} GiB, {MODELS} models, seed {args.seed}, {args.seconds:g} s at {args.rate:g} req/s + bursts")
     print("| strategy | requests | loads | evictions | wait p50 | wait p99 | memory held (mean) | turns on their node |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for strategy in ("hash", "least-queue", "fleet"):
+    for strategy in args.strategies.split(","):
         r = Sim(strategy, args.seed, args.interval).run(args.seconds, args.rate)
         print(f"| {r['strategy']} | {r['requests']} | {r['loads']} | {r['evictions']} | {r['wait_p50_s']:.2f} s | "
               f"{r['wait_p99_s']:.2f} s | {100 * r['memory_mean']:.0f} % | {100 * r['turns_on_their_node']:.0f} % |")  # fmt: skip

@@ -41,14 +41,18 @@ def test_requests_sent_since_the_last_state_count_so_a_burst_spreads() -> None:
     nodes = [node("A", room=0), node("B", loaded={"m": ModelLoad(slots=1)}), node("C")]
     assert pick(nodes) == "B"
     assert pick(nodes, pending={("B", "m"): 1}) == "B"  # its slot taken: a short queue there first
-    assert pick(nodes, pending={("B", "m"): 2}) == "C"  # then a second copy where it fits
+    # 2 GB load in 4 s: a queue waits for B until its last request would wait longer than that
+    assert pick(nodes, pending={("B", "m"): 3}) == "B"
+    assert pick(nodes, pending={("B", "m"): 4}) == "C"  # then a second copy where it fits
     # C now loads it (sent one): the next goes to the lighter of the two, not to a third node
     assert pick([*nodes, node("D")], pending={("B", "m"): 2, ("C", "m"): 1}) == "C"
 
 
-def test_not_loaded_anywhere_goes_where_it_fits_local_first() -> None:
-    assert pick([node("A"), node("B")]) == "A"
-    assert pick([node("A", room=GB), node("B", room=4 * GB), node("C", room=8 * GB)]) == "C"
+def test_not_loaded_anywhere_goes_where_it_fits_the_same_node_whoever_decides() -> None:
+    nodes = [node(name) for name in "ABCDEFGH"]
+    picks = {choose("m", nodes, local=n.name, now=101.0, stale_after=5.0).node for n in nodes}
+    assert len(picks) == 1  # nodes reading the same states load one copy, not one each
+    assert pick([node("A", room=GB), node("B", room=GB), node("C", room=8 * GB)]) == "C"
     # fits nowhere: the local policy (it evicts or queues)
     assert pick([node("A", room=GB), node("B", room=GB)], "big") == "A"
     # ... unless another node makes room by evicting only idle runners
@@ -98,8 +102,22 @@ def test_a_long_queue_spreads_by_evicting_only_idle_runners_where_nothing_fits()
     idle_other = {"other": ModelLoad(slots=4)}
     full = [node("A", room=0, models=models, loaded={"other": ModelLoad(slots=4, busy=4)}),
             node("C", room=0, models=models, loaded=idle_other)]  # fmt: skip
-    queued = {"m": ModelLoad(slots=1, busy=1, queued=2)}  # 3 per slot: a queue, not yet worth a reload
+    # a 4 GB load takes 6 s; evicting costs that twice (the evicted model's reload): 12 s
+    queued = {"m": ModelLoad(slots=1, busy=1, queued=6)}  # 7 per slot, 12 s: not yet worth it
     assert pick([node("B", room=0, models=models, loaded=queued), *full]) == "B"
-    longer = {"m": ModelLoad(slots=1, busy=1, queued=4)}  # 5 per slot: C evicts its idle runner
+    longer = {"m": ModelLoad(slots=1, busy=1, queued=7)}  # 8 per slot, 14 s: C evicts its idle runner
     choice = choose("m", [node("B", room=0, models=models, loaded=longer), *full], local="A", now=101.0, stale_after=5.0)
     assert (choice.node, choice.reason) == ("C", "spread")
+
+
+def test_a_copy_is_loaded_only_when_the_queue_waits_longer_than_the_load() -> None:
+    models = {"m": 2 * GB, "big": 14 * GB}  # loads of 4 s and 16 s
+    for model, queued, spreads in (("m", 2, False), ("m", 3, True), ("big", 8, False), ("big", 9, True)):
+        warm = {model: ModelLoad(slots=1, busy=1, queued=queued)}
+        nodes = [node("A", room=0, models=models), node("B", models=models, loaded=warm), node("C", room=16 * GB, models=models)]
+        assert pick(nodes, model) == ("C" if spreads else "B"), (model, queued)
+    # spread copies go to the same node whoever decides (one copy per burst, not one per node)
+    warm = {"m": ModelLoad(slots=1, busy=1, queued=3)}
+    nodes = [node("B", loaded=warm), *(node(name) for name in "ACDEFGH")]
+    picks = {choose("m", nodes, local=name, now=101.0, stale_after=5.0).node for name in "ACDEFGH"}
+    assert len(picks) == 1 and picks != {"B"}

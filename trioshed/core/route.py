@@ -13,16 +13,21 @@ paddler's slot-aware balancing and a model scheduler's loads suggest:
    is not overloaded (fewer than ``OVERLOAD`` requests per slot, queued ones included).
 3. **Warm**: the node with the model loaded and the lightest load (busy + queued slots over
    slots; the local node first on a tie: no hop), if it has a free slot.
-4. **Spread**: every warm node busy with a queue (``SPREAD`` requests per slot): a node where
-   the model fits without evicting anything (its own estimate against its room) loads a copy,
-   else, from ``EVICT_SPREAD`` requests per slot, one that makes room by evicting only idle
-   runners.
+4. **Spread**: every warm node's queue so long that its last request would wait longer than a
+   load takes (requests per slot beyond the running one times :data:`ANSWER_SECONDS`, against
+   :func:`load_seconds` of the model's estimate): a node where the model fits without evicting
+   anything (its own estimate against its room) loads a copy, else, when the queue would wait
+   longer than two loads (this one and the evicted model's reload), one that makes room by
+   evicting only idle runners. Until then the warm node serves it, queue and all.
 5. **Busy warm**: else the warm node with the shortest queue.
-6. **Fits**: not loaded anywhere: a node where it fits without evicting (the local node first,
-   else the one with the most room).
+6. **Fits**: not loaded anywhere: a node where it fits without evicting.
 7. **Evicts idle**: a node that makes room by evicting only idle runners (the local node first).
 8. **Local**: else the local node under its own scheduling policy (it evicts, or queues),
    or, when its store lacks the model, the node with the shortest queue that has it.
+
+Where a copy is loaded (4, 6) every node ranks the candidates in the same order, a hash of the
+model and the node's name (rendezvous hashing), so that nodes reading the same states while a
+burst arrives load one copy on one node, not one copy each.
 
 ``pending`` counts the requests this node has sent to a node since that node's state was
 published (they are in nobody's published numbers yet), so that a burst arriving between two
@@ -43,12 +48,13 @@ from typing import Any
 
 #: Requests per slot (running and queued) above which a node no longer takes a conversation back.
 OVERLOAD = 2.0
-#: Requests per slot on every warm node (running and queued) from which a model is loaded on
-#: another node where it fits without evicting: a load costs seconds, a short queue less.
-SPREAD = 2.0
-#: ... and from which a node evicts idle runners to load one: a model's queue that long costs
-#: more than another model's reload.
-EVICT_SPREAD = 4.0
+#: Seconds a typical answer holds a slot: a queue of ``q`` requests per slot makes the last of
+#: them wait about ``q * ANSWER_SECONDS``.
+ANSWER_SECONDS = 2.0
+#: What a load costs, by the model's own estimate: ``LOAD_SECONDS + bytes / LOAD_BYTES_PER_SECOND``
+#: (a runner's start, then its weights read and copied to the device).
+LOAD_SECONDS = 2.0
+LOAD_BYTES_PER_SECOND = 1024**3
 #: Bytes of a conversation's start that identify it (its first messages, its system prompt).
 PREFIX_BYTES = 1024
 
@@ -125,6 +131,18 @@ def load_of(node: NodeState, model: str, pending: int = 0) -> float:
     return (loaded.busy + loaded.queued + pending) / max(1, loaded.slots)
 
 
+def load_seconds(need: int) -> float:
+    """How long loading a model that needs ``need`` bytes takes, about."""
+    return LOAD_SECONDS + need / LOAD_BYTES_PER_SECOND
+
+
+def queue_pays(load: float, need: int, loads: int = 1) -> bool:
+    """Whether a queue of ``load`` requests per slot (running ones included) waits longer than
+    ``loads`` loads of a model that needs ``need`` bytes take: only then does a copy elsewhere
+    serve the queue sooner than the warm node does."""
+    return (load - 1.0) * ANSWER_SECONDS > loads * load_seconds(need)
+
+
 def choose(
     model: str,
     nodes: Iterable[NodeState],
@@ -174,19 +192,20 @@ def choose(
         best = warm[0]
         if load(best) < 1.0:
             return Choice(best.name, "warm", then(best.name))
-        if load(best) >= SPREAD:
+        need = max((n.models[model] for n in eligible), default=0)
+        if queue_pays(load(best), need):
             cold = [n for n in eligible if n.name not in warm_names]
             spare = [n for n in cold if n.fits(model)]
-            if not spare and load(best) >= EVICT_SPREAD:
+            if not spare and queue_pays(load(best), need, loads=2):
                 spare = [n for n in cold if n.makes_room(model)]
             if spare:
-                pick = min(spare, key=lambda n: (n.queued, n.name != local, -n.room, _order(local, n.name)))
+                pick = min(spare, key=lambda n: (n.queued, _home(model, n.name)))
                 return Choice(pick.name, "spread", then(pick.name))
         calmest = min(warm, key=lambda n: (_queue(n, model, pending), load(n), n.name != local, _order(local, n.name)))
         return Choice(calmest.name, "warm, busy", then(calmest.name))
     fitting = [n for n in eligible if n.fits(model)]
     if fitting:
-        pick = min(fitting, key=lambda n: (n.name != local, -n.room, _order(local, n.name)))
+        pick = min(fitting, key=lambda n: _home(model, n.name))
         return Choice(pick.name, "fits", then(pick.name))
     evicting = [n for n in eligible if n.makes_room(model)]
     if evicting:
@@ -203,6 +222,13 @@ def _order(local: str, name: str) -> int:
     """Ties between nodes broken in an order of the deciding node's own: nodes that read the
     same (slightly old) states do not all pick the same node."""
     return zlib.crc32(f"{local}>{name}".encode())
+
+
+def _home(model: str, name: str) -> int:
+    """The order in which every node ranks the nodes for loading ``model`` (rendezvous hashing):
+    nodes that read the same states while a burst arrives load one copy, on the same node, not
+    one copy each."""
+    return zlib.crc32(f"{model}@{name}".encode())
 
 
 def _queue(node: NodeState, model: str, pending: Mapping[tuple[str, str], int]) -> int:
