@@ -20,7 +20,7 @@ paddler's slot-aware balancing and a model scheduler's loads suggest:
    longer than two loads (this one and the evicted model's reload), one that makes room by
    evicting only idle runners. Until then the warm node serves it, queue and all.
 5. **Busy warm**: else the warm node with the shortest queue.
-6. **Fits**: not loaded anywhere: a node where it fits without evicting.
+6. **Fits**: not loaded anywhere: a node where it fits without evicting (the local node first).
 7. **Evicts idle**: a node that makes room by evicting only idle runners (the local node first).
 8. **Local**: else the local node under its own scheduling policy (it evicts, or queues),
    or, when its store lacks the model, the node with the shortest queue that has it.
@@ -205,7 +205,7 @@ def choose(
         return Choice(calmest.name, "warm, busy", then(calmest.name))
     fitting = [n for n in eligible if n.fits(model)]
     if fitting:
-        pick = min(fitting, key=lambda n: _home(model, n.name))
+        pick = min(fitting, key=lambda n: (n.name != local, _home(model, n.name)))
         return Choice(pick.name, "fits", then(pick.name))
     evicting = [n for n in eligible if n.makes_room(model)]
     if evicting:
