@@ -1,14 +1,14 @@
-"""packaging/haproxy.cfg: several trioshed nodes behind HAProxy, routed by model.
+"""packaging/haproxy.cfg: several trioshed nodes behind HAProxy.
 
-``haproxy -c`` checks the file as shipped; then HAProxy runs it (its addresses rewritten to free
-loopback ports) in front of two real trioshed nodes, and every request for a model must reach
-the one node that model hashes to: each model is loaded exactly once across the nodes.
+``haproxy -c`` checks the file as shipped; then HAProxy runs its by-model backend (its addresses
+rewritten to free loopback ports) in front of two real trioshed nodes that form no fleet, and
+every request for a model must reach the one node that model hashes to: each model is loaded
+exactly once across the nodes. The fleet backend is run by tests/test_fleet_e2e.py.
 """
 
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 from collections import Counter
 from pathlib import Path
@@ -18,13 +18,8 @@ import pytest
 import trio
 
 from tests.conftest import add_tiny
-from trioshed.testing.llama import free_port
+from tests.haproxy import CONFIG, HAPROXY, needs_haproxy, run_haproxy
 from trioshed.testing.server import open_test_server
-
-CONFIG = Path(__file__).resolve().parent.parent / "packaging" / "haproxy.cfg"
-HAPROXY = shutil.which("haproxy") or (shutil.which("haproxy", path="/usr/sbin:/usr/local/sbin"))
-
-needs_haproxy = pytest.mark.skipif(HAPROXY is None, reason="haproxy is not installed (apt-get install haproxy)")
 
 
 @needs_haproxy
@@ -35,8 +30,11 @@ def test_shipped_config_is_valid() -> None:
 
 
 def test_config_routes_by_the_model_in_the_body_with_consistent_hashing() -> None:
-    """The parts docs/service.md promises, whatever HAProxy version checks the syntax."""
+    """The parts docs/service.md promises, whatever HAProxy version checks the syntax: a fleet
+    backend spreading connections (the default), and a by-model backend for independent nodes."""
     text = CONFIG.read_text()
+    assert re.search(r"^\s*default_backend trioshed_fleet", text, re.M)
+    assert re.search(r"^backend trioshed_fleet\n\s*balance leastconn", text, re.M)
     assert "option http-buffer-request" in text
     assert "json_query('$.model')" in text
     assert re.search(r"^\s*balance hdr\(X-Trioshed-Model\)", text, re.M)
@@ -46,7 +44,7 @@ def test_config_routes_by_the_model_in_the_body_with_consistent_hashing() -> Non
 @needs_haproxy
 @pytest.mark.slow
 async def test_haproxy_sends_each_model_to_one_node(tmp_path: Path) -> None:
-    assert HAPROXY is not None
+    """The by-model backend, for nodes that form no fleet."""
     store = tmp_path / "models"
     store.mkdir()
     names = ["m1", "m2", "m3"]  # odd: round-robin would send a model to both nodes
@@ -54,23 +52,8 @@ async def test_haproxy_sends_each_model_to_one_node(tmp_path: Path) -> None:
         add_tiny(store, name, seed=seed)
     with trio.fail_after(120):
         async with open_test_server(store) as node1, open_test_server(store) as node2:
-            front = free_port()
-            config = CONFIG.read_text()
-            config = re.sub(r"bind \S+", f"bind 127.0.0.1:{front}", config)
-            config = re.sub(r"server node1 \S+", f"server node1 {node1.base_url.removeprefix('http://')}", config)
-            config = re.sub(r"server node2 \S+", f"server node2 {node2.base_url.removeprefix('http://')}", config)
-            cfg = tmp_path / "haproxy.cfg"
-            cfg.write_text(config)
-            log = (tmp_path / "haproxy.log").open("wb")
-            proc = await trio.lowlevel.open_process([HAPROXY, "-db", "-f", str(cfg)], stdout=log, stderr=subprocess.STDOUT)
-            try:
-                async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{front}", timeout=60) as http:
-                    for _ in range(50):  # until HAProxy listens
-                        try:
-                            await http.get("/api/version")
-                            break
-                        except httpx.TransportError:
-                            await trio.sleep(0.1)
+            async with run_haproxy(tmp_path, [node1.base_url, node2.base_url], "trioshed_by_model") as front:
+                async with httpx.AsyncClient(base_url=front, timeout=60) as http:
                     for _ in range(3):
                         for name in names:
                             model = name if _ % 2 else f"{name}:latest"  # both spellings hash alike
@@ -84,11 +67,6 @@ async def test_haproxy_sends_each_model_to_one_node(tmp_path: Path) -> None:
                         headers={"X-Trioshed-Model": "m1"},
                     )
                     assert response.status_code == 200
-            finally:
-                proc.kill()
-                with trio.CancelScope(shield=True):
-                    await proc.wait()
-                log.close()
             loads: Counter[str] = Counter()
             for node in (node1, node2):
                 loads.update(r.model for r in node.scheduler.statistics().runners)

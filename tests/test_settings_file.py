@@ -56,6 +56,10 @@ node_name = "gpu-1"
 budgets_fail_closed = true
 speculation = false
 batch_invariant = true
+peers = ["http://10.0.0.2:11434", "http://10.0.0.3:11434/"]
+fleet_secret = "fleet"
+fleet_interval = "500ms"
+fleet_stale = 3
 """
 
 
@@ -89,8 +93,18 @@ def test_every_setting_can_be_given_in_the_file(tmp_path: Path) -> None:
     assert s.speculation == "off"  # false: no speculation (the default is "ngram")
     assert s.batch_invariant is True
     assert s.metrics_public is True
+    assert s.peers == ("http://10.0.0.2:11434", "http://10.0.0.3:11434")
+    assert (s.fleet_secret, s.node_name, s.fleet_interval, s.fleet_stale) == ("fleet", "gpu-1", 0.5, 3)
     # the file covers every TRIOSHED_* setting there is
     assert set(load_settings_file(path)) - {"port"} == set(SETTING_NAMES)
+
+
+def test_peers_need_the_fleet_secret_and_urls(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="needs TRIOSHED_FLEET_SECRET"):
+        Settings.from_env({"TRIOSHED_PEERS": "http://10.0.0.2:11434"})
+    with pytest.raises(ValueError, match="invalid peer"):
+        Settings.from_env({"TRIOSHED_PEERS": "10.0.0.2:11434", "TRIOSHED_FLEET_SECRET": "s"})
+    assert "s3cr3t" not in repr(Settings(fleet_secret="s3cr3t"))  # never shown
 
 
 def test_values_as_strings_work_like_the_variables(tmp_path: Path) -> None:

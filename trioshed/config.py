@@ -238,6 +238,14 @@ class Settings:
     #: token checked in a verification batch gets the numbers it gets alone
     #: (RunnerOptions.batch_invariant).
     batch_invariant: bool = False
+    #: A fleet (trioshed.fleet): the other nodes' URLs, the secret every node shares (no fleet
+    #: without it), how often the nodes' states are read, and how old a state may be before
+    #: routing ignores the node. Its name in the fleet is ``node_name`` (None: the host name and
+    #: port there).
+    peers: tuple[str, ...] = ()
+    fleet_secret: str | None = field(default=None, repr=False)
+    fleet_interval: float = 1.0
+    fleet_stale: float = 5.0
 
     @classmethod
     def from_env(
@@ -273,6 +281,8 @@ class Settings:
             raise ValueError("TRIOSHED_MAX_LOADED_MODELS must be 0 (automatic) or more")
         if self.keys_file is not None:
             keyring(self.api_key, self.keys_file)  # a bad keys file stops serve at start-up
+        if self.peers and not self.fleet_secret:
+            raise ValueError("TRIOSHED_PEERS needs TRIOSHED_FLEET_SECRET: nodes trust each other only with the fleet's secret")
 
     @property
     def usage_path(self) -> Path:
@@ -315,6 +325,15 @@ def _extra_wait(seconds: float) -> float:
     if seconds < 0 or seconds == math.inf:  # parse_duration reads a negative as "forever"
         raise ValueError("must be 0 (arrival order) or a number of seconds: a request is never passed over without bound")
     return seconds
+
+
+def _peers(value: str) -> tuple[str, ...]:
+    """``"http://10.0.0.2:11434,http://10.0.0.3:11434"`` -> the nodes' base URLs."""
+    urls = tuple(u.strip().rstrip("/") for u in value.split(",") if u.strip())
+    for url in urls:
+        if not re.fullmatch(r"https?://[^/\s]+", url):
+            raise ValueError(f"invalid peer {url!r}: use http://host:port (comma-separated)")
+    return urls
 
 
 def _at_least(minimum: int, what: str = "") -> Callable[[str], int]:
@@ -386,6 +405,10 @@ _PARSERS: dict[str, Callable[[str], object]] = {
     "fast_routes": _bool,
     "speculation": parse_speculation,
     "batch_invariant": _bool,
+    "peers": _peers,
+    "fleet_secret": str,
+    "fleet_interval": lambda v: _positive_timeout(parse_duration(v)),
+    "fleet_stale": lambda v: _positive_timeout(parse_duration(v)),
 }
 SETTING_NAMES = tuple(_PARSERS)
 
@@ -428,7 +451,7 @@ def _file_value(key: str, value: object) -> str:
         return "true" if value else "false"
     if isinstance(value, str | int | float):
         return str(value)
-    lists = ("origins", "rpc_servers")
+    lists = ("origins", "rpc_servers", "peers")
     if key in lists and isinstance(value, list) and all(isinstance(v, str) for v in value):
         return ",".join(value)
     raise ValueError("must be a string, a number or a boolean" + (" (or a list of strings)" if key in lists else ""))

@@ -33,6 +33,8 @@ from trioshed.core.model import MemoryEstimate, ModelSpec, RunnerOptions
 from trioshed.core.projector import projector_memory
 from trioshed.devices import DeviceSource, discover
 from trioshed.devices.rpc import RemoteDevices, check_addresses
+from trioshed.fleet import build_fleet
+from trioshed.fleet.state import default_name
 from trioshed.heap import trim_when_quiet
 from trioshed.logtail import LogTail
 from trioshed.models.gguf_meta import read_metadata
@@ -181,11 +183,17 @@ async def serve(
     log_tail = LogTail()  # the status page's log: the last lines, in memory
     state = AppState(settings=settings, store=store, scheduler=scheduler, warm=warm, log_tail=log_tail)
     state.usage = build_recorder(settings)  # SQLite, or the team's PostgreSQL (TRIOSHED_DATABASE)
+    state.fleet = build_fleet(
+        settings, settings.node_name or default_name(settings.port), scheduler.statistics, store, devices,
+        lambda spec: estimate_model(spec, state.runner_options(spec, {}), devices.max_tensor).total,
+    )  # fmt: skip
     quart_app = create_app(state)  # installs the gate's key rebuild, state.reload_keys
     assert state.reload_keys is not None
     state.key_sync = KeySync(state.usage, settings.keys_file, reload=state.reload_keys)
     fast = quart_app.config["TRIOSHED_FAST"]  # the generating routes (TRIOSHED_FAST_ROUTES) and blob uploads
     app = Drain(quart_app, idle_timeout=settings.stream_idle_timeout, fast=fast)  # type: ignore[arg-type]
+    if state.fleet is not None:
+        state.fleet.local.draining = lambda: app.draining  # a draining node is routed nothing new
     config = hypercorn_config(settings)
     connections = ConnectionStats(settings.max_connections)
     if not is_loopback(settings.host):
@@ -219,6 +227,8 @@ async def serve(
                 await nursery.start(state.writer.run)  # the store's writer: pulls, creates, pushes run there
                 await nursery.start(state.key_sync.run)  # the store's keys in force before listening, then polled
                 await nursery.start(scheduler.run)
+                if state.fleet is not None:
+                    await nursery.start(state.fleet.run)
                 nursery.start_soon(run_timeline, scheduler, state.timeline)  # the status page's last hour
                 if links := state.store.links_out():
                     log.warning(

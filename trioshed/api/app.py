@@ -17,6 +17,7 @@ from trioshed.api import (
     embed,
     events,
     fast,
+    fleet,
     keys,
     manage,
     metrics,
@@ -65,6 +66,10 @@ def create_app(state: AppState) -> QuartTrio:
     app.register_blueprint(usage.bp)
     app.register_blueprint(transcriptions.bp)
     app.register_blueprint(keys.bp)  # the shared store's API keys (admin)
+    app.register_blueprint(fleet.bp)
+    routed = fleet.routed if state.fleet is not None else (lambda view: view)  # in a fleet: any request may go to another node
+    for endpoint, view in list(app.view_functions.items()):
+        app.view_functions[endpoint] = routed(view)  # type: ignore[arg-type]
     app.config["TRIOSHED_METRICS"] = metrics.Metrics(state.scheduler, warm=state.warm, usage=state.usage)
     wrapper = RequestWrapper(
         Gate(state),
@@ -88,7 +93,7 @@ def create_app(state: AppState) -> QuartTrio:
         quart_asgi,
         state,
         wrapper,
-        generating if state.settings.fast_routes else {},  # blob uploads are served there always
+        {path: routed(view) for path, view in generating.items()} if state.settings.fast_routes else {},  # blob uploads are served there always
         body_timeout=BODY_TIMEOUT,
     )
 

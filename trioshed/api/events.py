@@ -46,6 +46,7 @@ from trioshed.api.status import status
 from trioshed.api.store_view import REFRESH as MODELS_REFRESH
 from trioshed.api.store_view import store_models
 from trioshed.errors import EventStreamsBusy
+from trioshed.fleet import view as fleet_view
 from trioshed.keys import ApiKey, current_key
 
 bp = Blueprint("events", __name__)
@@ -63,7 +64,7 @@ def sse(event: str, data: Any) -> bytes:
 def state_message(st: AppState) -> dict[str, Any]:
     scheduler = st.scheduler
     source = scheduler.devices
-    return status(
+    message = status(
         scheduler.statistics(),
         source.poll(),
         source.system(),
@@ -71,17 +72,21 @@ def state_message(st: AppState) -> dict[str, Any]:
         overhead=st.settings.gpu_overhead,
         now=time.time(),
     )
+    if st.fleet is not None:  # every node of the fleet (an admin's view)
+        message["fleet"] = fleet_view.nodes(st.fleet, trio.current_time(), ages=False)
+    return message
 
 
 def for_key(message: dict[str, Any], key: ApiKey) -> dict[str, Any]:
     """A state message as ``key`` may see it: an admin sees all (every key's usage, the usage
-    store), a user key only its own models' runners, memory and queue, and its own usage."""
+    store, the fleet), a user key only its own models' runners, memory and queue, and its own usage."""
     if key.admin:
         return message
     message = {k: v for k, v in message.items() if k != "database"}  # where the store is: admin only
     if not key.models:
         return {**message, "usage": [u for u in message.get("usage", []) if u.get("key") == key.name]}
     out = dict(message)
+    out.pop("fleet", None)
     out["runners"] = [r for r in message.get("runners", []) if key.may_use(str(r.get("model", "")))]
     out["queue"] = [q for q in message.get("queue", []) if key.may_use(str(q.get("model", "")))]
     out["devices"] = [

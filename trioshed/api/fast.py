@@ -140,7 +140,7 @@ class FastPath:
         if len(body) > self.max_body or not read or read[-1].get("more_body", False):
             await self.delegate(scope, _replay(read, receive), send)  # too large, or too slow
             return
-        token = fast_request.set((self.state, bytes(body)))
+        token = fast_request.set((self.state, bytes(body), scope))
         try:
             async with trio.open_nursery() as nursery:
                 watch = _Disconnect(nursery.cancel_scope)

@@ -13,6 +13,7 @@ from trioshed import access
 from trioshed.api import limits, ui
 from trioshed.api.state import AppState
 from trioshed.errors import Forbidden, PayloadTooLarge, TooManyRequests, Unauthorized
+from trioshed.fleet.auth import KEY, FleetAuth, decode_key, serve_here
 from trioshed.keys import ApiKey, KeyRing, RequestRate, current_key, keyring
 from trioshed.trace import current as current_trace
 
@@ -43,6 +44,7 @@ class Gate:
         state.keys = self.keys.keys
         self.max_body = state.settings.max_body
         self.metrics_public = state.settings.metrics_public  # TRIOSHED_METRICS_PUBLIC
+        self.fleet = FleetAuth(state.settings.fleet_secret)
 
     def origin_ok(self, origin: str, host: str) -> bool:
         return access.same_origin(origin, host) or access.origin_allowed(origin, self.origins)
@@ -77,6 +79,19 @@ class Gate:
             path == "/" or path in ui.PUBLIC or (path == "/metrics" and self.metrics_public)
         )
         key = None
+        if path.startswith("/api/fleet/") or self.fleet.claims(get):
+            # node to node: the fleet secret instead of an API key; a forwarded request carries
+            # the key the first node identified (counted there: its rate is not counted again)
+            self.fleet.check(get)
+            if path.startswith("/api/fleet/"):
+                return None
+            key = decode_key(get(KEY))
+            current_key.set(key)
+            serve_here.set(True)
+            if (trace := current_trace.get()) is not None:
+                trace.key = key.name
+            count = False
+            public = True  # no API key asked of a node
         if self.keys.required and not public:
             # constant time, against every key and both headers: nothing tells how much of a guess was right
             key = self.keys.identify_headers(get("Authorization"), get("x-api-key"))
@@ -105,7 +120,10 @@ class Gate:
         return key
 
     def admit(self, key: ApiKey) -> None:
-        """Count a request of ``key`` against its rate; TooManyRequests when over it."""
+        """Count a request of ``key`` against its rate; TooManyRequests when over it. A request
+        another node forwarded was counted there."""
+        if serve_here.get():
+            return
         retry = self.rate.admit(key, time.monotonic())
         if retry is not None:
             raise TooManyRequests(key.name, "requests per minute", key.requests_per_minute, retry)

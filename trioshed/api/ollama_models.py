@@ -16,6 +16,7 @@ from trioshed.api.state import AppState
 from trioshed.core.estimate import effective_kv_type, estimate
 from trioshed.core.model import ModelSpec, RunnerOptions
 from trioshed.core.projector import projector_info, projector_memory
+from trioshed.fleet import view as fleet_view
 from trioshed.keys import current_key
 from trioshed.models import modelfile
 from trioshed.models.gguf_meta import GGUFMetadata, read_metadata, unreadable
@@ -84,7 +85,13 @@ async def tags() -> Any:
             for spec in st.store.list() if key.may_use(spec.name)
         ]  # fmt: skip
 
-    return {"models": await trio.to_thread.run_sync(listing)}
+    models = await trio.to_thread.run_sync(listing)
+    if st.fleet is not None:  # the fleet's models: those only other nodes hold, with where
+        here = {m["name"] for m in models}
+        for name, (size, nodes) in sorted(fleet_view.models_elsewhere(st.fleet, here).items()):
+            if key.may_use(name):
+                models.append({"name": name, "model": name, "size": size, "digest": "", "details": {}, "nodes": nodes})
+    return {"models": models}
 
 
 @bp.get("/api/ps")
@@ -115,6 +122,8 @@ async def ps() -> Any:
     store = st.usage.statistics() if st.usage is not None and key.admin else None
     if store is not None and (store.kind != "sqlite" or not store.reachable):
         body["database"] = store.as_json()  # trioshed's addition, admin only: a team's store, or any store at fault
+    if st.fleet is not None and key.admin:  # every node of the fleet: admin only
+        body["nodes"] = fleet_view.nodes(st.fleet, trio.current_time())
     if not stats.remote or not key.admin:  # which RPC server holds which model: admin only
         return body
     servers = [

@@ -49,6 +49,7 @@ from trioshed.api.upstream import (
 )
 from trioshed.core.model import ModelSpec, RunnerOptions
 from trioshed.errors import BadRequest, ModelNotFound, TrioshedError
+from trioshed.fleet import view as fleet_view
 from trioshed.keys import ANONYMOUS, ApiKey, current_key
 from trioshed.scheduler import Lease
 from trioshed.trace import current as current_trace
@@ -217,7 +218,11 @@ async def models() -> Any:
     st = state()
     specs = await trio.to_thread.run_sync(st.store.list)
     key = current_key.get()  # a key sees only the models it may use
-    return {"object": "list", "data": [await _model_object(s) for s in specs if key.may_use(s.name)]}
+    data = [await _model_object(s) for s in specs if key.may_use(s.name)]
+    if st.fleet is not None:  # the fleet's models: those only other nodes hold
+        elsewhere = fleet_view.models_elsewhere(st.fleet, {s.name for s in specs})
+        data += [{"id": n.removesuffix(":latest"), "object": "model", "created": 0, "owned_by": "trioshed"} for n in sorted(elsewhere) if key.may_use(n)]
+    return {"object": "list", "data": data}
 
 
 @bp.get("/v1/models/<path:model>")

@@ -386,6 +386,7 @@ def _paths() -> Schema:
         "/api/embeddings": {"post": _json_op("One embedding (Ollama's older route)", "EmbeddingsRequest", _ref("EmbeddingsResponse"))},
         "/api/tags": {"get": _get_op("Models in the store", "application/json", _ref("TagsResponse"))},
         "/api/ps": {"get": _get_op("Loaded models", "application/json", _ref("PsResponse"))},
+        "/api/fleet/state": {"get": {**_get_op("This node's state, for the other nodes of its fleet (the fleet secret, not an API key)", "application/json", {"type": "object"}), "security": [], "responses": {"200": {"description": "OK", "content": {"application/json": {"schema": {"type": "object"}}}}, **_errors("401", "403")}}},
         "/api/show": {"post": _json_op("A model's details, GGUF metadata and memory estimate", "ModelRequest", _ref("ShowResponse"), errors=("400", "401", "404", "413", "500"))},
         "/api/delete": {
             "delete": {

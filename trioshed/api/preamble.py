@@ -30,8 +30,8 @@ from trioshed.models.gguf_meta import GGUFMetadata, read_metadata
 from trioshed.models.ollama_store import OllamaManifest
 
 #: A request served by the fast path (:mod:`trioshed.api.fast`, no Quart context): the app's
-#: state and the request's body.
-fast_request: ContextVar[tuple[AppState, bytes] | None] = ContextVar(
+#: state, the request's body and its ASGI scope.
+fast_request: ContextVar[tuple[AppState, bytes, dict[str, Any]] | None] = ContextVar(
     "trioshed_fast_request", default=None
 )
 
@@ -144,7 +144,15 @@ def prepare(body: Mapping[str, Any], name: str, *, embedding: bool = False, need
     rerank: the longest single input, not all of them together).
     """
     st = state()
-    model = resolve(name)
+    if st.fleet is None:
+        model = resolve(name)
+    else:  # the one place a request may go to another node (trioshed.fleet): raises Forward
+        try:
+            model = resolve(name)
+        except ModelNotFound:
+            st.fleet.route(name, None, body, embedding=embedding)
+            raise
+        st.fleet.route(name, model, body, embedding=embedding)
     keep_alive = keep_alive_of(body)
     overrides = body.get("options")
     if overrides is not None and not isinstance(overrides, dict):

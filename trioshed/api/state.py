@@ -12,6 +12,7 @@ from trioshed.config import Settings
 from trioshed.core.model import ModelSpec, RunnerOptions
 from trioshed.core.runner_options import runner_options
 from trioshed.errors import DraftUnusable, TrioshedError
+from trioshed.fleet.node import Fleet
 from trioshed.keys import ApiKey
 from trioshed.logtail import LogTail
 from trioshed.models.create import Creator
@@ -51,6 +52,7 @@ class AppState:
     keys: tuple[ApiKey, ...] = ()  # the API keys in force (the gate's, reloaded on SIGHUP)
     #: the one writer of the store's manifests and blob deletions (serve() runs its task)
     writer: StoreWriter = field(default_factory=StoreWriter)
+    fleet: Fleet | None = None  # the other nodes (TRIOSHED_FLEET_SECRET; trioshed.fleet)
     _puller: Puller | None = None
     _creator: Creator | None = None
 

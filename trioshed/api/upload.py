@@ -68,7 +68,7 @@ async def serve_upload(
     :func:`~trioshed.api.bodypump.run_with_pump`, which discards what is left of a body not read
     and closes the connection then."""
     path = scope["path"]
-    token = fast_request.set((wrapper.gate.state, b""))
+    token = fast_request.set((wrapper.gate.state, b"", scope))
     try:
         try:
             wrapper.admit(entry, path)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import errno
 import socket
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -108,6 +108,11 @@ class UpstreamResponse:
         return self._reader.done
 
     @property
+    def keep_alive(self) -> bool:
+        """Whether the upstream keeps the connection open after this answer."""
+        return self._reader.keep_alive
+
+    @property
     def reusable(self) -> bool:
         """Whether the connection may carry another request: the answer was read to its end,
         the upstream did not say ``close``, and it was not a stream (see the module's notes)."""
@@ -153,9 +158,13 @@ class UpstreamPool:
     """
 
     def __init__(
-        self, port: int, *, host: str = "127.0.0.1", max_idle: int = 16, connect_timeout: float = 10.0, api_key: str | None = None
+        self, port: int, *, host: str = "127.0.0.1", max_idle: int = 16, connect_timeout: float = 10.0, api_key: str | None = None,
+        streams_keep_alive: bool = False,
     ) -> None:
         self.host = host
+        #: Whether a connection that carried a whole stream may carry another: not to llama-server
+        #: (see the module's notes), yes to another trioshed (hypercorn keeps it open).
+        self.streams_keep_alive = streams_keep_alive
         self.port = port
         self._api_key = api_key  # the runner's secret, sent with every request (never logged)
         self.max_idle = max_idle
@@ -176,14 +185,16 @@ class UpstreamPool:
 
     @asynccontextmanager
     async def request(
-        self, method: str, path: str, body: bytes = b"", *, content_type: str = "application/json"
+        self, method: str, path: str, body: bytes = b"", *, content_type: str = "application/json",
+        headers: Sequence[tuple[str, str]] = (),
     ) -> AsyncIterator[UpstreamResponse]:
         """Send a request and yield its answer once the head arrived; the body is read inside.
 
         Raises :class:`ConnectionFailed` when no answer could be had (after the one retry that
         a stale pooled connection earns).
         """
-        data = request_head(method, path, self.port, len(body), content_type, self._api_key) + body
+        head = request_head(method, path, self.port, len(body), content_type, self._api_key, host=self.host, extra=headers)
+        data = head + body
         connection = self._take_idle()
         reused = connection is not None
         if connection is None:
@@ -267,9 +278,10 @@ class UpstreamPool:
         return None
 
     def _give_back(self, connection: _Connection, response: UpstreamResponse) -> None:
+        reusable = response.reusable or (self.streams_keep_alive and response.complete and response.keep_alive)
         if (
             self._closed
-            or not response.reusable
+            or not reusable
             or connection.requests >= MAX_REQUESTS
             or len(self._idle) >= self.max_idle
         ):

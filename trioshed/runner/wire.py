@@ -11,6 +11,8 @@ Only what a loopback client of llama-server needs: no pipelining, no 1xx, no tra
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 __all__ = ["ProtocolError", "ResponseReader", "request_head"]
 
 _MAX_HEAD = 64 * 1024
@@ -21,13 +23,17 @@ class ProtocolError(Exception):
 
 
 def request_head(
-    method: str, path: str, port: int, body_length: int, content_type: str = "application/json", api_key: str | None = None
+    method: str, path: str, port: int, body_length: int, content_type: str = "application/json", api_key: str | None = None,
+    *, host: str = "127.0.0.1", extra: Sequence[tuple[str, str]] = (),
 ) -> bytes:
     """The head of a request with a ``Content-Length`` body (keep-alive is HTTP/1.1's default);
-    ``api_key`` is the runner's secret (see ``trioshed.runner.process``)."""
-    head = f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+    ``api_key`` is the runner's secret (see ``trioshed.runner.process``); ``extra``: more header
+    lines (another node's request, relayed: ``trioshed.fleet.relay``)."""
+    head = f"{method} {path} HTTP/1.1\r\nHost: {host}:{port}\r\n"
     if api_key:
         head += f"Authorization: Bearer {api_key}\r\n"
+    for name, value in extra:
+        head += f"{name}: {value}\r\n"
     if method != "GET" or body_length:
         head += f"Content-Type: {content_type}\r\nContent-Length: {body_length}\r\n"
     return (head + "\r\n").encode("ascii")

@@ -149,6 +149,19 @@ function renderQueue(queue) {
   tick();
 }
 
+// Every node of a fleet (an admin's view; no fleet: no section)
+function renderFleet(nodes) {
+  const rows = (nodes || []).map((n) => el("tr", { dataset: { node: n.name } },
+    el("td", {}, n.name + (n.url ? "" : " (this node)")),
+    el("td", {}, !n.reachable ? `unreachable: ${n.error}` : n.draining ? "draining" : "up"),
+    el("td", { class: "num" }, `${n.runners} of ${n.max_runners}`), el("td", { class: "num" }, String(n.queued)),
+    el("td", { class: "num" }, bytes(n.room)),
+    el("td", {}, n.devices.map((d) => `${d.id}: ${bytes(d.free)} free of ${bytes(d.total)}`).join("; ")),
+    el("td", {}, n.loaded.map((m) => `${m.model} (${m.busy}/${m.slots} busy, ${m.queued} queued${m.ready ? "" : ", loading"})`).join("; ") || "–")));
+  $("fleet").tBodies[0].replaceChildren(...rows);
+  $("fleet-section").hidden = rows.length === 0;
+}
+
 // Usage per API key (an admin sees every key, a user key its own; no keys: no section)
 function renderKeys(usage) {
   const rows = (usage || []).filter((u) => u.key).map((u) => el("tr", {},
@@ -418,6 +431,7 @@ function handle(type, data) {
     renderQueue(data.queue);
     renderKeys(data.usage);
     renderDatabase(data.database);
+    renderFleet(data.fleet);
     $("updated").textContent = "updated " + clock(data.time);
   } else if (type === "events") {
     const seen = ui.events.length ? ui.events[ui.events.length - 1].seq : 0;

@@ -1,0 +1,50 @@
+"""Many nodes as one service: any node takes any request and serves it where it is best served.
+
+Rooms: :mod:`~trioshed.fleet.auth` (the fleet secret, the key a forwarded request carries),
+:mod:`~trioshed.fleet.state` (a node's published state), :mod:`~trioshed.fleet.peers` (where
+the other nodes' states come from), :mod:`~trioshed.fleet.relay` (a request sent on, its answer
+back), :mod:`~trioshed.fleet.node` (this node's part: route, relay, poll). The decision itself
+is :func:`trioshed.core.route.choose`, pure. :func:`build_fleet` puts them together for ``serve()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from trioshed.config import Settings
+from trioshed.devices import DeviceSource
+from trioshed.fleet.auth import FleetAuth
+from trioshed.fleet.node import Fleet
+from trioshed.fleet.peers import StaticPeers
+from trioshed.fleet.state import LocalNode
+from trioshed.models.stores import Stores
+from trioshed.scheduler.stats import SchedulerStatistics
+
+
+def build_fleet(
+    settings: Settings,
+    name: str,
+    stats: Callable[[], SchedulerStatistics],
+    store: Stores,
+    devices: DeviceSource,
+    estimate: Callable[[Any], int],
+) -> Fleet | None:
+    """This node's fleet (None without ``TRIOSHED_FLEET_SECRET``). Its HTTP client is closed by
+    :meth:`Fleet.run`'s end."""
+    if not settings.fleet_secret:
+        return None
+    auth = FleetAuth(settings.fleet_secret)
+    local = LocalNode(
+        name, stats, store, devices, estimate,
+        max_loaded_models=settings.max_loaded_models, gpu_overhead=settings.gpu_overhead,
+    )  # fmt: skip
+    client = httpx.AsyncClient(
+        timeout=httpx.Timeout(connect=3.0, read=settings.stream_idle_timeout, write=60.0, pool=10.0),
+        limits=httpx.Limits(max_connections=1024, max_keepalive_connections=64),
+        trust_env=False,  # node-to-node: no proxy from the environment
+    )
+    source = StaticPeers(settings.peers, auth, name, client, interval=settings.fleet_interval)
+    return Fleet(local, source, auth, client, interval=settings.fleet_interval, stale_after=settings.fleet_stale)

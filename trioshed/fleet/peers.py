@@ -1,0 +1,108 @@
+"""Where the other nodes' states come from.
+
+:class:`StateSource` is the small interface the fleet reads: the peers as last seen, and a way
+to say that one was found dead between two readings. :class:`StaticPeers` implements it over a
+static list of URLs (``TRIOSHED_PEERS``), polling each node's ``GET /api/fleet/state`` with the
+fleet secret every ``interval`` seconds; a source backed by a shared database (each node writing
+its state to a table, every node reading the others') implements the same two methods.
+
+A node finds itself in the list by its name (every node may be given the same list) and skips it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+import httpx
+import trio
+from trio_util import RepeatedEvent
+
+from trioshed.core.route import NodeState
+from trioshed.fleet.auth import FleetAuth
+from trioshed.fleet.state import DeviceView, from_json
+
+log = logging.getLogger(__name__)
+
+STATE_PATH = "/api/fleet/state"
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Another node as last seen: its state (``reachable`` False after a failed reading or
+    relay; its name is its URL until it answered once), its devices, and what went wrong."""
+
+    url: str
+    state: NodeState
+    devices: tuple[DeviceView, ...] = ()
+    error: str = ""
+
+
+class StateSource(Protocol):
+    """The other nodes' states, as this node's fleet reads them."""
+
+    def peers(self) -> tuple[Peer, ...]:
+        """Every other node, as last seen (reachable or not)."""
+        ...
+
+    def mark_down(self, name: str, reason: str) -> None:
+        """A relay found node ``name`` dead: route nothing to it until it answers again."""
+        ...
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Keep the states current until cancelled."""
+        ...
+
+
+class StaticPeers:
+    """The peers of ``TRIOSHED_PEERS``, polled over HTTP (see the module docstring)."""
+
+    def __init__(self, urls: tuple[str, ...], auth: FleetAuth, self_name: str, client: httpx.AsyncClient, *, interval: float) -> None:
+        self.urls = tuple(u.rstrip("/") for u in urls)
+        self.auth = auth
+        self.self_name = self_name
+        self.client = client
+        self.interval = interval
+        self._peers: dict[str, Peer] = {url: Peer(url, NodeState(name=url, url=url, reachable=False), error="not read yet") for url in self.urls}
+        self._self_urls: set[str] = set()
+        self.rounds = RepeatedEvent()  # set after each round of readings (tests wait on it)
+
+    def peers(self) -> tuple[Peer, ...]:
+        return tuple(p for url, p in self._peers.items() if url not in self._self_urls)
+
+    def mark_down(self, name: str, reason: str) -> None:
+        for url, peer in self._peers.items():
+            if peer.state.name == name:
+                self._peers[url] = replace(peer, state=replace(peer.state, reachable=False), error=reason)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        while True:
+            async with trio.open_nursery() as nursery:
+                for url in self.urls:
+                    if url not in self._self_urls:
+                        nursery.start_soon(self._read, url)
+            self.rounds.set()
+            await trio.sleep(self.interval)
+
+    async def _read(self, url: str) -> None:
+        old = self._peers[url]
+        try:
+            with trio.fail_after(max(1.0, 2 * self.interval)):
+                response = await self.client.get(url + STATE_PATH, headers=self.auth.headers(None, self.self_name))
+            if response.status_code != 200:
+                raise ValueError(f"answered {response.status_code}")
+            state, devices = from_json(response.json(), url, trio.current_time())
+        except (httpx.HTTPError, trio.TooSlowError, ValueError) as exc:
+            error = str(exc) or type(exc).__name__
+            if old.state.reachable or old.error != error:
+                log.warning("fleet: node %s is unreachable: %s", url, error)
+            self._peers[url] = replace(old, state=replace(old.state, reachable=False), error=error)
+            return
+        if state.name == self.self_name:
+            self._self_urls.add(url)  # this node itself, in a list shared by every node
+            return
+        if not old.state.reachable and old.error != "not read yet":
+            log.info("fleet: node %s (%s) answers again", state.name, url)
+        self._peers[url] = Peer(url, state, devices)
