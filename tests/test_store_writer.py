@@ -115,7 +115,7 @@ async def test_a_pull_left_mid_download_leaves_nothing_behind(model_store: Path,
             # the download ends with its pull: its cancellation may wait on a worker thread (a
             # file write), which wait_all_tasks_blocked does not see, so wait for the state itself
             with trio.fail_after(10):
-                while server.state.puller().statistics():
+                while server.state.puller().statistics():  # noqa: ASYNC110 - a public snapshot, no event to await
                     await trio.sleep(0.01)
             again = await run_again(server, pull_route.pull, "/api/pull", {"model": "m"})
             assert again[-1] == {"status": "success"}
