@@ -19,6 +19,7 @@ import trio
 from tests.conftest import add_tiny
 from tests.serve_process import serve_process
 from trioshed.testing.server import open_test_server
+from trioshed.testing.signals import stop_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_leaked_runner")]
 
@@ -60,7 +61,7 @@ async def test_a_hung_runner_ends_its_stream_within_the_idle_timeout_and_is_repl
                 assert json.loads(await lines.__anext__())["done"] is False
                 hung = next(r.pid for r in server.scheduler.statistics().runners if r.model == "long:latest")
                 assert hung is not None
-                os.kill(hung, signal.SIGSTOP)
+                await stop_process(hung)
                 stopped_at = trio.current_time()
                 # another model keeps serving while this one hangs
                 assert (await generate(http, "tiny")).status_code == 200

@@ -21,6 +21,7 @@ from tests.test_scheduler import running, spec
 from trioshed.core.model import RunnerOptions
 from trioshed.scheduler.lifetime import HEALTH_INTERVAL, HEALTH_TIMEOUT, PING_IDLE, PING_TIMEOUT
 from trioshed.testing.server import open_test_server
+from trioshed.testing.signals import stop_process
 
 
 async def test_an_idle_runner_that_stopped_answering_is_replaced_before_reuse(autojump_clock: trio.testing.MockClock) -> None:
@@ -78,7 +79,7 @@ async def test_a_request_to_a_stopped_idle_llama_server_is_answered_by_a_new_one
             assert (await http.post("/api/generate", json=body)).status_code == 200
             [hung] = [r.pid for r in server.scheduler.statistics().runners]
             assert hung is not None
-            os.kill(hung, signal.SIGSTOP)
+            await stop_process(hung)
             try:
                 stopped_at = trio.current_time()
                 r = await http.post("/api/generate", json=body)
@@ -111,7 +112,7 @@ async def test_a_stream_on_a_llama_server_declared_hung_ends_with_an_error_line(
                 assert json.loads(await lines.__anext__())["done"] is False
                 [hung] = [r.pid for r in server.scheduler.statistics().runners]
                 assert hung is not None
-                os.kill(hung, signal.SIGSTOP)
+                await stop_process(hung)
                 stopped_at = trio.current_time()
                 rest = [json.loads(line) async for line in lines if line]
                 waited = trio.current_time() - stopped_at

@@ -18,6 +18,7 @@ import trio
 from tests.conftest import add_tiny
 from trioshed.scheduler.lifetime import PING_TIMEOUT
 from trioshed.testing.server import Server, open_test_server
+from trioshed.testing.signals import stop_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_leaked_runner")]
 
@@ -73,7 +74,7 @@ async def test_a_stream_sent_to_a_stopped_llama_server_is_answered_whole_by_a_ne
         async with open_test_server(model_store) as server, httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
             assert (await http.post("/api/generate", json={"model": "tiny", "prompt": "hi", "stream": False, "options": {"num_predict": 1}})).status_code == 200
             stopped = _pid(server)
-            os.kill(stopped, signal.SIGSTOP)
+            await stop_process(stopped)
             try:
                 start = trio.current_time()
                 async with http.stream("POST", path, json=body) as response:
@@ -109,7 +110,7 @@ async def test_a_plain_request_sent_to_a_stopped_llama_server_is_answered_by_a_n
         async with open_test_server(model_store) as server, httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
             assert (await http.post("/api/generate", json={"model": "tiny", "prompt": "hi", "stream": False, "options": {"num_predict": 1}})).status_code == 200
             stopped = _pid(server)
-            os.kill(stopped, signal.SIGSTOP)
+            await stop_process(stopped)
             try:
                 start = trio.current_time()
                 r = await http.request(method, path, json=body)
@@ -156,7 +157,7 @@ async def test_a_plain_answer_whose_llama_server_hangs_mid_generation_comes_from
                 nursery.start_soon(ask)
                 await _generating(server, loads=1)
                 hung = _pid(server)
-                os.kill(hung, signal.SIGSTOP)
+                await stop_process(hung)
                 try:
                     with trio.fail_after(FOUND_AND_REPLACED):
                         await server.scheduler.wait_statistics(lambda s: s.loads == 2)
