@@ -133,7 +133,7 @@ async def test_a_database_outage_keeps_the_last_states_until_stale_and_is_logged
     table.rows["B"] = to_row(B, (), "http://10.0.0.2:11434")
     table.ages["B"] = 0.0
     peers = source(table)
-    peers.listening("http://127.0.0.1:4242")
+    peers.listening("http://10.0.0.1:4242")
     async with trio.open_nursery() as nursery:
         await nursery.start(peers.run)
         await peers.rounds.wait()
@@ -213,3 +213,14 @@ def test_the_database_is_the_way_only_with_the_secret_and_no_list_and_needs_an_a
     for bad in ("10.0.0.1:11434", "https://10.0.0.1:443", "http://10.0.0.1", "http://0.0.0.0:11434", "http://h:99999"):
         with pytest.raises(ValueError, match="TRIOSHED_FLEET_URL"):
             Settings.from_env({**db, "TRIOSHED_FLEET_URL": bad})
+
+
+def test_a_loopback_url_for_a_database_elsewhere_is_warned_about(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, "trioshed.fleet.dbpeers")
+    peers = source(FakeTable())  # the database at db.example
+    peers.listening("http://127.0.0.1:11434")
+    assert "a loopback address only nodes on this machine reach" in caplog.records[-1].getMessage()
+    table = FakeTable()
+    table.where = "postgresql://u:***@127.0.0.1:5432/team"  # every node on this machine: fine
+    source(table).listening("http://127.0.0.1:11434")
+    assert caplog.records[-1].levelno == logging.INFO

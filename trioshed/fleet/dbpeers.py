@@ -26,12 +26,14 @@ a slow usage write never delays the fleet's view.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import re
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Protocol
+from urllib.parse import urlsplit
 
 import trio
 from trio_util import RepeatedEvent
@@ -145,6 +147,13 @@ class DatabasePeers:
         if self.url is None:
             self.url = url
         self.listens = True
+        if _loopback(self.url) and not _loopback(self.table.where):
+            log.warning(
+                "fleet: this node is at %s for the other nodes, a loopback address only nodes on this machine reach; "
+                "set TRIOSHED_FLEET_URL (or TRIOSHED_HOST) to an address they reach", self.url,
+            )  # fmt: skip
+        else:
+            log.info("fleet: this node is at %s for the other nodes (in the database %s)", self.url, self.table.where)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Until cancelled: exchange rows every interval; at the end, remove this node's row.
@@ -221,6 +230,14 @@ class DatabasePeers:
             log.warning("fleet: could not remove node %s from the database %s (%s): it goes stale there", self.name, self.table.where, exc)
         finally:
             self.table.close()
+
+
+def _loopback(url: str) -> bool:
+    host = urlsplit(url).hostname or ""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost" or host.startswith("/")  # a unix socket: this machine
 
 
 def state_of(local: LocalNode) -> Callable[[float], tuple[NodeState, tuple[DeviceView, ...]]]:
