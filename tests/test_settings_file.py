@@ -60,6 +60,7 @@ peers = ["http://10.0.0.2:11434", "http://10.0.0.3:11434/"]
 fleet_secret = "fleet"
 fleet_interval = "500ms"
 fleet_stale = 3
+fleet_url = "http://10.0.0.1:8080/"
 """
 
 
@@ -95,6 +96,7 @@ def test_every_setting_can_be_given_in_the_file(tmp_path: Path) -> None:
     assert s.metrics_public is True
     assert s.peers == ("http://10.0.0.2:11434", "http://10.0.0.3:11434")
     assert (s.fleet_secret, s.node_name, s.fleet_interval, s.fleet_stale) == ("fleet", "gpu-1", 0.5, 3)
+    assert s.fleet_url == "http://10.0.0.1:8080"
     # the file covers every TRIOSHED_* setting there is
     assert set(load_settings_file(path)) - {"port"} == set(SETTING_NAMES)
 

@@ -246,6 +246,9 @@ class Settings:
     fleet_secret: str | None = field(default=None, repr=False)
     fleet_interval: float = 1.0
     fleet_stale: float = 5.0
+    #: Where the other nodes reach this one, written to the shared database for them (nodes that
+    #: find each other through ``database``, no ``peers``); None: http://<host>:<port>.
+    fleet_url: str | None = None
 
     @classmethod
     def from_env(
@@ -283,6 +286,23 @@ class Settings:
             keyring(self.api_key, self.keys_file)  # a bad keys file stops serve at start-up
         if self.peers and not self.fleet_secret:
             raise ValueError("TRIOSHED_PEERS needs TRIOSHED_FLEET_SECRET: nodes trust each other only with the fleet's secret")
+        if problem := self.fleet_url_problem():
+            raise ValueError(problem)
+
+    @property
+    def fleet_discovery(self) -> str:
+        """How this node finds the other nodes of its fleet: ``"peers"`` (the static list),
+        ``"database"`` (the shared PostgreSQL, no list), or ``""`` (in no fleet)."""
+        if not self.fleet_secret:
+            return ""
+        return "database" if self.database and not self.peers else "peers"
+
+    def fleet_url_problem(self) -> str | None:
+        """Why this node cannot say where the other nodes reach it (None: it can)."""
+        if self.fleet_discovery != "database" or self.fleet_url or not unspecified_address(self.host):
+            return None
+        return (f"TRIOSHED_HOST={self.host} listens on every address and names none the other nodes of the fleet can reach: "
+                "set TRIOSHED_FLEET_URL to this node's http://host:port as they see it (written to TRIOSHED_DATABASE for them)")  # fmt: skip
 
     @property
     def usage_path(self) -> Path:
@@ -334,6 +354,26 @@ def _peers(value: str) -> tuple[str, ...]:
         if not re.fullmatch(r"https?://[^/\s]+", url):
             raise ValueError(f"invalid peer {url!r}: use http://host:port (comma-separated)")
     return urls
+
+
+def unspecified_address(host: str) -> bool:
+    """Whether ``host`` is 0.0.0.0 or :: (every address: none another machine could dial)."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_unspecified
+    except ValueError:
+        return host in ("", "*")
+
+
+def _fleet_url(value: str) -> str:
+    """``http://10.0.0.2:11434``: where the other nodes reach this one (trioshed's own HTTP/1.1
+    client relays to it: plain HTTP, an explicit port)."""
+    url = value.strip().rstrip("/")
+    found = re.fullmatch(r"http://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):(\d{1,5})", url)
+    if found is None or not 0 < int(found.group(2)) < 65536:
+        raise ValueError("use http://host:port, this node's address as the other nodes of the fleet reach it")
+    if unspecified_address(found.group(1)):
+        raise ValueError("0.0.0.0 and :: are no address another node can reach: give this node's own")
+    return url
 
 
 def _at_least(minimum: int, what: str = "") -> Callable[[str], int]:
@@ -409,6 +449,7 @@ _PARSERS: dict[str, Callable[[str], object]] = {
     "fleet_secret": str,
     "fleet_interval": lambda v: _positive_timeout(parse_duration(v)),
     "fleet_stale": lambda v: _positive_timeout(parse_duration(v)),
+    "fleet_url": _fleet_url,
 }
 SETTING_NAMES = tuple(_PARSERS)
 

@@ -252,6 +252,8 @@ async def serve(
                     urls = await http_nursery.start(partial(serve_http, app, config, connections, shutdown_trigger=http_stopped.wait))
                     urls = [u.replace("0.0.0.0", "127.0.0.1") for u in urls]
                     log.info("trioshed listening on %s", ", ".join(urls))
+                    if state.fleet is not None:
+                        state.fleet.source.listening(urls[0])  # its place in the shared database, from now on
                     systemd.notify("READY=1")
                     nursery.start_soon(systemd.run_notifier, partial(_status, scheduler, app))
                     task_status.started(Server(settings, state, urls, devices, app, connections))

@@ -2,7 +2,8 @@
 
 Rooms: :mod:`~trioshed.fleet.auth` (the fleet secret, the key a forwarded request carries),
 :mod:`~trioshed.fleet.state` (a node's published state), :mod:`~trioshed.fleet.peers` (where
-the other nodes' states come from), :mod:`~trioshed.fleet.relay` (a request sent on, its answer
+the other nodes' states come from: a static list), :mod:`~trioshed.fleet.dbpeers` (or the
+shared database), :mod:`~trioshed.fleet.relay` (a request sent on, its answer
 back), :mod:`~trioshed.fleet.node` (this node's part: route, relay, poll). The decision itself
 is :func:`trioshed.core.route.choose`, pure. :func:`build_fleet` puts them together for ``serve()``.
 """
@@ -17,11 +18,13 @@ import httpx
 from trioshed.config import Settings
 from trioshed.devices import DeviceSource
 from trioshed.fleet.auth import FleetAuth
+from trioshed.fleet.dbpeers import DatabasePeers, state_of
 from trioshed.fleet.node import Fleet
-from trioshed.fleet.peers import StaticPeers
+from trioshed.fleet.peers import StateSource, StaticPeers
 from trioshed.fleet.state import LocalNode
 from trioshed.models.stores import Stores
 from trioshed.scheduler.stats import SchedulerStatistics
+from trioshed.usage.pg import PgStore
 
 
 def build_fleet(
@@ -32,10 +35,14 @@ def build_fleet(
     devices: DeviceSource,
     estimate: Callable[[Any], int],
 ) -> Fleet | None:
-    """This node's fleet (None without ``TRIOSHED_FLEET_SECRET``). Its HTTP client is closed by
-    :meth:`Fleet.run`'s end."""
-    if not settings.fleet_secret:
+    """This node's fleet (None without ``TRIOSHED_FLEET_SECRET``): its peers from ``TRIOSHED_PEERS``,
+    else from ``TRIOSHED_DATABASE``. Its HTTP client is closed by :meth:`Fleet.run`'s end;
+    ValueError when the database is the way and this node cannot say where it is reached."""
+    if not settings.fleet_discovery:
         return None
+    assert settings.fleet_secret is not None
+    if problem := settings.fleet_url_problem():
+        raise ValueError(problem)
     auth = FleetAuth(settings.fleet_secret)
     local = LocalNode(
         name, stats, store, devices, estimate,
@@ -46,5 +53,13 @@ def build_fleet(
         limits=httpx.Limits(max_connections=1024, max_keepalive_connections=64),
         trust_env=False,  # node-to-node: no proxy from the environment
     )
-    source = StaticPeers(settings.peers, auth, name, client, interval=settings.fleet_interval)
+    source: StateSource
+    if settings.fleet_discovery == "database":
+        assert settings.database is not None
+        table = PgStore(settings.database, max_size=1)  # its own connection: one exchange at a time
+        source = DatabasePeers(
+            table, name, state_of(local), interval=settings.fleet_interval, stale_after=settings.fleet_stale, url=settings.fleet_url
+        )  # fmt: skip
+    else:
+        source = StaticPeers(settings.peers, auth, name, client, interval=settings.fleet_interval)
     return Fleet(local, source, auth, client, interval=settings.fleet_interval, stale_after=settings.fleet_stale)

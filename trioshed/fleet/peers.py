@@ -3,8 +3,8 @@
 :class:`StateSource` is the small interface the fleet reads: the peers as last seen, and a way
 to say that one was found dead between two readings. :class:`StaticPeers` implements it over a
 static list of URLs (``TRIOSHED_PEERS``), polling each node's ``GET /api/fleet/state`` with the
-fleet secret every ``interval`` seconds; a source backed by a shared database (each node writing
-its state to a table, every node reading the others') implements the same two methods.
+fleet secret every ``interval`` seconds; :class:`~trioshed.fleet.dbpeers.DatabasePeers` over the
+shared database (each node writing its state to a table, every node reading the others').
 
 A node finds itself in the list by its name (every node may be given the same list) and skips it.
 """
@@ -50,6 +50,10 @@ class StateSource(Protocol):
         """A relay found node ``name`` dead: route nothing to it until it answers again."""
         ...
 
+    def listening(self, url: str) -> None:
+        """This node takes requests at ``url`` now (the first address it listens on)."""
+        ...
+
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Keep the states current until cancelled."""
         ...
@@ -75,6 +79,9 @@ class StaticPeers:
         for url, peer in self._peers.items():
             if peer.state.name == name:
                 self._peers[url] = replace(peer, state=replace(peer.state, reachable=False), error=reason)
+
+    def listening(self, url: str) -> None:
+        pass  # the other nodes find this one in their own lists
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()

@@ -10,11 +10,15 @@ Version 2: usage rows carry the node that served them (``node``); ``usage_minute
 key, node and minute, kept an hour) lets every node see the team's last minute for budgets;
 ``api_keys`` (hashed secrets, limits, revocations) and ``meta`` (``keys_version``, bumped by each
 change of a key, which nodes poll) hold the keys managed over the API.
+
+Version 3: ``fleet_nodes`` (PostgreSQL only: a SQLite file serves one box) holds each node's
+fleet state, the URL the other nodes reach it at, and when it was written by the database's
+clock (:mod:`trioshed.fleet.dbpeers`).
 """
 
 from __future__ import annotations
 
-VERSION = 2
+VERSION = 3
 
 _COUNTS = """requests BIGINT NOT NULL DEFAULT 0, prompt_tokens BIGINT NOT NULL DEFAULT 0,
     cached_tokens BIGINT NOT NULL DEFAULT 0, completion_tokens BIGINT NOT NULL DEFAULT 0,
@@ -59,6 +63,13 @@ def _v2(dialect: str, carry: bool) -> list[str]:
     return out
 
 
+#: Version 3: the fleet's nodes, one row each, written by the node itself every interval.
+_V3 = [
+    "CREATE TABLE fleet_nodes (name TEXT PRIMARY KEY, url TEXT NOT NULL, state TEXT NOT NULL, "
+    "updated TIMESTAMP WITH TIME ZONE NOT NULL)",
+]
+
+
 def migrations(dialect: str, version: int, has_usage: bool) -> list[tuple[int, list[str]]]:
     """(version reached, its statements) for each step from ``version`` (0: a new database) up
     to :data:`VERSION`. ``has_usage``: an unversioned SQLite file that already has usage tables."""
@@ -68,4 +79,6 @@ def migrations(dialect: str, version: int, has_usage: bool) -> list[tuple[int, l
         has_usage = has_usage or dialect == "sqlite"
     if version < 2:
         steps.append((2, _v2(dialect, carry=has_usage)))
+    if version < 3:
+        steps.append((3, _V3 if dialect == "postgresql" else []))
     return steps

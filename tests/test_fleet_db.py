@@ -1,0 +1,104 @@
+"""Three real trioshed nodes on loopback (real llama-server children, a tiny model) that know each
+other only through a real PostgreSQL: no ``TRIOSHED_PEERS``, each node's row written to the
+shared database at the address it listens on. A model warm on B is served by B for requests
+arriving at A and C, and a node stopped cleanly removes its row and leaves every view."""
+
+from __future__ import annotations
+
+import json
+from contextlib import AsyncExitStack
+from pathlib import Path
+
+import httpx
+import psycopg
+import pytest
+import trio
+
+from tests.conftest import add_tiny
+from tests.fleet_nodes import SECRET, Node, sees, wait_until
+from tests.test_team_store import fresh_database, needs_postgres, postgres  # noqa: F401
+from trioshed.fleet.dbpeers import DatabasePeers
+from trioshed.testing.postgres import Postgres
+from trioshed.testing.server import open_test_server
+from trioshed.usage.pg import PgStore
+
+pytestmark = [needs_postgres, pytest.mark.slow]
+
+GEN = {"prompt": "hi", "stream": False, "options": {"num_predict": 2}}
+
+
+def rows(url: str) -> dict[str, tuple[str, dict[str, object]]]:
+    with psycopg.connect(url) as conn:
+        return {n: (u, json.loads(s)) for n, u, s in conn.execute("SELECT name, url, state FROM fleet_nodes").fetchall()}
+
+
+async def test_nodes_found_through_the_database_serve_a_model_where_it_is_warm_and_a_stopped_node_leaves(
+    postgres: Postgres,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    database = fresh_database(postgres)
+    store = tmp_path / "models"
+    store.mkdir()
+    add_tiny(store, "m1")
+    settings = {"database": database, "fleet_secret": SECRET, "fleet_interval": 0.1, "fleet_stale": 2.0}
+    with trio.fail_after(150):
+        async with AsyncExitStack() as stack:
+            nodes: list[Node] = []
+            for name in ("A", "B"):
+                record: list[tuple[str, str]] = []
+                server = await stack.enter_async_context(open_test_server(store, record=record, node_name=name, **settings))
+                nodes.append(Node(name, server, record))
+            a, b = nodes
+            c_record: list[tuple[str, str]] = []
+            async with open_test_server(store, record=c_record, node_name="C", **settings) as c_server:
+                c = Node("C", c_server, c_record)
+                for node in (a, b, c):
+                    assert node.server.settings.peers == ()
+                    assert isinstance(node.server.state.fleet and node.server.state.fleet.source, DatabasePeers)
+                    await wait_until(lambda node=node: all(sees(node, o) for o in (a, b, c) if o is not node), node)  # type: ignore[misc]
+                table = await trio.to_thread.run_sync(rows, database)
+                assert {n: u for n, (u, _) in table.items()} == {n.name: n.url for n in (a, b, c)}  # where each listens
+                assert table["B"][1]["name"] == "B" and table["B"][1]["draining"] is False
+                async with httpx.AsyncClient(timeout=60) as http:
+                    warm = await http.post(b.url + "/api/generate", json={"model": "m1", **GEN})
+                    assert warm.status_code == 200, warm.text
+                    await wait_until(lambda: sees(a, b, "m1:latest"), a)
+                    await wait_until(lambda: sees(c, b, "m1:latest"), c)
+                    for node in (a, c):  # arriving at A and at C: relayed over HTTP to B's URL from its row
+                        for _ in range(2):
+                            r = await http.post(node.url + "/api/generate", json={"model": "m1", **GEN})
+                            assert r.status_code == 200, r.text
+                            assert r.json()["done"] is True
+                assert b.dispatches("m1") == 1 + 4  # B's runner served every one of them
+                assert (a.loads(), b.loads(), c.loads()) == (0, 1, 0)
+                assert a.dispatches("m1") == c.dispatches("m1") == 0
+                for node in (a, c):
+                    assert node.server.state.fleet is not None and node.server.state.fleet.counts["forwarded"] == 2
+            # C stopped cleanly: its row is gone, and A and B no longer list it
+            assert set(await trio.to_thread.run_sync(rows, database)) == {"A", "B"}
+            for node in (a, b):
+                fleet = node.server.state.fleet
+                assert fleet is not None
+                await wait_until(lambda fleet=fleet: "C" not in {p.state.name for p in fleet.peers()}, node)  # type: ignore[misc]
+            async with httpx.AsyncClient(base_url=a.url, timeout=30) as http:
+                listed = (await http.get("/api/ps")).json()["nodes"]
+                assert [n["name"] for n in listed] == ["A", "B"]
+        assert await trio.to_thread.run_sync(rows, database) == {}
+
+
+def test_the_table_ages_rows_by_the_databases_clock_and_forgets_rows_not_written_for_long(postgres: Postgres) -> None:  # noqa: F811
+    database = fresh_database(postgres)
+    table = PgStore(database)
+    try:
+        assert table.exchange("A", ("http://127.0.0.1:1", '{"a": 1}'), 3600) == []
+        [(name, url, state, age)] = table.exchange("B", ("http://127.0.0.1:2", "{}"), 3600)
+        assert (name, url, state) == ("A", "http://127.0.0.1:1", '{"a": 1}') and 0 <= age < 5
+        with psycopg.connect(database, autocommit=True) as conn:  # A wrote 30 s ago, by the database's clock
+            conn.execute("UPDATE fleet_nodes SET updated = updated - interval '30 seconds' WHERE name = 'A'")
+        [(_, _, _, age)] = table.exchange("B", None, 3600)
+        assert 30 <= age < 35
+        assert table.exchange("B", None, 20) == []  # not written for 20 s: forgotten
+        table.withdraw("B")
+        assert rows(database) == {}
+    finally:
+        table.close()
