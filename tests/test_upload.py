@@ -22,7 +22,13 @@ import trio.testing
 
 from tests.serve_process import serve_process
 from trioshed.errors import Forbidden, InsufficientStorage, OutOfFiles
-from trioshed.models.blobs import UPLOAD_SUFFIX, receive_blob, reclaim_uploads
+from trioshed.models.blobs import (
+    UPLOAD_SUFFIX,
+    import_file,
+    receive_blob,
+    reclaim_uploads,
+    write_blob,
+)
 from trioshed.testing.server import open_test_server
 
 MiB = 1 << 20
@@ -168,6 +174,47 @@ def test_a_killed_uploads_partial_file_is_reclaimed_by_the_next_upload(tmp_path:
             assert reclaim_uploads(blobs) == 0
         finally:
             holder.kill()
+
+
+def test_a_killed_creates_partial_file_is_reclaimed_by_the_next_blob_written(tmp_path: Path) -> None:
+    """``create`` writes its blobs through the same locked partial files: one left by a killed
+    writer is removed when the next blob is written, one held by a live writer is not."""
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    final = blobs / f"sha256-{'b' * 64}"
+    with subprocess.Popen([sys.executable, "-c", HOLDER, str(final)], stdout=subprocess.PIPE, text=True) as holder:
+        try:
+            assert holder.stdout is not None
+            partial = Path(holder.stdout.readline().strip())
+            assert write_blob(tmp_path, b"a config") == ("sha256:" + hashlib.sha256(b"a config").hexdigest(), True)
+            assert partial.exists()  # its writer lives
+            holder.kill()
+            holder.wait()
+            _, new = write_blob(tmp_path, b"a template")
+            assert new and not partial.exists()
+            assert sorted(p.name for p in blobs.iterdir()) == sorted(
+                f"sha256-{hashlib.sha256(d).hexdigest()}" for d in (b"a config", b"a template")
+            )
+        finally:
+            holder.kill()
+
+
+def test_a_file_copied_across_file_systems_is_verified_and_leaves_no_partial(tmp_path: Path) -> None:
+    """A GGUF on another file system (no hard link possible) is copied through a locked partial
+    file; the blob is its bytes, and nothing else is left in ``blobs/``."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or os.stat(shm).st_dev == os.stat(tmp_path).st_dev:
+        pytest.fail("this test needs /dev/shm on another file system than the temporary folder")
+    source = Path(tempfile.mkdtemp(dir=shm)) / "model.gguf"
+    try:
+        source.write_bytes(b"GGUF" + bytes(range(256)) * 5000)
+        digest, size, new = import_file(tmp_path, source)
+        assert (digest, size, new) == ("sha256:" + hashlib.sha256(source.read_bytes()).hexdigest(), source.stat().st_size, True)
+        assert [p.name for p in (tmp_path / "blobs").iterdir()] == [f"sha256-{digest[7:]}"]
+        assert (tmp_path / "blobs" / f"sha256-{digest[7:]}").read_bytes() == source.read_bytes()
+        assert import_file(tmp_path, source)[2] is False
+    finally:
+        shutil.rmtree(source.parent)
 
 
 async def _chunks(*parts: bytes) -> AsyncIterator[bytes]:

@@ -223,6 +223,36 @@ async def test_a_connection_that_carried_a_stream_is_not_reused() -> None:
     assert (stats.opened, stats.reused, stats.retried) == (3, 1, 0)
 
 
+async def test_the_next_streams_connection_is_opened_as_the_last_one_closes() -> None:
+    # A stream's connection is closed after it (llama-server closes it); the pool starts the
+    # next connect at once, so the next stream is written to a connection already open.
+    with trio.fail_after(10):
+        async with ClosingUpstream(answer=100).serving() as upstream:
+            lease = _Lease(upstream.port)
+            assert await _stream_text(lease) == "Hello"
+            after_one = lease.handle.upstream.statistics()
+            assert await _stream_text(lease) == "Hello"
+            after_two = lease.handle.upstream.statistics()
+            await lease.handle.upstream.aclose()
+    assert (after_one.opened, after_one.idle, after_one.ready) == (2, 1, 0)  # the second one is ready
+    assert (after_two.opened, after_two.ready, after_two.reused) == (3, 1, 0)
+    assert [c for c, _ in upstream.requests] == [1, 2]
+
+
+async def test_a_connection_opened_ahead_to_a_server_that_went_away_costs_nothing() -> None:
+    # The upstream stops after a stream: the connection opened ahead is refused or dropped, and
+    # the next request fails as on a fresh connection (no retry loop, no connection left open).
+    with trio.fail_after(10):
+        async with ClosingUpstream(answer=100).serving() as upstream:
+            lease = _Lease(upstream.port)
+            assert await _stream_text(lease) == "Hello"
+        with pytest.raises(UpstreamError, match="llama-server"):
+            await post_upstream(lease, "/health", {})
+        stats = lease.handle.upstream.statistics()
+        await lease.handle.upstream.aclose()
+    assert (stats.active, stats.idle) == (0, 0)
+
+
 async def test_a_fresh_connection_closed_without_an_answer_is_an_error_not_a_loop() -> None:
     with trio.fail_after(10):
         async with ClosingUpstream(answer=0).serving() as upstream:

@@ -33,6 +33,7 @@ from typing import Any
 
 import trio
 from quart import Response
+from quart.wrappers.response import DataBody
 
 from trioshed.api import upload
 from trioshed.api.bodypump import run_with_pump
@@ -174,7 +175,11 @@ class FastPath:
                 "headers": headers + self._finish(get, response.status_code),
             }
         )
-        async with response.response as chunks:
+        body = response.response
+        if isinstance(body, DataBody):  # a whole answer: one message, so one write
+            await send({"type": "http.response.body", "body": body.data[body.begin : body.end], "more_body": False})
+            return
+        async with body as chunks:
             async for data in chunks:
                 if data:
                     await send({"type": "http.response.body", "body": data, "more_body": True})

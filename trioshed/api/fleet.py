@@ -84,7 +84,8 @@ def request_head() -> tuple[str, str, list[tuple[str, str]]]:
 
 def relayed_response(relayed: Relayed, path: str) -> Response:
     """The other node's answer as this node's (its status, headers and bytes)."""
-    response = Response(RelayedBody(relayed, path), status=relayed.status, content_type=relayed.content_type)
+    body: Any = relayed.first if relayed.whole else RelayedBody(relayed, path)  # a whole answer is sent at once
+    response = Response(body, status=relayed.status, content_type=relayed.content_type)
     for name, value in relayed.headers:
         if name.lower() != "content-type":
             response.headers.add(name, value)

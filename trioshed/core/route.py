@@ -42,7 +42,7 @@ import hashlib
 import json
 import zlib
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Set
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,7 +84,7 @@ class NodeState:
     max_runners: int = 3
     queued: int = 0  # requests waiting on the node, all models
     draining: bool = False
-    prefixes: frozenset[str] = frozenset()  # prompt prefixes it served recently
+    prefixes: Set[str] = frozenset()  # prompt prefixes it served recently
     seen: float = 0.0  # when this state was received (the deciding node's clock)
     reachable: bool = True
 
@@ -280,6 +280,11 @@ class PrefixTable:
             return None
         return entry[0]
 
+    def holding(self, node: str, now: float) -> HeldPrefixes:
+        """The prefixes ``node`` holds, as a set read when asked (a node's own state is built per
+        request: asking whether it holds one prefix looks up that prefix only)."""
+        return HeldPrefixes(self, node, now)
+
     def held_by(self, node: str, now: float, limit: int = 512) -> frozenset[str]:
         """The prefixes ``node`` holds (newest first, at most ``limit``): what a node publishes."""
         out: list[str] = []
@@ -289,3 +294,22 @@ class PrefixTable:
             if who == node and expires >= now:
                 out.append(prefix)
         return frozenset(out)
+
+
+class HeldPrefixes(Set[str]):
+    """The prefixes a node holds in a :class:`PrefixTable` (:meth:`PrefixTable.holding`): a
+    membership test is one lookup; iterating lists them (newest first, as published)."""
+
+    def __init__(self, table: PrefixTable, node: str, now: float) -> None:
+        self._table = table
+        self._node = node
+        self._now = now
+
+    def __contains__(self, prefix: object) -> bool:
+        return isinstance(prefix, str) and self._table.owner(prefix, self._now) == self._node
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._table.held_by(self._node, self._now))
+
+    def __len__(self) -> int:
+        return len(self._table.held_by(self._node, self._now))

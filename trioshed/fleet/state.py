@@ -120,7 +120,7 @@ class LocalNode:
             max_runners=self.max_runners,
             queued=stats.queued,
             draining=self.draining(),
-            prefixes=self.served.held_by(self.name, now),
+            prefixes=self.served.holding(self.name, now),
             seen=now,
         )
 

@@ -8,8 +8,9 @@ every writer of that store (pull, upload, create, copy) puts a file there.
 * ``HEAD``/``POST /api/blobs/sha256:<hex>`` (:func:`has_blob`, :func:`receive_blob`): Ollama's
   blob upload, read only as fast as the disk takes it, hashed and written together in worker
   threads (at most :data:`UPLOAD_BATCH` bytes held); at most :data:`MAX_BLOB` bytes, and no more
-  than the disk has room for (507). Its partial file is locked while it is written; one left by
-  a killed server is removed when the next upload starts.
+  than the disk has room for (507). An upload's partial file, and those of the blobs ``create``
+  writes or copies, are locked while written; one left by a killed server is removed when the
+  next upload or create starts writing a blob.
 
 Blocking helpers (files) are called from worker threads; :func:`receive_blob` is async.
 """
@@ -73,11 +74,6 @@ def has_blob(root: Path, digest: object) -> bool:
     return blob_path(root, digest).is_file()
 
 
-def partial_path(final: Path) -> Path:
-    """A private partial file for ``final`` (ends in ``-partial``, so pruning leaves it alone)."""
-    return final.with_name(f"{final.name}-{os.getpid()}.{next(_unique)}-partial")
-
-
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -96,46 +92,53 @@ def verify_into_place(partial: Path, final: Path, hex_digest: str) -> bool:
 
 
 def write_blob(root: Path, data: bytes) -> tuple[str, bool]:
-    """Store ``data`` as a blob of ``root``; returns its digest and whether it was new."""
+    """Store ``data`` as a blob of ``root``; returns its digest and whether it was new. Written
+    through a locked partial file (:class:`_Upload`), so one left by a killed server is reclaimed."""
     hex_digest = hashlib.sha256(data).hexdigest()
     final = root / "blobs" / f"sha256-{hex_digest}"
     if final.is_file():
         return f"sha256:{hex_digest}", False
-    final.parent.mkdir(parents=True, exist_ok=True)
-    partial = partial_path(final)
+    partial = _open_upload(final)
     try:
-        with open(partial, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        if not verify_into_place(partial, final, hex_digest):  # pragma: no cover - the bytes just hashed
+        partial.write(data)
+        partial.sync()
+        if partial.hash.hexdigest() != hex_digest:  # pragma: no cover - the bytes just hashed
             raise TrioshedError(f"blob sha256:{hex_digest} changed while it was written")
+        new = partial.place()
     finally:
-        partial.unlink(missing_ok=True)
-    return f"sha256:{hex_digest}", True
+        partial.discard()
+    return f"sha256:{hex_digest}", new
 
 
 def import_file(root: Path, source: Path) -> tuple[str, int, bool]:
     """Put a file the server already has (a folder-store GGUF) into ``root``'s blobs: a hard link
-    where the file system allows, else a copy, verified like any blob. Returns (digest, size, new)."""
+    where the file system allows, else a copy through a locked partial file, verified like any
+    blob. Returns (digest, size, new)."""
     hex_digest = sha256_file(source)
     final = root / "blobs" / f"sha256-{hex_digest}"
     size = source.stat().st_size
     if final.is_file():
         return f"sha256:{hex_digest}", size, False
     final.parent.mkdir(parents=True, exist_ok=True)
-    partial = partial_path(final)
     try:
-        try:
-            os.link(source, partial)
-            os.replace(partial, final)
-        except OSError:
-            shutil.copyfile(source, partial)
-            if not verify_into_place(partial, final, hex_digest):
-                raise TrioshedError(f"{source.name} changed while it was copied into the store; try again") from None
+        os.link(source, final)  # atomic: the blob appears whole or not at all
+        return f"sha256:{hex_digest}", size, True
+    except FileExistsError:
+        return f"sha256:{hex_digest}", size, False  # another writer placed it meanwhile
+    except OSError:
+        pass  # another file system, or links not allowed: copy
+    partial = _open_upload(final)
+    try:
+        with open(source, "rb") as f:
+            while chunk := f.read(CHUNK):
+                partial.write(chunk)
+        partial.sync()
+        if partial.hash.hexdigest() != hex_digest:
+            raise TrioshedError(f"{source.name} changed while it was copied into the store; try again")
+        new = partial.place()
     finally:
-        partial.unlink(missing_ok=True)
-    return f"sha256:{hex_digest}", size, True
+        partial.discard()
+    return f"sha256:{hex_digest}", size, new
 
 
 def write_manifest(root: Path, parts: tuple[str, str, str, str], data: bytes) -> Path:
@@ -156,8 +159,8 @@ def write_manifest(root: Path, parts: tuple[str, str, str, str], data: bytes) ->
 
 
 class _Upload:
-    """An upload's partial file (``sha256-<hex>-<pid>.<n>.upload-partial``), hashed as it is
-    written, and held under an exclusive ``flock`` for as long as this process writes it: the
+    """A blob's partial file (``sha256-<hex>-<pid>.<n>.upload-partial``: an upload's, or a blob
+    that ``create`` writes or copies), hashed as it is written, and held under an exclusive ``flock`` for as long as this process writes it: the
     lock dies with the process, so a partial file that nobody holds was left by a killed server
     and :func:`reclaim_uploads` removes it. Blocking: call from a worker thread."""
 
@@ -206,8 +209,8 @@ class _Upload:
 
 
 def reclaim_uploads(blobs: Path) -> int:
-    """Remove the upload partial files in ``blobs`` that no live process holds (left by a server
-    that was killed mid-upload); returns how many. Blocking: call from a worker thread."""
+    """Remove the blob partial files in ``blobs`` that no live process holds (left by a server
+    that was killed mid-upload or mid-create); returns how many. Blocking: call from a worker thread."""
     removed = 0
     try:
         entries = list(os.scandir(blobs))

@@ -15,6 +15,10 @@ A request written to a connection in the instant the upstream closes it gets no 
   ``0\r\n\r\n`` is read, on ``/completion`` and ``/v1/chat/completions`` alike); reusing such
   a connection races that close, so it is closed on our side too and a stream always gets a
   fresh connection (direct clients of llama-server pay the same connect);
+* so that a stream does not wait for that connect, the pool opens the next connection as the
+  last one closes (a non-blocking connect: the handshake and llama-server's accept happen while
+  the answer is relayed and before the next request arrives), keeping at most one ready and
+  idle; it is offered like an idle connection, and closed with them after :data:`KEEP_IDLE`;
 * an idle connection is reused only within :data:`KEEP_IDLE` (2 s, well inside 5 s), for at
   most :data:`MAX_REQUESTS` requests, and only when a non-blocking peek shows it still open;
 * a request on a *reused* connection that the upstream closes (or resets) before sending a
@@ -86,6 +90,8 @@ class PoolStats:
     opened: int
     reused: int
     retried: int
+    #: Connections opened ahead (as a stream's connection closed) and then taken by a request.
+    ready: int = 0
     #: Speculative decoding: tokens drafted and accepted in the answers read to their end
     #: (llama-server's ``timings.draft_n``/``draft_n_accepted``).
     drafted: int = 0
@@ -174,13 +180,14 @@ class UpstreamPool:
         self._opened = 0
         self._reused = 0
         self._retried = 0
+        self._ready = 0
         self._drafted = 0
         self._accepted = 0
         self._closed = False
 
     def statistics(self) -> PoolStats:
         return PoolStats(
-            len(self._idle), self._active, self._opened, self._reused, self._retried, self._drafted, self._accepted
+            len(self._idle), self._active, self._opened, self._reused, self._retried, self._ready, self._drafted, self._accepted
         )
 
     @asynccontextmanager
@@ -267,12 +274,28 @@ class UpstreamPool:
         self._opened += 1
         return _Connection(raw, trio.SocketStream(sock))
 
+    def _open_ahead(self) -> None:
+        """Start connecting the next request's connection now, without waiting for it (see the
+        module's notes); a connect that fails leaves nothing behind (the next request connects)."""
+        raw = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        raw.setblocking(False)
+        if raw.connect_ex((self.host, self.port)) not in (0, errno.EINPROGRESS):
+            raw.close()
+            return
+        self._opened += 1
+        connection = _Connection(raw, trio.SocketStream(trio.socket.from_stdlib_socket(raw)))
+        connection.idle_since = trio.current_time()
+        self._idle.append(connection)
+
     def _take_idle(self) -> _Connection | None:
         now = trio.current_time()
         while self._idle:
             connection = self._idle.pop()  # the most recently used: the least likely to be stale
             if now - connection.idle_since < KEEP_IDLE and connection.still_open():
-                self._reused += 1
+                if connection.requests:
+                    self._reused += 1
+                else:
+                    self._ready += 1
                 return connection
             connection.close()
         return None
@@ -286,6 +309,8 @@ class UpstreamPool:
             or len(self._idle) >= self.max_idle
         ):
             connection.close()
+            if not self._closed and not self._idle and response.complete:
+                self._open_ahead()
             return
         now = trio.current_time()
         # Connections idle too long are closed now rather than kept until the next request.

@@ -58,6 +58,8 @@ output_log = logging.getLogger("trioshed.runner.output")
 
 _PR_SET_PDEATHSIG = 1
 _TAIL_LINES = 200
+#: Seconds between two reads of a serving child's output (see LlamaServer._drain).
+DRAIN_PAUSE = 0.05
 #: The only origin a runner's CORS allows: reserved (RFC 2606), so no web page has it.
 CLOSED_CORS_ORIGIN = "http://trioshed.invalid"
 
@@ -226,6 +228,7 @@ class LlamaServer:
         self._memlog = MemoryLogParser() if MemoryLogParser is not None else None
         self._progress: trio.CancelScope | None = None
         self._output_hint = trio.Event()  # set by a line saying the server is up
+        self._loaded = False  # ready once: its output is then read in batches (_drain)
         self._load_timeout = math.inf
         # The runner's pool of keep-alive connections (closed in open_llama_server before the
         # child is stopped); every request to this child goes through it.
@@ -289,6 +292,10 @@ class LlamaServer:
                 self._output_hint.set()
 
     async def _drain(self, stream: trio.abc.ReceiveStream) -> None:
+        """Read the child's output to its end. While loading, each line as it comes (progress,
+        buffer sizes); once serving, at most every :data:`DRAIN_PAUSE` seconds: llama-server
+        writes its log a line at a time, tens of lines for a request of many inputs, and each
+        read wakes the event loop (measured: half of trioshed's CPU while indexing embeddings)."""
         buffer = b""
         async with stream:
             while chunk := await stream.receive_some(65536):
@@ -296,6 +303,8 @@ class LlamaServer:
                 *lines, buffer = buffer.split(b"\n")
                 for raw in lines:
                     self._on_line(raw.decode("utf-8", "replace").rstrip("\r"))
+                if self._progress is None and self._loaded:
+                    await trio.sleep(DRAIN_PAUSE)
         if buffer:
             self._on_line(buffer.decode("utf-8", "replace"))
 
@@ -309,6 +318,7 @@ class LlamaServer:
                         try:
                             status, _ = await self.upstream.get("/health")
                             if status == 200:
+                                self._loaded = True
                                 return
                         except ConnectionFailed:
                             pass
