@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import logging
 
-import psycopg
 import pytest
 import trio
 import trio.testing
@@ -18,6 +17,7 @@ from trioshed.config import Settings
 from trioshed.core.route import ModelLoad, NodeState
 from trioshed.fleet.dbpeers import DatabasePeers, from_row, judged, to_row
 from trioshed.fleet.state import VERSION, DeviceView
+from trioshed.usage.store import StoreUnavailable
 
 B = NodeState(
     name="B", models={"m1:latest": 3 << 20, "m2:latest": 5 << 20}, loaded={"m1:latest": ModelLoad(4, 1, 2, 2048, True)},
@@ -82,7 +82,7 @@ class FakeTable:
     def exchange(self, me: str, mine: tuple[str, str] | None, forget_after: float) -> list[tuple[str, str, str, float]]:
         self.calls.append("exchange" if mine is None else "write")
         if self.down:
-            raise psycopg.OperationalError("connection to server at 127.0.0.1 failed: Connection refused")
+            raise StoreUnavailable("connection to server at 127.0.0.1 failed: Connection refused")
         if mine is not None:
             self.rows[me] = mine
             self.ages[me] = 0.0

@@ -14,6 +14,9 @@ still dependencies a reader follows, so a second test forbids cycles through the
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -310,3 +313,31 @@ def test_the_checker_sees_lazy_relative_and_typing_only_imports() -> None:
         "pkg.low imports pkg.high at line 3 (under TYPE_CHECKING))",
     ]
     assert set(import_graph(SYNTHETIC, typing_too=False)["pkg.c"]) == {"pkg.b"}
+
+
+SERVE_ALONE = """
+import sys, trio
+from trioshed.config import Settings
+from trioshed.server import serve
+
+async def main():
+    async with trio.open_nursery() as nursery:
+        await nursery.start(serve, Settings.from_env())
+        nursery.cancel_scope.cancel()
+
+trio.run(main)
+print(" ".join(sorted(m for m in ("httpx", "psycopg", "psycopg_pool") if m in sys.modules)))
+"""
+
+
+def test_a_server_alone_imports_neither_the_fleet_client_nor_the_database_driver(tmp_path: Path) -> None:
+    # httpx (which brings rich and pygments) and psycopg cost an idle server about 15 MB of RSS;
+    # only a node in a fleet, or with a team database, needs them.
+    (tmp_path / "models").mkdir()
+    env = {**os.environ, "TRIOSHED_MODELS": str(tmp_path / "models"), "TRIOSHED_HOST": "127.0.0.1:0",
+           "TRIOSHED_USAGE_DB": str(tmp_path / "usage.db")}  # fmt: skip
+    for name in ("TRIOSHED_DATABASE", "TRIOSHED_FLEET_SECRET", "TRIOSHED_PEERS"):
+        env.pop(name, None)
+    done = subprocess.run([sys.executable, "-c", SERVE_ALONE], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1:] in ([], [""]), done.stdout

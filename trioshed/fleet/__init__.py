@@ -13,8 +13,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import httpx
-
 from trioshed.config import Settings
 from trioshed.devices import DeviceSource
 from trioshed.fleet.auth import FleetAuth
@@ -24,7 +22,6 @@ from trioshed.fleet.peers import StateSource, StaticPeers
 from trioshed.fleet.state import LocalNode
 from trioshed.models.stores import Stores
 from trioshed.scheduler.stats import SchedulerStatistics
-from trioshed.usage.pg import PgStore
 
 
 def build_fleet(
@@ -48,6 +45,8 @@ def build_fleet(
         name, stats, store, devices, estimate,
         max_loaded_models=settings.max_loaded_models, gpu_overhead=settings.gpu_overhead,
     )  # fmt: skip
+    import httpx  # imported only by a node in a fleet (a server alone never pays its memory)
+
     client = httpx.AsyncClient(
         timeout=httpx.Timeout(connect=3.0, read=settings.stream_idle_timeout, write=60.0, pool=10.0),
         limits=httpx.Limits(max_connections=1024, max_keepalive_connections=64),
@@ -56,6 +55,8 @@ def build_fleet(
     source: StateSource
     if settings.fleet_discovery == "database":
         assert settings.database is not None
+        from trioshed.usage.pg import PgStore  # psycopg: only with a team database
+
         table = PgStore(settings.database, max_size=1)  # its own connection: one exchange at a time
         source = DatabasePeers(
             table, name, state_of(local), interval=settings.fleet_interval, stale_after=settings.fleet_stale, url=settings.fleet_url

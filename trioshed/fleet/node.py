@@ -14,9 +14,8 @@ import itertools
 import logging
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import httpx
 import trio
 from trio_util import RepeatedEvent
 
@@ -28,6 +27,9 @@ from trioshed.fleet.relay import Relayed, Target, forward_headers, open_relay
 from trioshed.fleet.state import LocalNode
 from trioshed.keys import ApiKey
 from trioshed.runner.client import ConnectionFailed, UpstreamPool
+
+if TYPE_CHECKING:
+    import httpx
 
 log = logging.getLogger(__name__)
 

@@ -13,15 +13,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import httpx
 import trio
 from trio_util import RepeatedEvent
 
 from trioshed.core.route import NodeState
 from trioshed.fleet.auth import FleetAuth
 from trioshed.fleet.state import DeviceView, from_json
+
+if TYPE_CHECKING:
+    import httpx
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +96,8 @@ class StaticPeers:
             await trio.sleep(self.interval)
 
     async def _read(self, url: str) -> None:
+        import httpx  # the client's errors: httpx is imported by build_fleet, only in a fleet
+
         old = self._peers[url]
         try:
             with trio.fail_after(max(1.0, 2 * self.interval)):

@@ -2,7 +2,8 @@
 psycopg 3 and its connection pool. Same SQL as SQLite (:mod:`trioshed.usage.sqlstore`).
 
 Blocking: called from worker threads. Connecting waits at most ``connect_timeout`` seconds, so
-a database that is down costs the caller a bounded wait and a :class:`psycopg.Error`; the pool
+a database that is down costs the caller a bounded wait and a
+:class:`~trioshed.usage.store.StoreUnavailable`; the pool
 opens its connections again once the database is back. The URL's password never leaves this
 module: :attr:`PgStore.where` and every message are redacted.
 """
@@ -17,7 +18,7 @@ import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from trioshed.usage.sqlstore import SqlStore
-from trioshed.usage.store import redact
+from trioshed.usage.store import StoreUnavailable, redact
 
 _MIGRATION_LOCK = 0x74726F  # pg_advisory_xact_lock: nodes starting together migrate one at a time
 
@@ -54,7 +55,7 @@ class PgStore(SqlStore):
         self._migrated = False
 
     def open(self) -> None:
-        """Open the pool and migrate; a :class:`psycopg.Error` (redacted) when the database cannot be used."""
+        """Open the pool and migrate; StoreUnavailable (redacted) when the database cannot be used."""
         if self._pool is None:
             self._pool = ConnectionPool(
                 self._url, min_size=1, max_size=self.max_size, open=False, timeout=self.connect_timeout,
@@ -111,7 +112,7 @@ class PgStore(SqlStore):
         try:
             with self._pool.connection() as conn, conn.transaction():
                 yield _PgTx(conn)
-        except PoolTimeout as exc:
-            raise psycopg.OperationalError(f"no connection to {self.where} within {self.connect_timeout:g} s") from exc
+        except PoolTimeout:
+            raise StoreUnavailable(f"no connection to {self.where} within {self.connect_timeout:g} s") from None
         except psycopg.Error as exc:
-            raise type(exc)(redact(str(exc))) from None
+            raise StoreUnavailable(redact(str(exc))) from None

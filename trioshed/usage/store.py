@@ -14,15 +14,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import psycopg
-
 from trioshed.core.dburl import redact
 from trioshed.usage.ledger import Spend
 
-__all__ = ["KeyRow", "Store", "StoreError", "TeamSpend", "redact"]
+__all__ = ["KeyRow", "Store", "StoreError", "StoreUnavailable", "TeamSpend", "redact"]
 
 #: What a store raises when it cannot be used (the caller logs it and tries again later).
-StoreError = (sqlite3.Error, psycopg.Error, OSError)
+class StoreUnavailable(Exception):
+    """A fault of the team's PostgreSQL (raised by :mod:`trioshed.usage.pg`, its message without
+    the password): its own class, so that a server without a database never imports psycopg."""
+
+
+StoreError = (sqlite3.Error, StoreUnavailable, OSError)
 
 @dataclass(frozen=True)
 class KeyRow:

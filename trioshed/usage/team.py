@@ -7,13 +7,15 @@ import socket
 
 from trioshed.config import Settings
 from trioshed.usage.db import UsageDB
-from trioshed.usage.pg import PgStore
 from trioshed.usage.recorder import UsageRecorder
 from trioshed.usage.store import Store
 
 
 def build_store(settings: Settings) -> Store | None:
     if settings.database:
+        # psycopg is imported only by a node with a team database
+        from trioshed.usage.pg import PgStore
+
         return PgStore(settings.database)
     return UsageDB(settings.usage_path) if settings.usage else None
 
