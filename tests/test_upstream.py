@@ -343,6 +343,8 @@ def test_request_head() -> None:
         b"POST /completion HTTP/1.1\r\nHost: 127.0.0.1:8080\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n"
     )
     assert request_head("GET", "/health", 8080, 0) == b"GET /health HTTP/1.1\r\nHost: 127.0.0.1:8080\r\n\r\n"
+    # another node of a fleet at an IPv6 address: its Host names it in brackets
+    assert request_head("GET", "/health", 8080, 0, host="fd00::2") == b"GET /health HTTP/1.1\r\nHost: [fd00::2]:8080\r\n\r\n"
 
 
 async def test_a_consumer_that_leaves_mid_answer_closes_the_connection() -> None:

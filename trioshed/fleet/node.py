@@ -15,6 +15,7 @@ import logging
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 import trio
 from trio_util import RepeatedEvent
@@ -117,8 +118,9 @@ class Fleet:
         httpx costs a third of a relayed request's CPU; see ``trioshed.runner.client``)."""
         pool = self._pools.get(url)
         if pool is None:
-            host, _, port = url.removeprefix("http://").rpartition(":")
-            pool = self._pools[url] = UpstreamPool(int(port), host=host, max_idle=64, connect_timeout=3.0, streams_keep_alive=True)
+            parts = urlsplit(url)  # http://[::1]:port too: the host without its brackets
+            host, port = parts.hostname or "127.0.0.1", parts.port or 80
+            pool = self._pools[url] = UpstreamPool(port, host=host, max_idle=64, connect_timeout=3.0, streams_keep_alive=True)
         return pool
 
     def inflight(self, node: str) -> int:

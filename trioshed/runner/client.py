@@ -168,6 +168,7 @@ class UpstreamPool:
         streams_keep_alive: bool = False,
     ) -> None:
         self.host = host
+        self._family = socket.AF_INET6 if ":" in host else socket.AF_INET
         #: Whether a connection that carried a whole stream may carry another: not to llama-server
         #: (see the module's notes), yes to another trioshed (hypercorn keeps it open).
         self.streams_keep_alive = streams_keep_alive
@@ -259,7 +260,7 @@ class UpstreamPool:
     async def _connect(self) -> _Connection:
         if self._closed:
             raise ConnectionFailed("the runner's connections are closed (it is stopping)")
-        raw = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        raw = socket.socket(self._family, socket.SOCK_STREAM)
         raw.setblocking(False)
         sock = trio.socket.from_stdlib_socket(raw)
         try:
@@ -277,7 +278,7 @@ class UpstreamPool:
     def _open_ahead(self) -> None:
         """Start connecting the next request's connection now, without waiting for it (see the
         module's notes); a connect that fails leaves nothing behind (the next request connects)."""
-        raw = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        raw = socket.socket(self._family, socket.SOCK_STREAM)
         raw.setblocking(False)
         if raw.connect_ex((self.host, self.port)) not in (0, errno.EINPROGRESS):
             raw.close()

@@ -29,7 +29,8 @@ def request_head(
     """The head of a request with a ``Content-Length`` body (keep-alive is HTTP/1.1's default);
     ``api_key`` is the runner's secret (see ``trioshed.runner.process``); ``extra``: more header
     lines (another node's request, relayed: ``trioshed.fleet.relay``)."""
-    head = f"{method} {path} HTTP/1.1\r\nHost: {host}:{port}\r\n"
+    authority = f"[{host}]" if ":" in host else host  # an IPv6 address in brackets
+    head = f"{method} {path} HTTP/1.1\r\nHost: {authority}:{port}\r\n"
     if api_key:
         head += f"Authorization: Bearer {api_key}\r\n"
     for name, value in extra:
