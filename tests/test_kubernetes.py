@@ -211,9 +211,14 @@ def test_the_pool_is_wired_together() -> None:
     )  # fmt: skip
     assert stop < pod["spec"]["terminationGracePeriodSeconds"]
     # the keys and the shared database come from the Secret, never from the ConfigMap
-    env = {e["name"]: e["valueFrom"]["secretKeyRef"]["name"] for e in container["env"] if "valueFrom" in e}
-    assert env == {"TRIOSHED_API_KEY": "trioshed", "TRIOSHED_DATABASE": "trioshed"}
-    assert not {"TRIOSHED_API_KEY", "TRIOSHED_DATABASE"} & set(settings)
+    env = {e["name"]: e["valueFrom"]["secretKeyRef"]["name"] for e in container["env"] if "secretKeyRef" in e.get("valueFrom", {})}
+    assert env == {"TRIOSHED_API_KEY": "trioshed", "TRIOSHED_DATABASE": "trioshed", "TRIOSHED_FLEET_SECRET": "trioshed"}
+    assert not set(env) & set(settings)
+    # a fleet of pods: each is reached at its own address, on the port it listens on
+    values = {e["name"]: e for e in container["env"]}
+    assert values["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert values["TRIOSHED_FLEET_URL"]["value"] == f"http://$(POD_IP):{port['containerPort']}"
+    assert list(values).index("POD_IP") < list(values).index("TRIOSHED_FLEET_URL")  # $(...) sees only earlier variables
     assert settings["TRIOSHED_METRICS_PUBLIC"] == "true"  # the picker scrapes without a key
 
 
