@@ -28,6 +28,7 @@ from typing import Any
 
 import trio
 from hypercorn.config import Config
+from hypercorn.events import Event, RawData
 from hypercorn.trio.lifespan import Lifespan
 from hypercorn.trio.statsd import StatsdLogger
 from hypercorn.trio.tcp_server import TCPServer
@@ -55,9 +56,33 @@ def hypercorn_config(settings: Settings) -> Config:
 
 
 class _Connection(TCPServer):
-    """hypercorn's connection, which once the client has closed no longer waits out its
-    keep-alive timer (it did: every closed connection held its slot for up to 30 s, so clients
-    opening a connection per request would have been limited to ~17 requests/s)."""
+    """hypercorn's connection, with two changes:
+
+    - once the client has closed it no longer waits out its keep-alive timer (it did: every
+      closed connection held its slot for up to 30 s, so clients opening a connection per
+      request would have been limited to ~17 requests/s);
+    - a response's head is written with the first bytes of its body (or its end), in one write,
+      as Go's server (Ollama's) does: hypercorn wrote it alone, and each write is a packet and a
+      wake-up of the client. Every response ends with a write of its own (its last chunk, or an
+      empty one), so a held head always goes out; ``100 Continue`` is never held.
+    """
+
+    _head: bytes | None = None
+
+    async def protocol_send(self, event: Event) -> None:
+        if isinstance(event, RawData):
+            data = event.data
+            if self._head is not None:
+                data, self._head = self._head + data, None
+            elif data.startswith(b"HTTP/1.1 ") and not data.startswith(b"HTTP/1.1 1"):
+                self._head = data
+                return
+            await super().protocol_send(RawData(data=data, address=event.address))
+            return
+        if self._head is not None:
+            head, self._head = self._head, None
+            await super().protocol_send(RawData(data=head))
+        await super().protocol_send(event)
 
     async def _read_data(self) -> None:
         await super()._read_data()
