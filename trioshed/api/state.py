@@ -92,8 +92,16 @@ class AppState:
         return runner_options(
             self.settings, model, overrides, need=need, header=header,
             writes_text=header is None or writes_text(header), args=parse_model_args(model.args),
-            draft=self._draft_path(model),
+            draft=self._draft_path(model), backends=self.backends,
         )  # fmt: skip
+
+    @property
+    def backends(self) -> tuple[str, ...]:
+        """The device libraries a runner may use: system memory's and the GPUs' (flash attention
+        follows them, :func:`trioshed.core.runner_options.flash_attention`)."""
+        devices = getattr(self.scheduler, "devices", None)
+        gpus = getattr(devices, "gpus", ())
+        return ("cpu", *sorted({d.library for d in gpus}))
 
     def _draft_path(self, model: ModelSpec) -> str:
         """The GGUF file of ``model``'s draft model ("" = none), resolved in the store now."""
