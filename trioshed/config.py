@@ -173,6 +173,11 @@ def _bool(value: str) -> bool:
     raise ValueError(f"invalid boolean {value!r}")
 
 
+def _auto_bool(value: str) -> bool | None:
+    """A boolean, or ``auto`` (None: trioshed chooses)."""
+    return None if value.strip().lower() == "auto" else _bool(value)
+
+
 @dataclass(frozen=True)
 class Settings:
     host: str = "127.0.0.1"
@@ -190,7 +195,7 @@ class Settings:
     context_max: int = 0  # caps the automatic context (0: the model's trained context)
     num_thread: int = 0
     kv_cache_type: str = "f16"
-    flash_attention: bool = False
+    flash_attention: bool | None = None  # None: auto (on where every backend has the kernel)
     llama_server: str | None = None
     devices: tuple[Device, ...] | None = None
     origins: tuple[str, ...] = ()
@@ -415,7 +420,7 @@ _PARSERS: dict[str, Callable[[str], object]] = {
     "context_max": _at_least(0, " (0 = the model's trained context)"),
     "num_thread": _at_least(0, " (0 = llama-server's choice)"),
     "kv_cache_type": _kv_cache_type,
-    "flash_attention": _bool,
+    "flash_attention": _auto_bool,
     "llama_server": str,
     "devices": parse_devices,
     "origins": lambda v: tuple(o.strip() for o in v.split(",") if o.strip()),
