@@ -290,7 +290,7 @@ class RunnerFlags:
             "--fit", "off",
             "--n-gpu-layers", "0",
             "--device", "none",
-            "--flash-attn", "off",
+            "--flash-attn", "on",
             "--no-webui",
             "--log-colors", "off",
         ]  # fmt: skip

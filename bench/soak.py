@@ -49,6 +49,7 @@ import httpx
 import psutil
 import trio
 
+from bench import heapprobe
 from bench.procs import RunnerFlags, open_trioshed
 from trioshed.testing.tiny import write_tiny_model
 
@@ -80,6 +81,8 @@ class Sample:
     fds: int
     tasks: int
     runners: int
+    threads: int = -1
+    heap: dict[str, float] | None = None  # --heap-probe: the memory map by region, glibc's account
 
 
 @dataclass
@@ -94,6 +97,7 @@ class Soak:
     runner_pids: set[int] = field(default_factory=set)
     orphans: set[int] = field(default_factory=set)
     start: float = field(default_factory=time.monotonic)
+    probe: Path | None = None  # --heap-probe: where the server writes malloc_info on SIGUSR2
 
     def now(self) -> float:
         return time.monotonic() - self.start
@@ -359,13 +363,28 @@ def _metric(text: str, name: str) -> float:
     return -1.0
 
 
+async def _heap(soak: Soak) -> dict[str, float] | None:
+    if soak.probe is None:
+        return None
+    found = heapprobe.regions(soak.pid)
+    soak.probe.unlink(missing_ok=True)
+    os.kill(soak.pid, signal.SIGUSR2)
+    with trio.move_on_after(5):
+        while not (soak.probe.exists() and soak.probe.read_text().rstrip().endswith("</malloc>")):  # noqa: ASYNC110
+            await trio.sleep(0.05)
+        found.update({f"glibc_{k}": v for k, v in heapprobe.malloc_info(soak.probe.read_text()).items()})
+    return found
+
+
 async def sampler(soak: Soak, until: float, every: float) -> None:
     headers = {"Authorization": f"Bearer {KEYS[ADMIN][0]}"}
     async with httpx.AsyncClient(base_url=soak.url, timeout=30, trust_env=False) as http:
         while soak.now() < until:
+            heap, threads = None, -1
             try:
                 proc = psutil.Process(soak.pid)
-                rss, fds = proc.memory_info().rss / 2**20, proc.num_fds()
+                heap = await _heap(soak)  # before the RSS: a probe's trim shows in this sample
+                rss, fds, threads = proc.memory_info().rss / 2**20, proc.num_fds(), proc.num_threads()
                 metrics = (await http.get("/metrics", headers=headers)).text
                 tasks = int(_metric(metrics, "trioshed_tasks"))
             except (psutil.Error, httpx.HTTPError):
@@ -375,7 +394,7 @@ async def sampler(soak: Soak, until: float, every: float) -> None:
                 with contextlib.suppress(psutil.Error):
                     if p.ppid() == 1:
                         soak.orphans.add(p.pid)
-            soak.samples.append(Sample(round(soak.now(), 1), round(rss, 1), fds, tasks, len(runners)))
+            soak.samples.append(Sample(round(soak.now(), 1), round(rss, 1), fds, tasks, len(runners), threads, heap))
             await trio.sleep(every)
 
 
@@ -523,11 +542,21 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "TRIOSHED_KV_CACHE_DIR": str(root / "kv"),
             "TRIOSHED_KV_CACHE_BUDGET": "256MiB",
         }
+        for assignment in args.env:  # e.g. MALLOC_ARENA_MAX=2, to compare allocator settings
+            name, _, value = assignment.partition("=")
+            env[name] = value
+        if args.heap_probe:
+            folder = heapprobe.sitecustomize(root / "probe")
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(folder), os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+            env["HEAP_PROBE_OUT"] = str(root / "malloc_info.xml")
+            env["HEAP_PROBE_TRIM"] = "1" if args.heap_probe == "trim" else "0"
         async with open_trioshed(
             models, FLAGS, root / "logs", max_loaded=2, max_queue=MAX_QUEUE, keep_alive="20s",
             extra_env=env, ready_path="/ui",
         ) as server:  # fmt: skip
             soak = Soak(server.base_url, server.pid, random.Random(args.seed), models)
+            if args.heap_probe:
+                soak.probe = root / "malloc_info.xml"
             until = args.minutes * 60
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(sampler, soak, until + 5, args.sample_every)
@@ -560,9 +589,15 @@ def main() -> None:
     parser.add_argument("--sample-every", type=float, default=5.0)
     parser.add_argument("--warmup", type=float, default=60.0, help="seconds before growth is measured from")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE", help="an extra variable for the server (repeatable)")
+    parser.add_argument(
+        "--heap-probe", choices=("look", "trim"), default=None,
+        help="sample the server's memory map by region and glibc's malloc_info (trim: malloc_trim(0) first, each sample)",
+    )  # fmt: skip
+    parser.add_argument("--stem", default="", help="results' file name (default: <date>-soak[-<minutes>min])")
     args = parser.parse_args()
     result = trio.run(run, args)
-    stem = f"{result['date']}-soak" if args.minutes >= 15 else f"{result['date']}-soak-{args.minutes:g}min"
+    stem = args.stem or (f"{result['date']}-soak" if args.minutes >= 15 else f"{result['date']}-soak-{args.minutes:g}min")
     args.out.mkdir(parents=True, exist_ok=True)
     png = args.out / f"{stem}.png"
     drawn = plot(result, png)

@@ -231,20 +231,29 @@ async def test_a_bound_that_would_spill_to_system_memory_loads_smaller_and_grows
 
 
 async def test_a_smaller_context_that_fits_beside_a_loaded_model_is_taken_before_evicting_it(store: Path) -> None:
-    """A GPU for two runners at 4,096, or one at 8,192: "t"'s bound asks 8,192 while "short" is
-    loaded; 4,096 fits beside it and holds the request, so nothing is evicted."""
+    """A GPU where "t" fits at 4,096 beside a loaded "short", at 8,192 alone but not beside it:
+    "t"'s bound asks 8,192 while "short" is loaded; 4,096 fits beside it and holds the request,
+    so nothing is evicted (8,192 would spill layers to system memory)."""
     (store / "models.toml").unlink()
-    async with open_test_server(store, cache_ram=0) as probe:
+    # A loaded runner counts with what llama.cpp reported (its measured size, shared out over
+    # the devices as planned): load "short" on a GPU first to learn its share there.
+    big = Device("cuda:0", "cuda", 0, 1 << 40, 1 << 40)
+    async with open_test_server(store, devices=(big,), cache_ram=0) as probe, httpx.AsyncClient(
+        base_url=probe.base_url, timeout=60
+    ) as http:
+        first = await http.post("/api/generate", json={"model": "short", "prompt": "hi", "options": {"num_predict": 2}, "stream": False})
+        assert first.status_code == 200
+        (short,) = probe.scheduler.statistics().runners
+        assert short.context_length == 4096 and short.size_vram > 0
         spec = ModelStore(store).resolve("t")
-        big = Device("cuda:0", "cuda", 0, 1 << 40, 1 << 40)
         sizes = []
         for need in (4096, 8192):
             options = probe.state.runner_options(spec, {}, need=need)
             placed = place(estimate_model(spec, options), [big], system_free=1 << 40)
             sizes.append(placed.vram_total)  # type: ignore[union-attr]
     small, large = sizes
-    assert large < 2 * small + small // 2 < small + large, (small, large)
-    total = 2 * small + small // 2
+    total = short.size_vram + (small + large) // 2
+    assert short.size_vram + small <= total < short.size_vram + large and large <= total, (short.size_vram, small, large)
     gpu = Device("cuda:0", "cuda", 0, total, total)
     with trio.fail_after(240):
         record: list[tuple[str, str]] = []

@@ -1,11 +1,14 @@
-"""Freed heap memory goes back to the system once the scheduler is quiet and idle, never during a load."""
+"""Freed heap memory goes back to the system once the scheduler is quiet and idle, and once a
+few seconds in a worker thread under a load that never goes quiet."""
 
 from __future__ import annotations
 
 import platform
+import threading
 
 import pytest
 import trio
+import trio.lowlevel
 import trio.testing
 from trio_util import RepeatedEvent
 
@@ -38,6 +41,63 @@ async def test_a_quiet_idle_server_trims_once_after_each_spell_of_activity(autoj
         await trio.sleep(60)
         assert len(trims) == 1
         nursery.cancel_scope.cancel()
+
+
+async def _load(changes: RepeatedEvent, seconds: float, *, hold_for_threads: bool = False) -> None:
+    """A change every 0.1 s: never quiet. ``hold_for_threads``: while a worker thread runs, stay
+    runnable so that the autojump clock does not move on (how long a thread takes is real time)."""
+    limiter = trio.to_thread.current_default_thread_limiter()
+    for _ in range(round(seconds / 0.1)):
+        changes.set()
+        await trio.sleep(0.1)
+        while hold_for_threads and limiter.borrowed_tokens:
+            await trio.lowlevel.checkpoint()
+
+
+async def test_a_load_that_never_goes_quiet_trims_every_busy_period_in_a_worker_thread(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    done: list[tuple[float, bool]] = []
+    loop = threading.get_ident()
+
+    def fake_trim() -> bool:
+        done.append((trio.from_thread.run_sync(trio.current_time), threading.get_ident() != loop))
+        return True
+
+    monkeypatch.setattr(heap, "trim", fake_trim)
+    changes = RepeatedEvent()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(lambda: heap.trim_when_quiet(changes.wait, lambda: False))
+        await trio.sleep(5)
+        await _load(changes, 3.5 * heap.BUSY_EVERY, hold_for_threads=True)
+        assert [round(t) for t, _ in done] == [round(heap.BUSY_EVERY * n) for n in (1, 2, 3)]
+        assert all(in_worker for _, in_worker in done)
+        await trio.sleep(600)  # the load ended: a busy server that is quiet trims no more
+        assert len(done) == 3
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_busy_trim_does_not_hold_the_event_loop(autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch) -> None:
+    began, release, saw_release = trio.Event(), threading.Event(), []
+
+    def slow_trim() -> bool:  # a trim that lasts until the loop, still serving, says it may end
+        trio.from_thread.run_sync(began.set)
+        saw_release.append(release.wait(timeout=10))
+        return True
+
+    monkeypatch.setattr(heap, "trim", slow_trim)
+    changes = RepeatedEvent()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(lambda: heap.trim_when_quiet(changes.wait, lambda: False, busy_every=1.0))
+        nursery.start_soon(_load, changes, 30.0)
+        await began.wait()
+        ticks = 0
+        for _ in range(5):  # the loop runs other tasks while the trim is under way
+            await trio.sleep(0.1)
+            ticks += 1
+        release.set()
+        nursery.cancel_scope.cancel()
+    assert ticks == 5 and saw_release == [True]
 
 
 def test_trim_gives_memory_back_with_glibc_and_does_nothing_elsewhere() -> None:

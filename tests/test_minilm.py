@@ -61,10 +61,11 @@ def minilm() -> Path:
 def alone(minilm: Path) -> dict[str, Any]:
     """What llama-server alone answers: token ids, vectors of the sentences, the long input's size.
 
-    With the runner's batch and attention options (``-b``/``-ub`` = context, ``--flash-attn off``
-    as trioshed starts a CPU runner), so that trioshed's vectors equal these to the float; with
-    b10068's defaults (flash attention automatic) components differ by up to ~1e-4."""
-    args = ["--embeddings", "-c", str(TRAINED_CONTEXT), "-b", "512", "-ub", "512", "--flash-attn", "off", "--device", "none", "-t", "1", "-np", "1"]
+    With the runner's batch and attention options (``-b``/``-ub`` = context, ``--flash-attn on``
+    as trioshed starts a CPU runner, and as b10068's own default, ``auto``, chooses), so that
+    trioshed's vectors equal these to the float; with flash attention off components differ by up
+    to ~1e-4."""
+    args = ["--embeddings", "-c", str(TRAINED_CONTEXT), "-b", "512", "-ub", "512", "--flash-attn", "on", "--device", "none", "-t", "1", "-np", "1"]
     with running_llama_server(minilm, args, timeout=60) as server:
         tokens = [_post(f"{server.url}/tokenize", {"content": s, "add_special": True})["tokens"] for s in SENTENCES]
         answer = _post(f"{server.url}/v1/embeddings", {"input": SENTENCES})

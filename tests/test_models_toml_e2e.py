@@ -80,11 +80,12 @@ async def test_preloaded_pinned_parallel_model_with_aliases_and_args(
             # num_parallel = 2: two leases at once on the one runner.
             spec = server.state.store.resolve("pre")
             options = server.state.runner_options(spec, {})
-            # num_batch: never above the context (256)
+            # num_batch: never above the context (256); flash attention automatic: on for the CPU
             assert options == RunnerOptions(
                 num_ctx=256, num_batch=256, num_parallel=2, num_thread=1, cache_ram_mib=0, extra_args=("--no-warmup", "--rope-freq-scale", "1.0"),
-                speculation="ngram",
+                speculation="ngram", flash_attention=True,
             )
+            assert argv[argv.index("--flash-attn") + 1] == "on"
             async with server.scheduler.acquire(spec, options) as first:
                 with trio.fail_after(5):
                     async with server.scheduler.acquire(spec, options) as second:

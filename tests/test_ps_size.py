@@ -56,7 +56,7 @@ async def test_ps_size_is_the_childs_own_buffers(
             assert runner["size_source"] == "measured"
             assert (runner["num_ctx"], runner["num_parallel"]) == (num_ctx, num_parallel)
             assert runner["kv_cells"] == num_ctx * num_parallel  # llama-server's --ctx-size
-            assert runner["flash_attention"] is False and runner["kv_cache_type"] == "f16"
+            assert runner["flash_attention"] is True and runner["kv_cache_type"] == "f16"
             assert ps["context_length"] == num_ctx
             show = (await http.post("/api/show", json={"model": "gemma3-270m"})).json()["model_info"]
             assert show["trioshed.runner.num_parallel"] == num_parallel

@@ -13,7 +13,7 @@ import pytest
 from trioshed.config import Settings
 from trioshed.core.context import FLOOR
 from trioshed.core.model import ModelSpec
-from trioshed.core.runner_options import ModelArgs, runner_options, trained_context
+from trioshed.core.runner_options import ModelArgs, flash_attention, runner_options, trained_context
 from trioshed.core.speculation import MEASURED, NgramDrafting, ngram_drafting
 from trioshed.errors import BadRequest
 from trioshed.models import gguf_meta
@@ -34,7 +34,7 @@ class Header:
 def test_the_settings_are_the_start() -> None:
     options = runner_options(Settings(), SPEC, {})
     assert options.num_ctx == FLOOR and options.num_parallel == 1 and options.kv_cache_type == "f16"
-    assert not options.flash_attention and not options.batch_invariant
+    assert options.flash_attention and not options.batch_invariant  # automatic: on for the CPU
     assert options.cache_ram_mib == 1024 and options.swa_full  # the default cache-ram and warm returns
     assert options.speculation == "ngram" and options.draft == "" and options.extra_args == ()
     tuned = Settings(num_parallel=3, num_thread=7, kv_cache_type="q8_0", flash_attention=True,
@@ -43,8 +43,18 @@ def test_the_settings_are_the_start() -> None:
     assert (options.num_parallel, options.num_thread, options.kv_cache_type) == (3, 7, "q8_0")
     assert options.flash_attention and options.cache_ram_mib == 64 and not options.swa_full
     assert options.speculation == "off"
-    invariant = runner_options(Settings(batch_invariant=True), SPEC, {})
+    invariant = runner_options(Settings(batch_invariant=True, flash_attention=False), SPEC, {})
     assert invariant.batch_invariant and invariant.flash_attention  # it needs flash attention
+
+
+def test_flash_attention_is_automatic_per_backend_unless_set() -> None:
+    assert flash_attention(None) and flash_attention(None, backends=("cpu", "cuda"))
+    assert not flash_attention(None, backends=("cpu", "vulkan"))  # not on every Vulkan device
+    assert not flash_attention(None, backends=("cpu", "rpc"))  # an RPC server's backend is unknown
+    assert not flash_attention(False) and flash_attention(True, backends=("cpu", "vulkan"))
+    assert flash_attention(False, batch_invariant=True)
+    assert not runner_options(Settings(flash_attention=False), SPEC, {}).flash_attention
+    assert not runner_options(Settings(), SPEC, {}, backends=("cpu", "vulkan")).flash_attention
 
 
 def test_then_the_models_defaults_then_the_request() -> None:

@@ -43,10 +43,10 @@ N = 48
 #: which happened on the code prompt under ``"ngram"`` after ~40 tokens.
 JSON_ASK = ('Output a JSON array of ten users, each with "id", "name", "email", "age" and "city". '
             'Only the JSON.\n\n[\n  {"id": 1, "name": "Ann", "email": "ann@example.com", "age": 31, "city": "Oslo"},\n')
-#: llama-server alone with trioshed's runner flags (flash attention off: llama.cpp's own default,
-#: auto, turns it on, and with it other, equally valid, sums).
+#: llama-server alone with trioshed's runner flags (flash attention on, as trioshed's automatic
+#: choice and llama.cpp's own ``auto`` choose it on the CPU).
 DIRECT_ARGS = ["-t", "1", "--device", "none", "-ngl", "0", "-c", "2048", "-np", "1", "--fit", "off",
-               "--flash-attn", "off", "--batch-size", "512"]  # fmt: skip
+               "--flash-attn", "on", "--batch-size", "512"]  # fmt: skip
 
 
 async def in_thread(fn, *args, **kwargs):  # type: ignore[no-untyped-def]

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from trioshed._util import read_toml
+from trioshed.core.addresses import fleet_url, unspecified_address
 from trioshed.core.dburl import redact
 from trioshed.core.model import KV_CACHE_TYPES, Device
 from trioshed.core.speculation import DEFAULT as SPECULATION_DEFAULT
@@ -173,6 +174,11 @@ def _bool(value: str) -> bool:
     raise ValueError(f"invalid boolean {value!r}")
 
 
+def _auto_bool(value: str) -> bool | None:
+    """A boolean, or ``auto`` (None: trioshed chooses)."""
+    return None if value.strip().lower() == "auto" else _bool(value)
+
+
 @dataclass(frozen=True)
 class Settings:
     host: str = "127.0.0.1"
@@ -190,7 +196,7 @@ class Settings:
     context_max: int = 0  # caps the automatic context (0: the model's trained context)
     num_thread: int = 0
     kv_cache_type: str = "f16"
-    flash_attention: bool = False
+    flash_attention: bool | None = None  # None: auto (on where every backend has the kernel)
     llama_server: str | None = None
     devices: tuple[Device, ...] | None = None
     origins: tuple[str, ...] = ()
@@ -356,26 +362,6 @@ def _peers(value: str) -> tuple[str, ...]:
     return urls
 
 
-def unspecified_address(host: str) -> bool:
-    """Whether ``host`` is 0.0.0.0 or :: (every address: none another machine could dial)."""
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_unspecified
-    except ValueError:
-        return host in ("", "*")
-
-
-def _fleet_url(value: str) -> str:
-    """``http://10.0.0.2:11434``: where the other nodes reach this one (trioshed's own HTTP/1.1
-    client relays to it: plain HTTP, an explicit port)."""
-    url = value.strip().rstrip("/")
-    found = re.fullmatch(r"http://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):(\d{1,5})", url)
-    if found is None or not 0 < int(found.group(2)) < 65536:
-        raise ValueError("use http://host:port, this node's address as the other nodes of the fleet reach it")
-    if unspecified_address(found.group(1)):
-        raise ValueError("0.0.0.0 and :: are no address another node can reach: give this node's own")
-    return url
-
-
 def _at_least(minimum: int, what: str = "") -> Callable[[str], int]:
     def parse(value: str) -> int:
         number = int(value)
@@ -415,7 +401,7 @@ _PARSERS: dict[str, Callable[[str], object]] = {
     "context_max": _at_least(0, " (0 = the model's trained context)"),
     "num_thread": _at_least(0, " (0 = llama-server's choice)"),
     "kv_cache_type": _kv_cache_type,
-    "flash_attention": _bool,
+    "flash_attention": _auto_bool,
     "llama_server": str,
     "devices": parse_devices,
     "origins": lambda v: tuple(o.strip() for o in v.split(",") if o.strip()),
@@ -449,7 +435,7 @@ _PARSERS: dict[str, Callable[[str], object]] = {
     "fleet_secret": str,
     "fleet_interval": lambda v: _positive_timeout(parse_duration(v)),
     "fleet_stale": lambda v: _positive_timeout(parse_duration(v)),
-    "fleet_url": _fleet_url,
+    "fleet_url": fleet_url,
 }
 SETTING_NAMES = tuple(_PARSERS)
 

@@ -155,8 +155,8 @@ def _runner_settings_now(
 
     ``num_ctx`` is per slot, as in Ollama; llama-server gets ``--ctx-size`` = ``kv_cells`` =
     ``num_ctx * num_parallel`` (its ``-c`` is shared by the slots). ``flash_attention`` is
-    TRIOSHED_FLASH_ATTENTION (off by default; llama-server's own default, ``auto``, turns it on
-    where supported, which shrinks the compute buffer). ``cache_ram`` is the bytes llama-server
+    TRIOSHED_FLASH_ATTENTION, automatic by default (on where every backend has the kernel, as
+    llama-server's own ``auto`` decides; it shrinks the compute buffer). ``cache_ram`` is the bytes llama-server
     may keep in its host-memory prompt cache (TRIOSHED_CACHE_RAM, counted in the estimate);
     ``swa_full`` whether sliding-window layers keep a full cache (warm returns). ``size_source`` says whether ``size``
     is what llama.cpp reported allocating (``measured``, the sum of its buffers) or the estimate.

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from trioshed.activity import RecentRequests
 from trioshed.config import Settings
-from trioshed.core.model import ModelSpec, RunnerOptions
+from trioshed.core.model import RPC_LIBRARY, ModelSpec, RunnerOptions
 from trioshed.core.runner_options import runner_options
 from trioshed.errors import DraftUnusable, TrioshedError
 from trioshed.fleet.node import Fleet
@@ -92,8 +92,19 @@ class AppState:
         return runner_options(
             self.settings, model, overrides, need=need, header=header,
             writes_text=header is None or writes_text(header), args=parse_model_args(model.args),
-            draft=self._draft_path(model),
+            draft=self._draft_path(model), backends=self.backends,
         )  # fmt: skip
+
+    @property
+    def backends(self) -> tuple[str, ...]:
+        """The device libraries a runner may use: system memory's, the GPUs' and, with
+        TRIOSHED_RPC_SERVERS, the RPC servers' (flash attention follows them,
+        :func:`trioshed.core.runner_options.flash_attention`)."""
+        devices = getattr(self.scheduler, "devices", None)
+        libraries = {d.library for d in getattr(devices, "gpus", ())}
+        if self.settings.rpc_servers:
+            libraries.add(RPC_LIBRARY)
+        return ("cpu", *sorted(libraries))
 
     def _draft_path(self, model: ModelSpec) -> str:
         """The GGUF file of ``model``'s draft model ("" = none), resolved in the store now."""

@@ -11,7 +11,10 @@ first: the settings, the model's defaults (``models.toml`` options), the request
   ``models.toml`` args that scale RoPE themselves are the user's word (:class:`ModelArgs`).
 * **Speculation**: the model's setting, else the server's; off for a model that writes no text
   (embedding, rerank): nothing to draft. A draft model is resolved by the caller (a path).
-* **Flash attention** with ``TRIOSHED_FLASH_ATTENTION`` or batch-invariant runners (which need it).
+* **Flash attention** (:func:`flash_attention`): on for batch-invariant runners (which need it),
+  else ``TRIOSHED_FLASH_ATTENTION`` when set, else automatic: on where every backend the runner
+  may use has the kernel (llama.cpp's own ``auto`` turns it off when the attention op would run
+  on another device than the KV cache, the sign of a backend without it).
 * **Prompt cache** (``cache_ram_mib``): the setting, unless the model's args set their own.
 * **swa_full** while warm returns keep KV caches (a restored SWA slot is reused only so).
 
@@ -70,7 +73,7 @@ class RunnerSettings(Protocol):
     @property
     def kv_cache_type(self) -> str: ...
     @property
-    def flash_attention(self) -> bool: ...
+    def flash_attention(self) -> bool | None: ...  # None: automatic
     @property
     def batch_invariant(self) -> bool: ...
     @property
@@ -126,6 +129,29 @@ def trained_context(header: ContextFacts | None, args: ModelArgs = ModelArgs()) 
     return header.trained_context
 
 
+#: The backends (``Device.library``) whose devices all run flash attention in the pinned
+#: llama-server (b10068), where llama-server's own default (``auto``) turns it on too. Measured on
+#: the CPU (Gemma 3 270M, one thread): prompts 7 % and generation 3 % faster than without
+#: (docs/benchmarks.md), and a smaller compute buffer. Not Vulkan: its kernel is missing on some
+#: devices (on lavapipe, whose buffers are limited, attention at a long context runs on the host,
+#: which llama.cpp's ``auto`` answers by turning flash attention off), nor an RPC server's
+#: unknown backend.
+FLASH_ATTENTION_KERNELS = frozenset({"cpu", "cuda", "metal", "rocm"})
+
+
+def flash_attention(setting: bool | None, *, batch_invariant: bool = False, backends: tuple[str, ...] = ("cpu",)) -> bool:
+    """Whether a runner runs with flash attention: always for batch-invariant runners, else the
+    setting when given (``True``/``False``), else (``None``, automatic) where every backend the
+    runner may use (``backends``: device libraries, ``"cpu"`` for system memory) has the kernel;
+    a backend without it (an RPC server's, an unknown one) would run the op on another device,
+    which llama.cpp's own ``auto`` answers by turning it off."""
+    if batch_invariant:
+        return True
+    if setting is not None:
+        return setting
+    return all(b in FLASH_ATTENTION_KERNELS for b in backends)
+
+
 def speculation(settings: RunnerSettings, spec: ModelSpec, *, writes_text: bool = True) -> str:
     """The model's speculation setting, else the server's; off for a model that writes no text."""
     chosen = spec.speculation or settings.speculation
@@ -142,6 +168,7 @@ def runner_options(
     writes_text: bool = True,
     args: ModelArgs = ModelArgs(),
     draft: str = "",
+    backends: tuple[str, ...] = ("cpu",),
 ) -> RunnerOptions:
     """The runner options for a request for ``spec``.
 
@@ -151,6 +178,7 @@ def runner_options(
     trained context is known). ``writes_text``: whether the model writes text (as the header says;
     true when unreadable). ``args``: the model's ``models.toml`` args as parsed (``spec.args``
     themselves are not read here). ``draft``: the draft model's GGUF file, resolved ("" = none).
+    ``backends``: the device libraries the runner may use (:func:`flash_attention`).
     Raises BadRequest for an option out of bounds or of the wrong kind.
     """
     options = RunnerOptions(
@@ -158,7 +186,7 @@ def runner_options(
         num_parallel=spec.num_parallel or settings.num_parallel,
         num_thread=settings.num_thread,
         kv_cache_type=settings.kv_cache_type,
-        flash_attention=settings.flash_attention or settings.batch_invariant,
+        flash_attention=flash_attention(settings.flash_attention, batch_invariant=settings.batch_invariant, backends=backends),
         cache_ram_mib=settings.cache_ram // MiB if args.cache_ram_mib is None else args.cache_ram_mib,
         swa_full=settings.kv_cache_budget > 0,
         extra_args=args.passed,
