@@ -4,6 +4,8 @@ few seconds in a worker thread under a load that never goes quiet."""
 from __future__ import annotations
 
 import platform
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -102,3 +104,31 @@ async def test_a_busy_trim_does_not_hold_the_event_loop(autojump_clock: trio.tes
 
 def test_trim_gives_memory_back_with_glibc_and_does_nothing_elsewhere() -> None:
     assert heap.trim() is (platform.libc_ver()[0] == "glibc")
+
+
+MMAP_PROBE = """
+import ctypes, sys
+from trioshed.heap import fix_mmap_threshold
+
+class Info(ctypes.Structure):  # glibc's struct mallinfo2
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = Info
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+if sys.argv[1] == "pinned":
+    assert fix_mmap_threshold()
+libc.free(libc.malloc(8 << 20))  # a large temporary buffer, mapped then unmapped
+block = libc.malloc(1 << 20)     # the next large one
+print(libc.mallinfo2().hblkhd >= (1 << 20))
+"""
+
+
+@pytest.mark.parametrize(("how", "mapped"), [("pinned", "True"), ("default", "False")])
+def test_a_large_buffer_after_a_larger_one_is_mapped_on_its_own_once_the_threshold_is_pinned(how: str, mapped: str) -> None:
+    # glibc raises its mmap threshold to the size of a mapped block freed: the next large buffer
+    # then comes from the heap (and leaves a hole there when freed). Pinned, it is mapped.
+    done = subprocess.run([sys.executable, "-c", MMAP_PROBE, how], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == mapped

@@ -21,7 +21,16 @@ a saw tooth; a shorter period keeps the tooth small. Bounding the number of aren
 (``M_ARENA_MAX``) would not have helped: the process uses two to four, and the growth was in the
 main one.
 
-Elsewhere than glibc (musl, macOS) there is no ``malloc_trim``, and this does nothing.
+What is left after trimming is free memory in pages that live blocks share, which no trim can
+return: large temporary buffers (a request body, a JSON answer, an upload's batch) that come from
+the heap among small blocks. glibc serves a block from ``mmap`` when it is larger than its mmap
+threshold, but raises that threshold to the size of every mapped block freed (up to 32 MiB), so
+after one large buffer the next ones are carved out of the heap. :func:`fix_mmap_threshold` pins
+the threshold (``mallopt(M_MMAP_THRESHOLD)``, which also stops the raising): a block of
+:data:`MMAP_THRESHOLD` bytes or more is mapped and unmapped on its own, and leaves no hole.
+
+Elsewhere than glibc (musl, macOS) there is no ``malloc_trim`` nor ``mallopt``, and this does
+nothing.
 """
 
 from __future__ import annotations
@@ -39,6 +48,22 @@ log = logging.getLogger(__name__)
 
 QUIET = 0.5  # seconds without a change before freed memory is given back (a trim takes ~1 ms)
 BUSY_EVERY = 15.0  # seconds: under a load that never goes quiet, freed memory is given back this often
+
+
+#: Bytes from which a block is mapped on its own (glibc's default before it starts raising it).
+MMAP_THRESHOLD = 128 * 1024
+_M_MMAP_THRESHOLD = -3  # mallopt's parameter (malloc.h)
+
+
+def fix_mmap_threshold(threshold: int = MMAP_THRESHOLD) -> bool:
+    """Pin glibc's mmap threshold at ``threshold`` bytes (see the module docstring); whether the
+    C library took it."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, threshold))
 
 
 @functools.cache

@@ -35,7 +35,7 @@ from trioshed.devices import DeviceSource, discover
 from trioshed.devices.rpc import RemoteDevices, check_addresses
 from trioshed.fleet import build_fleet
 from trioshed.fleet.state import default_name
-from trioshed.heap import trim_when_quiet
+from trioshed.heap import fix_mmap_threshold, trim_when_quiet
 from trioshed.logtail import LogTail
 from trioshed.models.gguf_meta import read_metadata
 from trioshed.models.stores import Stores
@@ -166,6 +166,7 @@ async def serve(
 ) -> None:
     """Serve until cancelled (or SIGINT/SIGTERM when ``handle_signals``)."""
     binary = binary or find_llama_server(settings.llama_server)
+    fix_mmap_threshold()  # large temporary buffers mapped on their own: no holes left in the heap
     await check_addresses(settings.rpc_servers, allow_public=settings.rpc_allow_public)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream request otherwise
     # --list-devices takes ~0.1-0.5 s (once per process: cached): off the event loop
