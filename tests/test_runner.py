@@ -160,3 +160,41 @@ async def test_a_spawned_child_dies_with_trioshed(setpriv: bool) -> None:
     assert gone, "the child outlived its parent"
     if setpriv and shutil.which("setpriv"):
         assert vforked == "True"  # spawned through setpriv, no preexec_fn
+
+
+async def _another_server(listener: trio.SocketListener, seen: list[str]) -> None:
+    """Another process's llama-server, as a runner meets it on its port: ``/health`` answers, every
+    other path refuses the runner's key."""
+
+    async def serve(stream: trio.SocketStream) -> None:
+        async with stream:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                chunk = await stream.receive_some(65536)
+                if not chunk:
+                    return
+                data += chunk
+            path = data.split(b" ", 2)[1].decode()
+            seen.append(path)
+            status, body = (b"200 OK", b'{"status":"ok"}') if path == "/health" else (b"401 Unauthorized", b'{"error":"Invalid API Key"}')
+            await stream.send_all(b"HTTP/1.1 " + status + b"\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
+
+    await trio.serve_listeners(serve, [listener])
+
+
+async def test_a_port_another_server_took_first_is_left_to_it(tiny_model: Path) -> None:
+    # The port found free is taken by another server before the child binds it: that server
+    # answers /health but not the runner's key, the child cannot bind and exits; the runner
+    # starts again on another port instead of sending requests to a stranger (401s).
+    seen: list[str] = []
+    listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
+    taken = listener.socket.getsockname()[1]
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_another_server, listener, seen)
+            async with open_llama_server(ModelSpec("tiny:latest", str(tiny_model)), OPTIONS, Placement(0), config(port=taken)) as server:
+                assert server.port != taken
+                assert (await server.upstream.get("/props"))[0] == 200
+                assert server.process is not None and server.process.pid in {p.pid for p in psutil.Process().children(recursive=True)}
+            nursery.cancel_scope.cancel()
+    assert "/props" in seen and not {p for p in seen if p not in ("/health", "/props")}

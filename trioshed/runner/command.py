@@ -161,6 +161,8 @@ class LaunchConfig:
     #: Warm returns (``trioshed.runner.slots``): the saved-slot store (its folder is the
     #: runners' ``--slot-save-path``) and the bound on saves; None: off.
     warm: WarmReturns | None = None
+    #: The port a runner's first start uses (0: one found free; a test gives one it holds).
+    port: int = 0
 
 
 def build_command(

@@ -317,7 +317,7 @@ class LlamaServer:
                     with trio.move_on_after(5):
                         try:
                             status, _ = await self.upstream.get("/health")
-                            if status == 200:
+                            if status == 200 and await self._ours():
                                 self._loaded = True
                                 return
                         except ConnectionFailed:
@@ -345,6 +345,18 @@ class LlamaServer:
             f"(TRIOSHED_LOAD_TIMEOUT); last output: {self.scrubbed(self.tail.errors())!r}",
             stderr_tail=self.tail.text(),
         )
+
+    async def _ours(self) -> bool:
+        """Whether the server answering on this runner's port is its child: another process's
+        llama-server that took the port first answers ``/health`` too, but refuses this runner's
+        key (401); the child, which could not bind the port, then exits (see :func:`open_llama_server`)."""
+        status, _ = await self.upstream.get("/props")
+        return status != 401
+
+    @property
+    def port_taken(self) -> bool:
+        """Whether the child exited because its port was taken (llama-server: "couldn't bind")."""
+        return self.exited and "couldn't bind" in self.tail.text(_TAIL_LINES)
 
     def scrubbed(self, text: str) -> str:
         """``text`` with the model's files named by the model, not by their paths."""
@@ -403,6 +415,15 @@ async def check_draft(model: ModelSpec, draft: str) -> None:
         )
 
 
+#: Ports tried for one runner: a port found free can be taken by another process before the
+#: child binds it (the child then exits at once, saying it "couldn't bind").
+PORT_ATTEMPTS = 3
+
+
+class _PortTaken(Exception):
+    pass
+
+
 @asynccontextmanager
 async def open_llama_server(
     model: ModelSpec, options: RunnerOptions, placement: Placement, config: LaunchConfig
@@ -410,10 +431,9 @@ async def open_llama_server(
     """Start a llama-server for ``model`` and yield it once ``/health`` answers 200.
 
     Raises LoadFailed (with the child's exit code and last output) when the child exits first or
-    prints nothing for ``config.load_timeout`` seconds.
+    prints nothing for ``config.load_timeout`` seconds. A child whose port was taken before it
+    bound it is started again on another port (:data:`PORT_ATTEMPTS` in all).
     """
-    port = free_port()
-    server = LlamaServer(model, options, placement, port)
     try:
         meta = await read_header(model)  # the one header cache; a miss read in a worker thread
         kv_type = effective_kv_type(options, meta)
@@ -422,31 +442,43 @@ async def open_llama_server(
     if options.draft:
         await check_draft(model, options.draft)
     warm = config.warm if config.warm is not None and config.warm.enabled else None
-    argv = build_command(
-        config.binary, model, options, placement, port=port,
-        verbose=config.verbose, accounting_only=config.accounting_only, kv_cache_type=kv_type,
-        slot_save_path=str(warm.store.folder) if warm is not None else None, meta=meta,
-    )  # fmt: skip
-    try:
-        with single_error(LoadFailed):
-            async with trio.open_nursery() as nursery:
-                await nursery.start(server._supervise, argv, config)
-                try:
-                    await server._wait_ready(config.load_timeout)
-                    if warm is not None:
-                        per_token = sum(kv_layer_bytes(meta, options)) // max(1, options.kv_cells)
-                        server.slots = await warm.attach(model, options, kv_type, server.upstream, bytes_per_token=per_token)
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        port = config.port if config.port and attempt == 1 else free_port()
+        server = LlamaServer(model, options, placement, port)
+        argv = build_command(
+            config.binary, model, options, placement, port=port,
+            verbose=config.verbose, accounting_only=config.accounting_only, kv_cache_type=kv_type,
+            slot_save_path=str(warm.store.folder) if warm is not None else None, meta=meta,
+        )  # fmt: skip
+        try:
+            with single_error(LoadFailed, _PortTaken):
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(server._supervise, argv, config)
                     try:
-                        yield server
+                        try:
+                            await server._wait_ready(config.load_timeout)
+                        except LoadFailed:
+                            if server.port_taken and attempt < PORT_ATTEMPTS:
+                                raise _PortTaken from None
+                            raise
+                        if warm is not None:
+                            per_token = sum(kv_layer_bytes(meta, options)) // max(1, options.kv_cells)
+                            server.slots = await warm.attach(model, options, kv_type, server.upstream, bytes_per_token=per_token)
+                        try:
+                            yield server
+                        finally:
+                            # Warm returns: the slots are saved before the child stops, within a bound.
+                            await save_before_stop(server.slots, server.exited)
+                            # Our idle keep-alive connections make llama-server take ~110 ms to exit on
+                            # SIGTERM (under 10 ms without them): close them first.
+                            with trio.move_on_after(1, shield=True):
+                                await server.upstream.aclose()
                     finally:
-                        # Warm returns: the slots are saved before the child stops, within a bound.
-                        await save_before_stop(server.slots, server.exited)
-                        # Our idle keep-alive connections make llama-server take ~110 ms to exit on
-                        # SIGTERM (under 10 ms without them): close them first.
-                        with trio.move_on_after(1, shield=True):
-                            await server.upstream.aclose()
-                finally:
-                    server.stop_child("runner stopped")
-    finally:
-        with trio.move_on_after(1, shield=True):
-            await server.upstream.aclose()
+                        server.stop_child("runner stopped")
+        except _PortTaken:
+            log.info("llama-server for %s could not bind port %d (another process took it): starting it on another", model.name, port)
+            continue
+        finally:
+            with trio.move_on_after(1, shield=True):
+                await server.upstream.aclose()
+        return
