@@ -112,11 +112,13 @@ async def index_once(client: httpx.AsyncClient, url: str, model: str, chunks: Se
 def direct_argv(model: Path, flags: RunnerFlags, port: int) -> list[str]:
     """llama-server alone with an embedding runner's own flags (built by trioshed's code)."""
     from trioshed.core.model import ModelSpec, Placement, RunnerOptions
+    from trioshed.core.runner_options import flash_attention
     from trioshed.models.gguf_meta import read_metadata
     from trioshed.runner.command import build_command
 
     binary, _ = llama_server_binary()
-    opts = RunnerOptions(num_ctx=flags.ctx_per_slot, num_parallel=flags.parallel, num_thread=flags.threads, embedding=True)
+    opts = RunnerOptions(num_ctx=flags.ctx_per_slot, num_parallel=flags.parallel, num_thread=flags.threads, embedding=True,
+                         flash_attention=flash_attention(None))  # trioshed's automatic choice on this machine (CPU)
     return build_command(binary, ModelSpec("embedder", str(model)), opts, Placement(n_gpu_layers=0), port=port,
                          verbose=False, meta=read_metadata(model))  # fmt: skip
 

@@ -21,6 +21,7 @@ the child before the cancellation propagates.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
 import logging
 import math
@@ -58,8 +59,12 @@ output_log = logging.getLogger("trioshed.runner.output")
 
 _PR_SET_PDEATHSIG = 1
 _TAIL_LINES = 200
-#: Seconds between two reads of a serving child's output (see LlamaServer._drain).
+#: Seconds between two reads of a serving child's output while it trickles (LlamaServer._drain);
+#: a read of DRAIN_BATCH bytes or more is followed by the next at once, so that a child that
+#: writes a lot (verbose, as runners are) never waits for its pipe of PIPE_BYTES.
 DRAIN_PAUSE = 0.05
+DRAIN_BATCH = 16384
+PIPE_BYTES = 1 << 20
 #: The only origin a runner's CORS allows: reserved (RFC 2606), so no web page has it.
 CLOSED_CORS_ORIGIN = "http://trioshed.invalid"
 
@@ -195,6 +200,10 @@ def _spawn(argv: list[str], env: dict[str, str] | None) -> tuple[ChildProcess, t
     command, preexec_fn = _launch(argv, env)
     read_fd, write_fd = os.pipe()
     try:
+        fcntl.fcntl(read_fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)  # room for the output read in batches (_drain)
+    except OSError:
+        pass  # above /proc/sys/fs/pipe-max-size: the default 64 KiB, drained at once when full
+    try:
         popen = subprocess.Popen(
             command,
             stdin=subprocess.DEVNULL,
@@ -293,9 +302,11 @@ class LlamaServer:
 
     async def _drain(self, stream: trio.abc.ReceiveStream) -> None:
         """Read the child's output to its end. While loading, each line as it comes (progress,
-        buffer sizes); once serving, at most every :data:`DRAIN_PAUSE` seconds: llama-server
-        writes its log a line at a time, tens of lines for a request of many inputs, and each
-        read wakes the event loop (measured: half of trioshed's CPU while indexing embeddings)."""
+        buffer sizes); once serving, a trickle at most every :data:`DRAIN_PAUSE` seconds:
+        llama-server writes its log a line at a time, tens of lines for a request of many inputs,
+        and each read wakes the event loop (measured: half of trioshed's CPU while indexing
+        embeddings). A child blocked on a full pipe would stop serving: a large read is followed
+        by the next at once, and the pipe holds :data:`PIPE_BYTES`."""
         buffer = b""
         async with stream:
             while chunk := await stream.receive_some(65536):
@@ -303,8 +314,8 @@ class LlamaServer:
                 *lines, buffer = buffer.split(b"\n")
                 for raw in lines:
                     self._on_line(raw.decode("utf-8", "replace").rstrip("\r"))
-                if self._progress is None and self._loaded:
-                    await trio.sleep(DRAIN_PAUSE)
+                if self._progress is None and self._loaded and len(chunk) < DRAIN_BATCH:
+                    await trio.sleep(DRAIN_PAUSE)  # a trickle: let it gather (a flood is read at once)
         if buffer:
             self._on_line(buffer.decode("utf-8", "replace"))
 
