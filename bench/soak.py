@@ -95,6 +95,8 @@ class Soak:
     samples: list[Sample] = field(default_factory=list)
     faults: list[tuple[float, str, str]] = field(default_factory=list)
     runner_pids: set[int] = field(default_factory=set)
+    #: each runner's start time: a pid reused by another process after the runner exited is not it
+    runner_started: dict[int, float] = field(default_factory=dict)
     orphans: set[int] = field(default_factory=set)
     start: float = field(default_factory=time.monotonic)
     probe: Path | None = None  # --heap-probe: where the server writes malloc_info on SIGUSR2
@@ -228,8 +230,21 @@ def _runners(soak: Soak) -> list[psutil.Process]:
         with contextlib.suppress(psutil.Error):
             if p.name().startswith("llama-server") or "llama-server" in " ".join(p.cmdline()[:3]):
                 found.append(p)
+    for p in found:
+        with contextlib.suppress(psutil.Error):
+            soak.runner_started.setdefault(p.pid, p.create_time())
     soak.runner_pids.update(p.pid for p in found)
     return found
+
+
+def _still_running(soak: Soak, pid: int) -> bool:
+    """Whether the runner ``pid`` still runs (not a zombie, and not another process that was
+    given its pid since: a test suite running beside the soak reuses pids)."""
+    try:
+        proc = psutil.Process(pid)
+        return proc.status() != psutil.STATUS_ZOMBIE and proc.create_time() == soak.runner_started.get(pid, proc.create_time())
+    except psutil.Error:
+        return False
 
 
 def _runner_of(soak: Soak, model: str) -> psutil.Process | None:
@@ -570,9 +585,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 await server.process.wait()
             stop_seconds = time.monotonic() - sent
             with trio.move_on_after(10):
-                while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in soak.runner_pids):  # noqa: ASYNC110
+                while any(_still_running(soak, p) for p in soak.runner_pids):  # noqa: ASYNC110
                     await trio.sleep(0.1)
-            leftover = [p for p in soak.runner_pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+            leftover = [p for p in soak.runner_pids if _still_running(soak, p)]
             log_tail = server.log_path.read_text(errors="replace")[-3000:]
     load_after = os.getloadavg()
     result = report(soak, args, stop_seconds, leftover, f"1-min load average {load_before[0]:.1f} at the start, {load_after[0]:.1f} at the end (2 cores, shared)")
