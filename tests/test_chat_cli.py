@@ -431,6 +431,7 @@ async def test_the_commands_against_a_real_server(model_store: Path, tmp_path: P
                 await term.until("Loading model 'brief-chat'\n")
                 await term.until(">>> hello\n")  # the saved conversation, shown
                 await term.until("\n>>> bonjour\n")
+                await term.until(">>> ")  # the prompt after the replay: typed before it, the line is echoed twice
                 continued = stat(await term.enter("encore"), "prompt eval count")
                 await term.enter("/load brief")
                 await term.enter("/set system Answer in French.")
