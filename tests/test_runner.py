@@ -198,3 +198,40 @@ async def test_a_port_another_server_took_first_is_left_to_it(tiny_model: Path) 
                 assert server.process is not None and server.process.pid in {p.pid for p in psutil.Process().children(recursive=True)}
             nursery.cancel_scope.cancel()
     assert "/props" in seen and not {p for p in seen if p not in ("/health", "/props")}
+
+
+LATE_LOG = '''#!{python}
+"""A llama-server whose load log arrives after it answers /health (llama.cpp logs from a thread)."""
+import http.server, sys, threading, time
+port = int(sys.argv[sys.argv.index("--port") + 1])
+
+def late_log():
+    time.sleep(0.3)
+    print("load_tensors:          CPU model buffer size =   123.00 MiB", file=sys.stderr, flush=True)
+    print(f"main: server is listening on http://127.0.0.1:{{port}}", file=sys.stderr, flush=True)
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = b'{{"status":"ok"}}'
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *args):
+        pass
+
+threading.Thread(target=late_log, daemon=True).start()
+http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
+'''
+
+
+async def test_the_load_log_that_arrives_after_health_is_still_counted(tiny_model: Path, tmp_path: Path) -> None:
+    # /health says ready before llama.cpp's log thread has written the buffer sizes: the runner
+    # waits for the load log's "listening on" line, so what it measured is complete.
+    script = tmp_path / "late-log-server"
+    script.write_text(LATE_LOG.format(python=sys.executable))
+    script.chmod(0o755)
+    with trio.fail_after(30):
+        async with open_llama_server(ModelSpec("tiny:latest", str(tiny_model)), OPTIONS, Placement(0), LaunchConfig(binary=str(script))) as server:
+            measured = server.measured
+    assert measured is not None and sum(measured.model.values()) == 123 * 2**20, measured

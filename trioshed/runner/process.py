@@ -65,6 +65,8 @@ _TAIL_LINES = 200
 DRAIN_PAUSE = 0.05
 DRAIN_BATCH = 16384
 PIPE_BYTES = 1 << 20
+#: Seconds a ready runner's load log is waited for, up to its "listening on" line.
+LOG_SETTLE = 1.0
 #: The only origin a runner's CORS allows: reserved (RFC 2606), so no web page has it.
 CLOSED_CORS_ORIGIN = "http://trioshed.invalid"
 
@@ -237,6 +239,7 @@ class LlamaServer:
         self._memlog = MemoryLogParser() if MemoryLogParser is not None else None
         self._progress: trio.CancelScope | None = None
         self._output_hint = trio.Event()  # set by a line saying the server is up
+        self._load_logged = trio.Event()  # its "listening on" line read: the load's buffer sizes are in
         self._loaded = False  # ready once: its output is then read in batches (_drain)
         self._load_timeout = math.inf
         # The runner's pool of keep-alive connections (closed in open_llama_server before the
@@ -299,6 +302,8 @@ class LlamaServer:
                 self._memlog.feed(line)
             if "listening on" in line or "all slots are idle" in line:
                 self._output_hint.set()
+            if "listening on" in line:
+                self._load_logged.set()
 
     async def _drain(self, stream: trio.abc.ReceiveStream) -> None:
         """Read the child's output to its end. While loading, each line as it comes (progress,
@@ -329,6 +334,10 @@ class LlamaServer:
                         try:
                             status, _ = await self.upstream.get("/health")
                             if status == 200 and await self._ours():
+                                # llama.cpp writes its log from a thread of its own: the buffer
+                                # sizes may still be on their way when /health says ready
+                                with trio.move_on_after(LOG_SETTLE):
+                                    await self._load_logged.wait()
                                 self._loaded = True
                                 return
                         except ConnectionFailed:
@@ -344,7 +353,7 @@ class LlamaServer:
         # Clients see llama-server's last words without the model's path (logged in full)
         log.warning("llama-server for %s (%s) failed to load; its last output:\n%s", self.model.name, self.model.path, self.tail.text())
         if self.exited:
-            raise LoadFailed(
+            raise (PortTaken if self.port_taken else LoadFailed)(
                 f"llama-server exited with code {self.returncode} before it was ready; "
                 f"last output: {self.scrubbed(self.tail.errors())!r}; check that the file of model "
                 f"'{self.model.name}' is a valid GGUF that this llama.cpp build supports",
@@ -431,8 +440,8 @@ async def check_draft(model: ModelSpec, draft: str) -> None:
 PORT_ATTEMPTS = 3
 
 
-class _PortTaken(Exception):
-    pass
+class PortTaken(LoadFailed):
+    """The child exited because its port was taken before it bound it (it "couldn't bind")."""
 
 
 @asynccontextmanager
@@ -462,16 +471,11 @@ async def open_llama_server(
             slot_save_path=str(warm.store.folder) if warm is not None else None, meta=meta,
         )  # fmt: skip
         try:
-            with single_error(LoadFailed, _PortTaken):
+            with single_error(LoadFailed):
                 async with trio.open_nursery() as nursery:
                     await nursery.start(server._supervise, argv, config)
                     try:
-                        try:
-                            await server._wait_ready(config.load_timeout)
-                        except LoadFailed:
-                            if server.port_taken and attempt < PORT_ATTEMPTS:
-                                raise _PortTaken from None
-                            raise
+                        await server._wait_ready(config.load_timeout)
                         if warm is not None:
                             per_token = sum(kv_layer_bytes(meta, options)) // max(1, options.kv_cells)
                             server.slots = await warm.attach(model, options, kv_type, server.upstream, bytes_per_token=per_token)
@@ -480,16 +484,15 @@ async def open_llama_server(
                         finally:
                             # Warm returns: the slots are saved before the child stops, within a bound.
                             await save_before_stop(server.slots, server.exited)
-                            # Our idle keep-alive connections make llama-server take ~110 ms to exit on
-                            # SIGTERM (under 10 ms without them): close them first.
-                            with trio.move_on_after(1, shield=True):
-                                await server.upstream.aclose()
                     finally:
+                        # Our idle keep-alive connections make llama-server take ~110 ms to exit on
+                        # SIGTERM (under 10 ms without them): close them first.
+                        with trio.move_on_after(1, shield=True):
+                            await server.upstream.aclose()
                         server.stop_child("runner stopped")
-        except _PortTaken:
+        except PortTaken:
+            if attempt == PORT_ATTEMPTS:
+                raise
             log.info("llama-server for %s could not bind port %d (another process took it): starting it on another", model.name, port)
             continue
-        finally:
-            with trio.move_on_after(1, shield=True):
-                await server.upstream.aclose()
         return
