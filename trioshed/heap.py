@@ -58,22 +58,22 @@ _M_MMAP_THRESHOLD = -3  # mallopt's parameter (malloc.h)
 def fix_mmap_threshold(threshold: int = MMAP_THRESHOLD) -> bool:
     """Pin glibc's mmap threshold at ``threshold`` bytes (see the module docstring); whether the
     C library took it."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, threshold))
+    mallopt = _libc("mallopt")
+    return mallopt is not None and bool(mallopt(_M_MMAP_THRESHOLD, threshold))
 
 
 @functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
+def _libc(name: str) -> Callable[..., int] | None:
+    """The C library's function ``name``, or None where it has none (not glibc)."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim: Callable[[int], int] = libc.malloc_trim
+        fn: Callable[..., int] = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
     except (OSError, AttributeError):
         return None
-    return trim
+    return fn
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    return _libc("malloc_trim")
 
 
 def trim() -> bool:
