@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 
+import psutil
 import pytest
 import trio
 
 from trioshed.config import RpcServer, Settings, is_private_address, parse_rpc_servers
 from trioshed.core.model import GiB, MiB
 from trioshed.devices.rpc import RemoteDevices, check_addresses, parse_list_devices
-from trioshed.runner.binary import BinaryNotFound, find_llama_server
+from trioshed.runner.binary import BinaryNotFound, find_llama_server, find_rpc_server
 from trioshed.testing.llama import free_port
-from trioshed.testing.rpc import RpcServerProcess, rpc_servers
+from trioshed.testing.rpc import RpcServerProcess, rpc_servers, start_rpc_server
 
 
 def test_parse_rpc_servers() -> None:
@@ -196,6 +198,152 @@ async def test_probes_over_time_down_retry_busy_skipped_slow_listing_never_cance
         await trio.sleep(1)
         assert a in {d.endpoint for d in remote.devices()} and fake.cancelled == []
         nursery.cancel_scope.cancel()
+
+
+async def test_a_hung_listing_delays_no_other_server_s_check(autojump_clock: trio.testing.MockClock) -> None:
+    """One server's listing that hangs does not hold back the re-check of another that is down."""
+    from trioshed.devices.rpc import DOWN_RETRY
+
+    a, b = "10.0.0.2:50052", "10.0.0.3:50052"
+    fake = FakeProbes()
+    fake.answering = {a}
+    remote = RemoteDevices(
+        parse_rpc_servers(f"{a},{b}"), llama_server="unused", interval=60,
+        connect=fake.connect, list_devices=fake.list_devices,
+    )  # fmt: skip
+    async with trio.open_nursery() as nursery:
+        await nursery.start(remote.run, frozenset)
+        assert [d.endpoint for d in remote.down()] == [b]
+        fake.stuck[a] = trio.Event()  # A's next listing (the 60 s re-probe) hangs
+        await trio.sleep(60.5)
+        assert fake.listings.count(a) == 2
+        fake.answering.add(b)  # B is restarted
+        await trio.sleep(DOWN_RETRY + 0.5)
+        assert b in {d.endpoint for d in remote.devices()}
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_hung_listing_never_stops_the_checks_of_its_server(autojump_clock: trio.testing.MockClock) -> None:
+    """A listing that hangs: the server is down after LIST_TIMEOUT and checked again every
+    DOWN_RETRY; at most two listings wait on it; a server seen refusing connections is gone, and
+    the listings that waited on it end (killed); once it answers again it is up again."""
+    from trioshed.devices.rpc import DOWN_RETRY, LIST_TIMEOUT
+
+    a = "10.0.0.2:50052"
+    fake = FakeProbes()
+    fake.answering = {a}
+    remote = RemoteDevices(
+        parse_rpc_servers(a), llama_server="unused", interval=3600, connect=fake.connect, list_devices=fake.list_devices
+    )
+    async with trio.open_nursery() as nursery:
+        await nursery.start(remote.run, frozenset)
+        fake.stuck[a] = trio.Event()  # the server is stopped: it accepts, never answers
+        await trio.sleep(3600 + LIST_TIMEOUT + 1)
+        assert "did not answer" in remote.down()[0].name
+        await trio.sleep(5 * DOWN_RETRY)
+        assert fake.listings.count(a) == 3  # the first, the hung one and one more beside it
+        fake.answering.clear()  # the stopped server is killed
+        await trio.sleep(DOWN_RETRY + 1)
+        assert "connection refused" in remote.down()[0].name
+        assert fake.cancelled == [a, a]  # nothing will ever answer them
+        del fake.stuck[a]
+        fake.answering.add(a)  # and started again
+        await trio.sleep(DOWN_RETRY + 1)
+        assert [d.endpoint for d in remote.devices()] == [a]
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_listing_left_waiting_on_a_server_gone_does_not_keep_its_successor_down(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A listing that waits on a connection to a server that went away unseen (no refusal: a
+    half-open connection; the new server took the port meanwhile): the new server is listed
+    beside it and is up; the old listing is left to end (it is not the new server's client)."""
+    from trioshed.devices.rpc import DOWN_RETRY, LIST_TIMEOUT
+
+    a = "10.0.0.2:50052"
+    fake = FakeProbes()
+    fake.answering = {a}
+    remote = RemoteDevices(
+        parse_rpc_servers(a), llama_server="unused", interval=60, connect=fake.connect, list_devices=fake.list_devices
+    )
+    async with trio.open_nursery() as nursery:
+        await nursery.start(remote.run, frozenset)
+        old = fake.stuck[a] = trio.Event()
+        await trio.sleep(60.5)  # the re-probe's listing waits on the old server
+        del fake.stuck[a]  # the new server answers
+        await trio.sleep(LIST_TIMEOUT + DOWN_RETRY + 1)
+        assert [d.endpoint for d in remote.devices()] == [a]
+        assert fake.listings.count(a) == 3 and fake.cancelled == []
+        old.set()
+        await trio.sleep(1)
+        assert [d.endpoint for d in remote.devices()] == [a]
+        nursery.cancel_scope.cancel()
+
+
+def _our_listings() -> list[psutil.Process]:
+    """The ``--list-devices`` probes this test process started that still run."""
+    return [
+        p for p in psutil.Process().children(recursive=True)
+        if "--list-devices" in p.cmdline() and p.status() != psutil.STATUS_ZOMBIE
+    ]  # fmt: skip
+
+
+@pytest.mark.slow
+async def test_a_server_restarted_on_its_port_is_found_while_a_probe_still_waits_on_the_old_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The port's old server accepted a probe's connection and went away unseen (the connection
+    left open, as on a host that lost power); a real rpc-server took the port: it is listed
+    beside the old probe and is up; the old probe ends with the probes (killed, reaped)."""
+    from trioshed.devices import rpc
+
+    monkeypatch.setattr(rpc, "LIST_TIMEOUT", 1.0)
+    monkeypatch.setattr(rpc, "DOWN_RETRY", 0.2)
+    try:
+        binary = find_llama_server()
+        find_rpc_server()
+    except BinaryNotFound as exc:
+        pytest.skip(f"no llama.cpp binaries: {exc}")
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    old = socket.socket()  # the old server: takes connections, never answers
+    old.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    old.bind(("127.0.0.1", port))
+    old.listen()
+    old.settimeout(10)
+    held: list[socket.socket] = []
+    remote = RemoteDevices(parse_rpc_servers(address), llama_server=binary.path, env=binary.env, interval=3600)
+    new: RpcServerProcess | None = None
+    up = trio.Event()
+
+    def on_change() -> None:
+        if remote.devices():
+            up.set()
+
+    remote.on_change = on_change
+    try:
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(remote.run)
+                (down,) = remote.down()
+                assert "did not answer" in down.name
+                (waiting,) = _our_listings()
+                while len(held) < 2:  # the connect check's connection and the probe's
+                    held.append(old.accept()[0])
+                # at once, no probe in between: the old server's listener goes, a new one takes the port
+                old.close()
+                new = start_rpc_server(port)
+                await up.wait()
+                assert _our_listings() == [waiting]  # left to end: it is no client of the new server
+                nursery.cancel_scope.cancel()
+        assert not _our_listings() and not waiting.is_running()
+    finally:
+        old.close()
+        for conn in held:
+            conn.close()
+        if new is not None:
+            new.kill()
 
 
 async def test_one_server_under_two_names_is_refused() -> None:

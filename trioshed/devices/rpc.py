@@ -17,6 +17,10 @@ How a server is probed, and why so (measured with the bundled build, RPC protoco
   (``RPC0: 10.0.0.2:50052 (24105 MiB, 24105 MiB free)``). It runs only while no runner of ours
   uses the server (it would wait behind that client), and it is never killed on a time-out, for
   the SIGPIPE reason above: a probe that is slow marks the server down and is left to finish.
+  The server is still checked meanwhile, on its own (a slow probe holds back no other server's):
+  at most MAX_LISTINGS probes wait on it at once (one more may find a restarted server while an
+  older one waits on a connection to the one gone), and once it refuses connections nothing
+  listens there to answer them: they are killed then (and when trioshed stops).
   A CPU rpc-server reports its machine's whole RAM as free; a declared size
   (``host:port=16GiB``) caps what trioshed places there.
 
@@ -26,14 +30,14 @@ aborts when a server it computes on goes away; the scheduler then calls :meth:`R
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
-import math
 import os
 import re
 import subprocess
 from collections.abc import Awaitable, Callable, Collection
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import trio
 
@@ -45,6 +49,8 @@ log = logging.getLogger(__name__)
 CONNECT_TIMEOUT = 2.0
 LIST_TIMEOUT = 10.0
 DOWN_RETRY = 5.0  # seconds between checks of a server that is down
+MAX_LISTINGS = 2  # --list-devices probes waiting on one server at once
+_REFUSED = os.strerror(errno.ECONNREFUSED).lower()
 
 _DEVICE_LINE = re.compile(r"^\s*(RPC\d+):\s*(.*?)\s*\((\d+) MiB, (\d+) MiB free\)\s*$")
 
@@ -92,7 +98,8 @@ class _Endpoint:
     total: int = 0
     free: int = 0
     source: str = ""
-    listing: bool = False  # a --list-devices probe is outstanding
+    probing: bool = False  # a probe (connect, then maybe a listing) is under way
+    listings: list[trio.CancelScope] = field(default_factory=list)  # --list-devices outstanding
 
     def device(self) -> Device:
         return Device(
@@ -171,12 +178,11 @@ class RemoteDevices:
         self._busy = busy
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            await self._probe_all()
+            await self._probe_all(wait=True)
             task_status.started()
             next_full = trio.current_time() + self.interval
-            while True:
-                wait = DOWN_RETRY if any(not e.up for e in self._endpoints.values()) else math.inf
-                with trio.move_on_at(min(next_full, trio.current_time() + wait)):
+            while True:  # (every DOWN_RETRY: a probe under way may find its server down meanwhile)
+                with trio.move_on_at(min(next_full, trio.current_time() + DOWN_RETRY)):
                     await self._kick.wait()
                 self._kick = trio.Event()
                 if trio.current_time() >= next_full:
@@ -185,40 +191,64 @@ class RemoteDevices:
                 else:
                     await self._probe_all(only_down=True)
 
-    async def _probe_all(self, *, only_down: bool = False) -> None:
-        busy = set(self._busy())
-        async with trio.open_nursery() as nursery:
-            for addr, e in self._endpoints.items():
-                if addr in busy or e.listing or (only_down and e.up):
-                    continue
-                nursery.start_soon(self._probe, e)
-
-    async def _probe(self, e: _Endpoint) -> None:
-        why = await self._connect(e.server)
-        if why:
-            self._set(e, up=False, reason=why)
-            return
-        if e.server.address in set(self._busy()):
-            return  # a runner took it meanwhile: it answers, and must not be queued behind
+    async def _probe_all(self, *, only_down: bool = False, wait: bool = False) -> None:
+        """Start a probe of each server due (each on its own: a slow one holds back no other)."""
         assert self._nursery is not None
-        done = trio.Event()
-        e.listing = True
-        self._nursery.start_soon(self._list, e, done)
-        with trio.move_on_after(LIST_TIMEOUT):
-            await done.wait()
-            return
-        if e.server.address not in set(self._busy()):
-            self._set(e, up=False, reason=f"accepts connections but did not answer in {LIST_TIMEOUT:.0f}s "
-                      "(serving another client?)")  # fmt: skip
+        busy = set(self._busy())
+        started = []
+        for addr, e in self._endpoints.items():
+            if addr in busy or e.probing or (only_down and e.up):
+                continue
+            e.probing = True
+            started.append(trio.Event())
+            self._nursery.start_soon(self._probe, e, started[-1])
+        if wait:
+            for finished in started:
+                await finished.wait()
+
+    async def _probe(self, e: _Endpoint, finished: trio.Event) -> None:
+        try:
+            why = await self._connect(e.server)
+            if why:
+                self._down(e, why)
+                return
+            if e.server.address in set(self._busy()):
+                return  # a runner took it meanwhile: it answers, and must not be queued behind
+            if len(e.listings) >= MAX_LISTINGS:
+                return  # one more would only wait behind them
+            assert self._nursery is not None
+            done = trio.Event()
+            self._nursery.start_soon(self._list, e, done)
+            with trio.move_on_after(LIST_TIMEOUT):
+                await done.wait()
+                return
+            if e.server.address not in set(self._busy()):
+                self._set(e, up=False, reason=f"accepts connections but did not answer in {LIST_TIMEOUT:.0f}s "
+                          "(serving another client?)")  # fmt: skip
+        finally:
+            e.probing = False
+            finished.set()
 
     async def _list(self, e: _Endpoint, done: trio.Event) -> None:
-        """Run ``--list-devices`` to its end (never killed early; see the module doc)."""
+        """Run ``--list-devices`` to its end: never killed early, unless its server is gone
+        (:meth:`_down`; see the module doc)."""
+        scope = trio.CancelScope()
+        e.listings.append(scope)
         try:
-            text, returncode = await self._list_devices(e.server)
-            self._apply_listing(e, text, returncode)
+            with scope:
+                text, returncode = await self._list_devices(e.server)
+                self._apply_listing(e, text, returncode)
         finally:
-            e.listing = False
+            e.listings.remove(scope)
             done.set()
+
+    def _down(self, e: _Endpoint, why: str) -> None:
+        """It does not take connections; refused, nothing listens there: the listings still
+        waiting on it wait on a server that is gone, and are killed."""
+        self._set(e, up=False, reason=why)
+        if _REFUSED in why:
+            for scope in e.listings:
+                scope.cancel()
 
     def _apply_listing(self, e: _Endpoint, text: str, returncode: int | None) -> None:
         listed = parse_list_devices(text)
@@ -259,7 +289,7 @@ class RemoteDevices:
         async def one(e: _Endpoint) -> None:
             why = await self._connect(e.server)
             if why:
-                self._set(e, up=False, reason=why)
+                self._down(e, why)
                 lost.append(f"{e.server.address} ({why})")
 
         async with trio.open_nursery() as nursery:
@@ -300,10 +330,15 @@ async def run_list_devices(binary: str, env: dict[str, str] | None, server: RpcS
             stderr=subprocess.STDOUT,
             check=False,
             env={**(env if env is not None else os.environ), **HIDE_LOCAL_GPUS},
+            deliver_cancel=_kill,  # cancelled (its server gone, trioshed stopping): killed and reaped
         )
     except OSError as exc:
         return f"cannot run {binary}: {exc}", None
     return result.stdout.decode("utf-8", "replace"), result.returncode
+
+
+async def _kill(process: trio.Process) -> None:
+    process.kill()
 
 
 def _os_reason(exc: OSError) -> str:

@@ -58,16 +58,24 @@ def wait_listening(port: int, process: subprocess.Popen[bytes], timeout: float =
 def rpc_servers(count: int, *, threads: int = 1) -> Iterator[list[RpcServerProcess]]:
     """``count`` rpc-servers (CPU backend, ``threads`` threads each) on loopback; killed and reaped
     on exit. Raises ``BinaryNotFound`` when there is no rpc-server binary."""
-    binary = find_rpc_server()
     servers: list[RpcServerProcess] = []
     try:
         for _ in range(count):
-            port = free_port()
-            argv = [binary.path, "--host", "127.0.0.1", "--port", str(port), "--threads", str(threads)]
-            server = RpcServerProcess(port, _spawn(argv, binary.env), argv, binary.env)
-            servers.append(server)
-            wait_listening(port, server.process)
+            servers.append(start_rpc_server(free_port(), threads=threads))
         yield servers
     finally:
         for server in servers:
             server.kill()
+
+
+def start_rpc_server(port: int, *, threads: int = 1) -> RpcServerProcess:
+    """One rpc-server on 127.0.0.1:``port``, listening when this returns (the caller kills it)."""
+    binary = find_rpc_server()
+    argv = [binary.path, "--host", "127.0.0.1", "--port", str(port), "--threads", str(threads)]
+    server = RpcServerProcess(port, _spawn(argv, binary.env), argv, binary.env)
+    try:
+        wait_listening(port, server.process)
+    except BaseException:
+        server.kill()
+        raise
+    return server
