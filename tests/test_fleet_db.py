@@ -93,12 +93,39 @@ def test_the_table_ages_rows_by_the_databases_clock_and_forgets_rows_not_written
         assert table.exchange("A", ("http://127.0.0.1:1", '{"a": 1}'), 3600) == []
         [(name, url, state, age)] = table.exchange("B", ("http://127.0.0.1:2", "{}"), 3600)
         assert (name, url, state) == ("A", "http://127.0.0.1:1", '{"a": 1}') and 0 <= age < 5
+        # every row, B's own as it was before this write (a node reads what it last wrote there)
+        [a, b] = table.exchange("B", ("http://127.0.0.1:2", '{"b": 2}'), 3600)
+        assert a[:3] == ("A", "http://127.0.0.1:1", '{"a": 1}') and b[:3] == ("B", "http://127.0.0.1:2", "{}")
         with psycopg.connect(database, autocommit=True) as conn:  # A wrote 30 s ago, by the database's clock
             conn.execute("UPDATE fleet_nodes SET updated = updated - interval '30 seconds' WHERE name = 'A'")
-        [(_, _, _, age)] = table.exchange("B", None, 3600)
-        assert 30 <= age < 35
-        assert table.exchange("B", None, 20) == []  # not written for 20 s: forgotten
+        [(_, _, _, age), (_, _, b_state, _)] = table.exchange("B", None, 3600)
+        assert 30 <= age < 35 and b_state == '{"b": 2}'
+        assert [r[0] for r in table.exchange("B", None, 20)] == ["B"]  # A not written for 20 s: forgotten
         table.withdraw("B")
         assert rows(database) == {}
     finally:
         table.close()
+
+
+async def test_two_real_nodes_given_one_name_each_show_the_conflict_in_their_view(
+    postgres: Postgres,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    database = fresh_database(postgres)
+    store = tmp_path / "models"
+    store.mkdir()
+    add_tiny(store, "m1")
+    settings = {"database": database, "fleet_secret": SECRET, "fleet_interval": 0.1, "fleet_stale": 2.0}
+    with trio.fail_after(120):
+        async with AsyncExitStack() as stack:
+            servers = [await stack.enter_async_context(open_test_server(store, node_name="A", **settings)) for _ in range(2)]
+            for server in servers:
+                source = server.state.fleet and server.state.fleet.source
+                assert isinstance(source, DatabasePeers)
+                with trio.fail_after(30):
+                    while not source.conflict:
+                        await source.rounds.wait()
+            async with httpx.AsyncClient(timeout=30) as http:
+                for server, other in (servers, servers[::-1]):
+                    [me] = (await http.get(server.urls[0] + "/api/ps")).json()["nodes"]  # no peer: one row between them
+                    assert me["name"] == "A" and "TRIOSHED_NODE_NAME" in me["error"] and other.urls[0] in me["error"]
