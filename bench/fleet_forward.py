@@ -6,16 +6,23 @@ upstream (:mod:`bench.standin`: it answers at once, so the figures are trioshed'
 serves the model (warm), A knows B as a peer. Requests alternate, B direct then through A, so
 each pair saw the same machine state; the median of the paired differences is the hop's cost.
 Two kinds: a whole answer (``"stream": false``) and a stream of 16 tokens (to its last byte),
-both on ``/api/generate``. Writes ``bench/results/<date>-fleet-forward.md``.
+both on ``/api/generate``. Beside them, the same requests through a bare forwarder
+(:mod:`bench.bare_forward`: the same HTTP layer and client relaying bytes, with no gate, routing,
+trace or log): the stack's own floor for a hop, measured in the same run. Writes
+``bench/results/<date>-fleet-forward.md``.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import statistics
+import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +48,20 @@ async def _timed(http: httpx.AsyncClient, url: str, body: dict[str, Any]) -> flo
     return elapsed
 
 
+@asynccontextmanager
+async def open_bare_forward(upstream: str, log_dir: Path) -> AsyncIterator[procs.Server]:
+    """:mod:`bench.bare_forward` in front of ``upstream``."""
+    port = procs.free_port()
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([procs._REPO, env.get("PYTHONPATH", "")])
+    argv = [sys.executable, "-m", "bench.bare_forward", "--port", str(port), "--upstream", upstream]
+    async with procs.open_server(
+        "bare-forward", argv, env=env, base_url=f"http://127.0.0.1:{port}", ready_path="/api/version",
+        log_path=log_dir / f"bare-forward-{port}.log", ready_timeout=60,
+    ) as server:  # fmt: skip
+        yield server
+
+
 async def run(requests: int = 300) -> dict[str, Any]:
     from trioshed.testing.tiny import write_tiny_model
 
@@ -53,31 +74,41 @@ async def run(requests: int = 300) -> dict[str, Any]:
         env = {"TRIOSHED_LLAMA_SERVER": str(write_wrapper(base)), "TRIOSHED_FLEET_SECRET": SECRET, "TRIOSHED_FLEET_INTERVAL": "0.2"}
         async with procs.open_trioshed(models, flags, base / "logs", max_loaded=1, extra_env={**env, "TRIOSHED_NODE_NAME": "B"}, name="B") as b:
             a_env = {**env, "TRIOSHED_NODE_NAME": "A", "TRIOSHED_PEERS": b.base_url}
-            async with procs.open_trioshed(models, flags, base / "logs", max_loaded=1, extra_env=a_env, name="A") as a:
-                async with httpx.AsyncClient(timeout=60) as http:
-                    whole = {"model": "tiny", "prompt": "hi", "stream": False, "options": {"num_predict": 1}}
-                    stream = {"model": "tiny", "prompt": "hi", "stream": True, "options": {"num_predict": 16}}
-                    await _timed(http, b.base_url, whole)  # loads the model on B
-                    await trio.sleep(1.0)  # A reads B's state (every 0.2 s)
-                    for _ in range(20):  # warm-up, both ways
-                        await _timed(http, b.base_url, whole)
-                        await _timed(http, a.base_url, whole)
-                    ps = (await http.get(a.base_url + "/api/ps")).json()
-                    if ps["models"]:
-                        raise RuntimeError("A loaded the model itself: nothing was forwarded")
-                    rows = {}
-                    for kind, body in (("whole", whole), ("stream (16 tokens)", stream)):
-                        direct, forwarded = [], []
-                        for _ in range(requests):
-                            direct.append(await _timed(http, b.base_url, body))
-                            forwarded.append(await _timed(http, a.base_url, body))
-                        deltas = [f - d for d, f in zip(direct, forwarded, strict=True)]
-                        rows[kind] = {
-                            "direct_p50_ms": 1000 * statistics.median(direct),
-                            "forwarded_p50_ms": 1000 * statistics.median(forwarded),
-                            "added_p50_ms": 1000 * statistics.median(deltas),
-                            "added_p90_ms": 1000 * (percentile(deltas, 90) or 0.0),
-                        }
+            async with (
+                procs.open_trioshed(models, flags, base / "logs", max_loaded=1, extra_env=a_env, name="A") as a,
+                open_bare_forward(b.base_url, base / "logs") as bare,
+                httpx.AsyncClient(timeout=60) as http,
+            ):
+                whole = {"model": "tiny", "prompt": "hi", "stream": False, "options": {"num_predict": 1}}
+                stream = {"model": "tiny", "prompt": "hi", "stream": True, "options": {"num_predict": 16}}
+                await _timed(http, b.base_url, whole)  # loads the model on B
+                await trio.sleep(1.0)  # A reads B's state (every 0.2 s)
+                for _ in range(20):  # warm-up, every way
+                    await _timed(http, b.base_url, whole)
+                    await _timed(http, a.base_url, whole)
+                    await _timed(http, bare.base_url, whole)
+                ps = (await http.get(a.base_url + "/api/ps")).json()
+                if ps["models"]:
+                    raise RuntimeError("A loaded the model itself: nothing was forwarded")
+                rows = {}
+                for kind, body in (("whole", whole), ("stream (16 tokens)", stream)):
+                    taken: dict[str, list[float]] = {"direct": [], "forwarded": [], "floor": []}
+                    for i in range(requests):  # each triple in a rotated order: none always first
+                        order = [("direct", b), ("forwarded", a), ("floor", bare)]
+                        for name, server in order[i % 3 :] + order[: i % 3]:
+                            taken[name].append(await _timed(http, server.base_url, body))
+                    direct, forwarded, floor = taken["direct"], taken["forwarded"], taken["floor"]
+                    deltas = [f - d for d, f in zip(direct, forwarded, strict=True)]
+                    floor_deltas = [f - d for d, f in zip(direct, floor, strict=True)]
+                    rows[kind] = {
+                        "direct_p50_ms": 1000 * statistics.median(direct),
+                        "forwarded_p50_ms": 1000 * statistics.median(forwarded),
+                        "added_p50_ms": 1000 * statistics.median(deltas),
+                        "added_p90_ms": 1000 * (percentile(deltas, 90) or 0.0),
+                        "floor_p50_ms": 1000 * statistics.median(floor),
+                        "floor_added_p50_ms": 1000 * statistics.median(floor_deltas),
+                        "floor_added_p90_ms": 1000 * (percentile(floor_deltas, 90) or 0.0),
+                    }
     return {"requests": requests, "rows": rows}
 
 
@@ -86,14 +117,20 @@ def report(result: dict[str, Any], note: str) -> str:
         f"# Forwarding cost at c=1 ({datetime.date.today()})", "",
         f"{result['requests']} requests of each kind, alternating direct to the serving node (B) and "
         "through another node (A, one hop); trioshed over the stand-in upstream. " + note, "",
-        "| answer | direct p50 | through A p50 | added p50 (paired) | added p90 (paired) |",
-        "| --- | ---: | ---: | ---: | ---: |",
+        "| answer | direct p50 | through A p50 | added p50 (paired) | added p90 (paired) "
+        "| through a bare forwarder p50 | its added p50 (paired) | its added p90 (paired) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]  # fmt: skip
     for kind, row in result["rows"].items():
         lines.append(
             f"| {kind} | {row['direct_p50_ms']:.2f} ms | {row['forwarded_p50_ms']:.2f} ms | "
-            f"{row['added_p50_ms']:.2f} ms | {row['added_p90_ms']:.2f} ms |"
+            f"{row['added_p50_ms']:.2f} ms | {row['added_p90_ms']:.2f} ms | {row['floor_p50_ms']:.2f} ms | "
+            f"{row['floor_added_p50_ms']:.2f} ms | {row['floor_added_p90_ms']:.2f} ms |"
         )
+    lines += [
+        "", "The bare forwarder (`bench/bare_forward.py`) is the same HTTP layer and client relaying "
+        "bytes, with nothing else: its added time is the stack's floor for a hop on this machine.",
+    ]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

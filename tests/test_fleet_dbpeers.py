@@ -83,10 +83,11 @@ class FakeTable:
         self.calls.append("exchange" if mine is None else "write")
         if self.down:
             raise StoreUnavailable("connection to server at 127.0.0.1 failed: Connection refused")
+        rows = [(n, *self.rows[n], self.ages[n]) for n in sorted(self.rows)]  # this node's as it was
         if mine is not None:
             self.rows[me] = mine
             self.ages[me] = 0.0
-        return [(n, *self.rows[n], self.ages[n]) for n in sorted(self.rows) if n != me]
+        return rows
 
     def withdraw(self, me: str) -> None:
         self.calls.append("withdraw")
@@ -224,3 +225,53 @@ def test_a_loopback_url_for_a_database_elsewhere_is_warned_about(caplog: pytest.
     table.where = "postgresql://u:***@127.0.0.1:5432/team"  # every node on this machine: fine
     source(table).listening("http://127.0.0.1:11434")
     assert caplog.records[-1].levelno == logging.INFO
+
+
+async def test_two_nodes_given_one_name_each_find_the_other_writing_its_row_and_say_so_once(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    table = FakeTable()
+    first = DatabasePeers(table, "A", lambda now: (NodeState(name="A", instance="1"), ()), interval=1.0, stale_after=5.0)
+    second = DatabasePeers(table, "A", lambda now: (NodeState(name="A", instance="2"), ()), interval=1.0, stale_after=5.0)
+    first.listening("http://10.0.0.1:11434")
+    second.listening("http://10.0.0.2:11434")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(first.run)
+        await first.rounds.wait()
+        assert first.conflict == ""  # alone: its own row, as it wrote it
+        await nursery.start(second.run)  # its first write is not judged: the row may be its last run's
+        for _ in range(5):
+            await first.rounds.wait()
+        assert "name 'A'" in first.conflict and "written at http://10.0.0.2:11434" in first.conflict
+        assert "written at http://10.0.0.1:11434" in second.conflict
+        assert first.peers() == second.peers() == ()  # neither is the other's peer: one row
+        nursery.cancel_scope.cancel()
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 2 and all("every node needs its own TRIOSHED_NODE_NAME" in e for e in errors)
+
+
+async def test_a_restarted_node_finds_its_last_runs_row_without_a_conflict_and_a_past_one_is_forgotten(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    table = FakeTable()
+    table.rows["A"] = to_row(NodeState(name="A", instance="old"), (), "http://10.0.0.9:11434")  # its last run's
+    table.ages["A"] = 1.0
+    peers = DatabasePeers(table, "A", lambda now: (NodeState(name="A", instance="new"), ()), interval=1.0, stale_after=5.0)
+    peers.listening("http://10.0.0.1:11434")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(peers.run)
+        for _ in range(3):
+            await peers.rounds.wait()
+        assert peers.conflict == ""
+        table.rows["A"] = to_row(NodeState(name="A", instance="other"), (), "http://10.0.0.2:11434")  # another node, once
+        await peers.rounds.wait()
+        await peers.rounds.wait()
+        assert "written at http://10.0.0.2:11434" in peers.conflict
+        for _ in range(4):  # the row holds this node's writes again, but not yet for stale_after
+            await peers.rounds.wait()
+        assert peers.conflict
+        for _ in range(3):
+            await peers.rounds.wait()
+        assert peers.conflict == ""
+        nursery.cancel_scope.cancel()
+    assert sum(r.levelno == logging.ERROR for r in caplog.records) == 1

@@ -87,6 +87,9 @@ class NodeState:
     prefixes: Set[str] = frozenset()  # prompt prefixes it served recently
     seen: float = 0.0  # when this state was received (the deciding node's clock)
     reachable: bool = True
+    #: A token drawn when the node started: tells a node reading its own name apart from
+    #: another node given the same name ("" from a node that sends none).
+    instance: str = ""
 
     def fits(self, model: str) -> bool:
         """Whether a runner of ``model`` can start here without evicting anything."""

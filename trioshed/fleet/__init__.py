@@ -62,5 +62,5 @@ def build_fleet(
             table, name, state_of(local), interval=settings.fleet_interval, stale_after=settings.fleet_stale, url=settings.fleet_url
         )  # fmt: skip
     else:
-        source = StaticPeers(settings.peers, auth, name, client, interval=settings.fleet_interval)
+        source = StaticPeers(settings.peers, auth, name, client, interval=settings.fleet_interval, self_instance=local.instance)
     return Fleet(local, source, auth, client, interval=settings.fleet_interval, stale_after=settings.fleet_stale)

@@ -17,6 +17,13 @@ node that reads.
 until then another node would relay to a port nobody answers), marks itself draining through its
 state while it drains (within one interval), and removes its row on a clean stop.
 
+**Every node needs its own name.** Rows are kept by name, so two nodes given the same name would
+write one row in turn, each unseen by the other. A node finds this out by reading its own row
+before it writes it: once its write went through, any other content there was written by another
+node under its name. It logs that once, at ERROR, and shows it in the fleet's view
+(:attr:`DatabasePeers.conflict`). Its own row left by its previous run (a restart) is no sign of
+it: that is only judged after a first write.
+
 **The database is never waited on by the event loop, and its outage stops nothing.** Each
 exchange runs in a worker thread, one at a time, bounded by the store's connect timeout. On a
 fault the peers keep their last state until it goes stale, the fault is logged once per cause,
@@ -59,7 +66,8 @@ class FleetTable(Protocol):
     where: str  # the database, without its password: for logs
 
     def exchange(self, me: str, mine: tuple[str, str] | None, forget_after: float) -> list[tuple[str, str, str, float]]:
-        """Write ``me``'s (URL, state), if given; read every other row as (name, URL, state, age)."""
+        """Read every row as (name, URL, state, age), ``me``'s as it was before this call; then
+        write ``me``'s (URL, state), if given."""
         ...
 
     def withdraw(self, me: str) -> None: ...
@@ -130,6 +138,9 @@ class DatabasePeers:
         self._unusable: set[str] = set()  # the rows among them that hold no state this node reads
         self._down: dict[str, tuple[float, str]] = {}  # name -> (until when, why): a relay found it dead
         self._view: tuple[Peer, ...] = ()
+        self._written: tuple[str, str] | None = None  # the row this node last wrote, known written
+        self.conflict = ""  # why another node seems to write this node's row ("" when none does)
+        self._conflict_seen = 0.0
         self.rounds = RepeatedEvent()  # set after each exchange, done or failed (tests wait on it)
 
     def peers(self) -> tuple[Peer, ...]:
@@ -178,9 +189,13 @@ class DatabasePeers:
         try:
             rows = await trio.to_thread.run_sync(self.table.exchange, self.name, mine, FORGET_AFTER)
         except StoreError as exc:
+            self._written = None  # it may have been written all the same: not judged next time
             self._fault(exc)
             self._judge(trio.current_time())
             return
+        own = next(((url, text) for name, url, text, _ in rows if name == self.name), None)
+        self._check_own(own, trio.current_time())
+        self._written = mine
         if self.problem:
             log.info("fleet: the database %s answers again", self.table.where)
             self.problem = ""
@@ -188,6 +203,8 @@ class DatabasePeers:
         read: dict[str, Peer] = {}
         unusable: set[str] = set()
         for name, url, text, age in rows:
+            if name == self.name:
+                continue
             try:
                 read[name] = from_row(name, url, text, age, now, self.stale_after)
             except ValueError as exc:
@@ -202,6 +219,26 @@ class DatabasePeers:
             log.info("fleet: node %s left", name)
         self._read, self._unusable = read, unusable
         self._judge(now)
+
+    def _check_own(self, own: tuple[str, str] | None, now: float) -> None:
+        """This node's row as read before this write (``own``), against what it last wrote; a
+        conflict is forgotten once the row has held this node's writes for ``stale_after``."""
+        if self._written is None:
+            return
+        if own == self._written:
+            if self.conflict and now - self._conflict_seen > self.stale_after:
+                log.info("fleet: no other node has written this node's row for %g s", self.stale_after)
+                self.conflict = ""
+            return
+        self._conflict_seen = now
+        where = "its row was removed" if own is None else f"its row was written at {own[0]}"
+        conflict = (
+            f"another node seems to have this node's name {self.name!r} ({where}, not by this node); "
+            "every node needs its own TRIOSHED_NODE_NAME"
+        )
+        if conflict != self.conflict:
+            log.error("fleet: %s", conflict)
+        self.conflict = conflict
 
     def _judge(self, now: float) -> None:
         self._down = {n: d for n, d in self._down.items() if d[0] > now and n in self._read}

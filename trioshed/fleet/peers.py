@@ -6,7 +6,10 @@ static list of URLs (``TRIOSHED_PEERS``), polling each node's ``GET /api/fleet/s
 fleet secret every ``interval`` seconds; :class:`~trioshed.fleet.dbpeers.DatabasePeers` over the
 shared database (each node writing its state to a table, every node reading the others').
 
-A node finds itself in the list by its name (every node may be given the same list) and skips it.
+A node finds itself in the list by its name and its run's token (every node may be given the same
+list) and skips it. **Every node needs its own name**: a node that answers with this node's name
+but another token, or with the name of another node of the list, is routed nothing, with an error
+that says so in the fleet's view (and the log, once); the first of the list keeps the name.
 """
 
 from __future__ import annotations
@@ -56,6 +59,11 @@ class StateSource(Protocol):
         """This node takes requests at ``url`` now (the first address it listens on)."""
         ...
 
+    @property
+    def conflict(self) -> str:
+        """Why another node seems to carry this node's name ("" when none does)."""
+        ...
+
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Keep the states current until cancelled."""
         ...
@@ -64,23 +72,58 @@ class StateSource(Protocol):
 class StaticPeers:
     """The peers of ``TRIOSHED_PEERS``, polled over HTTP (see the module docstring)."""
 
-    def __init__(self, urls: tuple[str, ...], auth: FleetAuth, self_name: str, client: httpx.AsyncClient, *, interval: float) -> None:
+    def __init__(
+        self, urls: tuple[str, ...], auth: FleetAuth, self_name: str, client: httpx.AsyncClient, *, interval: float,
+        self_instance: str = "",
+    ) -> None:  # fmt: skip
         self.urls = tuple(u.rstrip("/") for u in urls)
         self.auth = auth
         self.self_name = self_name
+        self.self_instance = self_instance  # this node's run (NodeState.instance)
         self.client = client
         self.interval = interval
         self._peers: dict[str, Peer] = {url: Peer(url, NodeState(name=url, url=url, reachable=False), error="not read yet") for url in self.urls}
         self._self_urls: set[str] = set()
+        self._view: tuple[Peer, ...] = ()
+        self._named_twice: set[str] = set()  # the URLs logged for a name another node has
+        self.conflict = ""
         self.rounds = RepeatedEvent()  # set after each round of readings (tests wait on it)
+        self._judge()
 
     def peers(self) -> tuple[Peer, ...]:
-        return tuple(p for url, p in self._peers.items() if url not in self._self_urls)
+        return self._view
 
     def mark_down(self, name: str, reason: str) -> None:
         for url, peer in self._peers.items():
             if peer.state.name == name:
                 self._peers[url] = replace(peer, state=replace(peer.state, reachable=False), error=reason)
+        self._judge()
+
+    def _judge(self) -> None:
+        """The peers as routing may use them: a node answering with a name that this node or a
+        node before it in the list has is routed nothing (see the module docstring)."""
+        view: list[Peer] = []
+        names = {self.self_name}
+        conflict = ""
+        for url, peer in self._peers.items():
+            if url in self._self_urls:
+                continue
+            name = peer.state.name
+            if name in names and name != url:
+                error = f"another node answers as {name!r} too; every node needs its own TRIOSHED_NODE_NAME"
+                if name == self.self_name:
+                    conflict = f"the node at {url} answers with this node's name {name!r}; every node needs its own TRIOSHED_NODE_NAME"
+                if url not in self._named_twice:
+                    self._named_twice.add(url)
+                    log.error("fleet: the node at %s answers as %r, a name another node has: it is routed nothing; "
+                              "give every node its own TRIOSHED_NODE_NAME", url, name)  # fmt: skip
+                peer = replace(peer, state=replace(peer.state, reachable=False), error=error)
+            elif peer.state.reachable:
+                names.add(name)
+                self._named_twice.discard(url)
+            view.append(peer)
+        self._view = tuple(view)
+        self.conflict = conflict
 
     def listening(self, url: str) -> None:
         pass  # the other nodes find this one in their own lists
@@ -92,6 +135,7 @@ class StaticPeers:
                 for url in self.urls:
                     if url not in self._self_urls:
                         nursery.start_soon(self._read, url)
+            self._judge()
             self.rounds.set()
             await trio.sleep(self.interval)
 
@@ -111,7 +155,7 @@ class StaticPeers:
                 log.warning("fleet: node %s is unreachable: %s", url, error)
             self._peers[url] = replace(old, state=replace(old.state, reachable=False), error=error)
             return
-        if state.name == self.self_name:
+        if state.name == self.self_name and (not state.instance or state.instance == self.self_instance):
             self._self_urls.add(url)  # this node itself, in a list shared by every node
             return
         if not old.state.reachable and old.error != "not read yet":

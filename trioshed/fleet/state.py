@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import secrets
 import socket
 import time
 from collections.abc import Callable, Mapping
@@ -65,6 +66,7 @@ class LocalNode:
         draining: Callable[[], bool] = lambda: False,
     ) -> None:
         self.name = name
+        self.instance = secrets.token_hex(8)  # this process's run (see NodeState.instance)
         self.stats = stats
         self.store = store
         self.devices = devices
@@ -122,6 +124,7 @@ class LocalNode:
             draining=self.draining(),
             prefixes=self.served.holding(self.name, now),
             seen=now,
+            instance=self.instance,
         )
 
 
@@ -153,6 +156,7 @@ def to_json(node: NodeState, devices: tuple[DeviceView, ...] = ()) -> dict[str, 
     return {
         "version": VERSION,
         "name": node.name,
+        "instance": node.instance,
         "time": time.time(),
         "models": dict(node.models),
         "loaded": {
@@ -190,6 +194,7 @@ def from_json(data: Any, url: str, seen: float) -> tuple[NodeState, tuple[Device
             draining=bool(data["draining"]),
             prefixes=frozenset(str(p) for p in data.get("prefixes") or ()),
             seen=seen,
+            instance=str(data.get("instance") or ""),
         )
         devices = tuple(
             DeviceView(str(d["id"]), _int(d["total"]), _int(d["free"]), _int(d["used"])) for d in data.get("devices") or ()

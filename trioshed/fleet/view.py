@@ -40,7 +40,7 @@ def nodes(fleet: Fleet, now: float, *, ages: bool = True) -> list[dict[str, Any]
     """This node first, then every peer (reachable or not), as last seen; ``ages``: with how old
     each reading is (the status page leaves them out: its state message is sent on changes)."""
     local = fleet.local
-    out = [node_entry(local.state(now), local.slow.devices, url="", error="", age=None)]
+    out = [node_entry(local.state(now), local.slow.devices, url="", error=fleet.source.conflict, age=None)]
     for peer in fleet.peers():
         age = now - peer.state.seen if peer.state.seen and ages else None
         out.append(node_entry(peer.state, peer.devices, url=peer.url, error=peer.error, age=age))

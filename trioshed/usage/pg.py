@@ -82,21 +82,22 @@ class PgStore(SqlStore):
     # -- the fleet's nodes (trioshed.fleet.dbpeers) -------------------------------------------
 
     def exchange(self, me: str, mine: tuple[str, str] | None, forget_after: float) -> list[tuple[str, str, str, float]]:
-        """Write node ``me``'s row (``mine``: its URL and state as JSON; None: write nothing) and
-        read every other node's as (name, URL, state, age in seconds by the database's clock),
-        in one transaction; rows not written for ``forget_after`` seconds are removed."""
+        """Read every node's row as (name, URL, state, age in seconds by the database's clock),
+        ``me``'s own as it was before this call, then write ``me``'s (``mine``: its URL and state
+        as JSON; None: write nothing), in one transaction; rows not written for ``forget_after``
+        seconds are removed first."""
         with self._transaction() as tx:
+            tx.run("DELETE FROM fleet_nodes WHERE updated < clock_timestamp() - make_interval(secs => ?)", (float(forget_after),))
+            rows = tx.run(
+                "SELECT name, url, state, CAST(EXTRACT(EPOCH FROM clock_timestamp() - updated) AS DOUBLE PRECISION) "
+                "FROM fleet_nodes ORDER BY name",
+            )  # fmt: skip
             if mine is not None:
                 tx.run(
                     "INSERT INTO fleet_nodes (name, url, state, updated) VALUES (?, ?, ?, clock_timestamp()) "
                     "ON CONFLICT (name) DO UPDATE SET url = excluded.url, state = excluded.state, updated = excluded.updated",
                     (me, *mine),
                 )  # fmt: skip
-            tx.run("DELETE FROM fleet_nodes WHERE updated < clock_timestamp() - make_interval(secs => ?)", (float(forget_after),))
-            rows = tx.run(
-                "SELECT name, url, state, CAST(EXTRACT(EPOCH FROM clock_timestamp() - updated) AS DOUBLE PRECISION) "
-                "FROM fleet_nodes WHERE name <> ? ORDER BY name", (me,),
-            )  # fmt: skip
         return [(str(n), str(u), str(s), max(0.0, float(a))) for n, u, s, a in rows]
 
     def withdraw(self, me: str) -> None:
