@@ -12,14 +12,15 @@ import pytest
 
 from trioshed.config import Settings
 from trioshed.core.context import FLOOR
-from trioshed.core.model import ModelSpec
+from trioshed.core.model import ModelSpec, Placement
 from trioshed.core.runner_options import ModelArgs, flash_attention, runner_options, trained_context
 from trioshed.core.speculation import MEASURED, NgramDrafting, ngram_drafting
+from trioshed.core.views import RunnerState, RunnerView, can_serve
 from trioshed.errors import BadRequest
 from trioshed.models import gguf_meta
 from trioshed.models.gguf_meta import cached_metadata, read_metadata
 from trioshed.models.header_cache import header_of, listing_facts, read_header, writes_text
-from trioshed.runner.command import NGRAM, ngram_args, parse_model_args
+from trioshed.runner.command import NGRAM, build_command, ngram_args, parse_model_args
 from trioshed.testing.tiny import write_tiny_model
 
 SPEC = ModelSpec("m:latest", "/m.gguf")
@@ -106,6 +107,19 @@ def test_models_toml_args_parsed_where_the_flags_are_spelled() -> None:
         assert parsed.rope_unbounded and parsed.rope_scale is None, lifted
     options = runner_options(Settings(), SPEC, {}, args=own)
     assert options.cache_ram_mib == 256 and options.extra_args == ("--top-k", "5", "--mlock")
+
+
+def test_an_embedding_runner_has_no_prompt_cache_unless_the_models_args_give_it_one() -> None:
+    embedding = runner_options(Settings(), SPEC, {}, embedding=True)
+    assert embedding.embedding and embedding.cache_ram_mib == 0
+    assert "--cache-ram" in (argv := build_command("llama-server", SPEC, embedding, Placement(0), port=1))
+    assert argv[argv.index("--cache-ram") + 1] == "0"
+    own = runner_options(Settings(), SPEC, {}, args=ModelArgs(cache_ram_mib=256), embedding=True)
+    assert own.cache_ram_mib == 256
+    # it serves generation too, without a reload for the prompt cache it was started without
+    chat = runner_options(Settings(), SPEC, {})
+    runner = RunnerView(id=1, model=SPEC, options=embedding, state=RunnerState.READY)
+    assert chat.cache_ram_mib == 1024 and can_serve(runner, SPEC, chat)
 
 
 def test_speculation_the_models_word_and_off_without_text() -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping
 from contextvars import ContextVar
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from quart import current_app, request
@@ -161,9 +161,7 @@ def prepare(body: Mapping[str, Any], name: str, *, embedding: bool = False, need
     _, runner_overrides = split_options({**defaults, **(overrides or {})})
     if need is None:
         need = request_need(body)
-    options = st.runner_options(model, runner_overrides, need=need)
-    if embedding:
-        options = replace(options, embedding=True)
+    options = st.runner_options(model, runner_overrides, need=need, embedding=embedding)
     automatic = not st.settings.context_length and "num_ctx" not in runner_overrides
     return Prepared(model, options, keep_alive, defaults, need, output_budget(body), automatic, current_key.get())
 

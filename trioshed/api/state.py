@@ -81,7 +81,7 @@ class AppState:
             self._creator = Creator(self.store, self.writer)
         return self._creator
 
-    def runner_options(self, model: ModelSpec, overrides: dict[str, Any], need: int = 0) -> RunnerOptions:
+    def runner_options(self, model: ModelSpec, overrides: dict[str, Any], need: int = 0, *, embedding: bool = False) -> RunnerOptions:
         """The runner options for a request (:func:`trioshed.core.runner_options.runner_options`):
         this gathers what they depend on, the model's header (through the one cache), its
         ``models.toml`` args as parsed and its draft model resolved in the store."""
@@ -92,7 +92,7 @@ class AppState:
         return runner_options(
             self.settings, model, overrides, need=need, header=header,
             writes_text=header is None or writes_text(header), args=parse_model_args(model.args),
-            draft=self._draft_path(model), backends=self.backends,
+            draft=self._draft_path(model), backends=self.backends, embedding=embedding,
         )  # fmt: skip
 
     @property

@@ -126,7 +126,8 @@ def can_serve(runner: RunnerView, model: ModelSpec, options: RunnerOptions) -> b
     Same file (as it was when loaded: a file replaced since has another size or modification
     time, and is loaded again), adapters and projector; equal runner options, except that
     ``num_gpu < 0`` (auto) never forces a reload, a smaller ``num_ctx`` is served by a larger
-    runner (ollama#6148), and a runner started for embeddings serves generation too.
+    runner (ollama#6148), and a runner started for embeddings serves generation too (without the
+    prompt cache it was started without).
     """
     if not same_files(runner.model, model):
         return False
@@ -134,7 +135,7 @@ def can_serve(runner: RunnerView, model: ModelSpec, options: RunnerOptions) -> b
     if have == want:
         return True  # the common case, without the copies below (a planning pass asks often)
     if have.embedding and not want.embedding:
-        want = replace(want, embedding=True)  # an embedding runner generates too
+        want = replace(want, embedding=True, cache_ram_mib=have.cache_ram_mib)  # an embedding runner generates too
     if want.num_gpu < 0:
         want = replace(want, num_gpu=have.num_gpu)
     if want.num_ctx <= have.num_ctx:
