@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 
 import trio
 
+from bench.floor import lifespan
 from trioshed.api.http import ConnectionStats, serve_http
 from trioshed.runner.client import UpstreamPool
 
@@ -26,13 +27,8 @@ STREAMS = ("application/x-ndjson", "text/event-stream")
 def app_for(pool: UpstreamPool) -> Any:
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif message["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
+            await lifespan(receive, send)
+            return
         body = b""
         while True:
             message = await receive()

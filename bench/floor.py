@@ -44,16 +44,22 @@ def answer(body: bytes) -> bytes:
     return b"".join(json.dumps(line).encode() + b"\n" for line in lines)
 
 
+async def lifespan(receive: Receive, send: Send) -> None:
+    """An ASGI lifespan that has nothing to start or stop."""
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
 async def bare_app(scope: Scope, receive: Receive, send: Send) -> None:
     """A plain ASGI app: no framework at all."""
     if scope["type"] == "lifespan":
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                await send({"type": "lifespan.shutdown.complete"})
-                return
+        await lifespan(receive, send)
+        return
     body = b""
     more = True
     while more:

@@ -27,6 +27,15 @@ pytestmark = [needs_postgres, pytest.mark.slow]
 GEN = {"prompt": "hi", "stream": False, "options": {"num_predict": 2}}
 
 
+def fleet_setup(postgres: Postgres, tmp_path: Path, **more: object) -> tuple[str, Path, dict[str, object]]:  # noqa: F811
+    """A fresh database, a store with the tiny model ``m1``, and the nodes' fleet settings."""
+    database = fresh_database(postgres)
+    store = tmp_path / "models"
+    store.mkdir()
+    add_tiny(store, "m1")
+    return database, store, {"database": database, "fleet_secret": SECRET, "fleet_interval": 0.1, "fleet_stale": 2.0, **more}
+
+
 def rows(url: str) -> dict[str, tuple[str, dict[str, object]]]:
     with psycopg.connect(url) as conn:
         return {n: (u, json.loads(s)) for n, u, s in conn.execute("SELECT name, url, state FROM fleet_nodes").fetchall()}
@@ -36,11 +45,7 @@ async def test_nodes_found_through_the_database_serve_a_model_where_it_is_warm_a
     postgres: Postgres,  # noqa: F811
     tmp_path: Path,
 ) -> None:
-    database = fresh_database(postgres)
-    store = tmp_path / "models"
-    store.mkdir()
-    add_tiny(store, "m1")
-    settings = {"database": database, "fleet_secret": SECRET, "fleet_interval": 0.1, "fleet_stale": 2.0}
+    database, store, settings = fleet_setup(postgres, tmp_path)
     with trio.fail_after(150):
         async with AsyncExitStack() as stack:
             nodes: list[Node] = []
@@ -111,11 +116,7 @@ async def test_two_real_nodes_given_one_name_each_show_the_conflict_in_their_vie
     postgres: Postgres,  # noqa: F811
     tmp_path: Path,
 ) -> None:
-    database = fresh_database(postgres)
-    store = tmp_path / "models"
-    store.mkdir()
-    add_tiny(store, "m1")
-    settings = {"database": database, "fleet_secret": SECRET, "fleet_interval": 0.1, "fleet_stale": 2.0}
+    _, store, settings = fleet_setup(postgres, tmp_path)
     with trio.fail_after(120):
         async with AsyncExitStack() as stack:
             servers = [await stack.enter_async_context(open_test_server(store, node_name="A", **settings)) for _ in range(2)]
@@ -137,11 +138,7 @@ async def test_a_draining_node_found_through_the_database_is_given_nothing_new(
 ) -> None:
     """B holds the model warm, then drains (a shutdown, held open by a request still sending its
     body): its row says so within an interval, and A serves the model itself from then on."""
-    database = fresh_database(postgres)
-    store = tmp_path / "models"
-    store.mkdir()
-    add_tiny(store, "m1")
-    settings = {"database": database, "fleet_secret": SECRET, "fleet_interval": 0.1, "fleet_stale": 2.0, "shutdown_timeout": 60.0}
+    database, store, settings = fleet_setup(postgres, tmp_path, shutdown_timeout=60.0)
     with trio.fail_after(150):
         async with trio.open_nursery() as nursery, AsyncExitStack() as stack:
             a_record: list[tuple[str, str]] = []
