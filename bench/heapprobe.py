@@ -11,7 +11,10 @@ allocator keeps. Two views, both read without changing what is measured:
 - :func:`sitecustomize` writes a ``sitecustomize.py`` that the server imports at start (put its
   folder on ``PYTHONPATH``): on ``SIGUSR2`` it writes glibc's ``malloc_info`` (each arena's
   size, and how much of it is free) to a file, on the main thread, between two bytecodes; with
-  ``trim`` it first calls ``malloc_trim(0)``, to see what a trim would give back.
+  ``trim`` it first calls ``malloc_trim(0)``, to see what a trim would give back. With
+  ``HEAP_PROBE_TRACE=<folder>,<seconds>`` it runs ``tracemalloc`` and dumps a snapshot into the
+  folder every ``<seconds>`` (``snap-<seconds since start>.tracemalloc``), from a daemon thread:
+  diff two with :func:`tracemalloc.Snapshot.compare_to` to see which Python allocations grew.
 """
 
 from __future__ import annotations
@@ -70,6 +73,22 @@ def _probe(signum, frame, _libc=ctypes.CDLL(ctypes.util.find_library("c") or "li
 
 if os.environ.get("HEAP_PROBE_OUT"):
     signal.signal(signal.SIGUSR2, _probe)
+
+
+def _snapshots(folder, every):
+    import tracemalloc
+    n = 0
+    while True:
+        time.sleep(every)
+        n += 1
+        tracemalloc.take_snapshot().dump(os.path.join(folder, f"snap-{n * every:06.0f}.tracemalloc"))
+
+
+if os.environ.get("HEAP_PROBE_TRACE"):
+    import threading, tracemalloc
+    tracemalloc.start(int(os.environ.get("HEAP_PROBE_FRAMES", "8")))
+    _folder, _, _every = os.environ["HEAP_PROBE_TRACE"].partition(",")
+    threading.Thread(target=_snapshots, args=(_folder, float(_every or 60)), daemon=True).start()
 '''
 
 
