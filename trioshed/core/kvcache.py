@@ -34,8 +34,8 @@ What the index holds of each file: a chain of block hashes
     Holding every saved file's tokens costs 4 bytes a token for as long as the file is kept (a
     disk budget of many files of long conversations: megabytes). The index keeps instead, per
     file, a hash of each full block of :data:`BLOCK` tokens chained with the hash of the blocks
-    before it (as vLLM's prefix cache does), :data:`HASH_BYTES` bytes each, in one ``bytes``, and
-    the tokens of the partial last block: 0.5 bytes a token. Two chains agree up to the first
+    before it (as vLLM's prefix cache does), :data:`HASH_BYTES` bytes each, and the tokens of the
+    partial last block, all in one ``bytes``: 0.5 bytes a token. Two chains agree up to the first
     block where the sequences differ, so the shared prefix is counted to the block: exact when
     the file's tokens are all shared (its partial last block compared token by token), and
     otherwise short of the exact count by less than a block. The choice among files is the same
@@ -126,13 +126,13 @@ class CacheKey:
 
 @dataclass(frozen=True, slots=True)
 class TokenChain:
-    """A token sequence as the index holds it: its length, a :data:`HASH_BYTES`-byte hash of each
-    full block of :data:`BLOCK` tokens chained with the blocks before it, and the tokens of the
-    partial last block (fewer than :data:`BLOCK`)."""
+    """A token sequence as the index holds it, in one ``bytes``: a :data:`HASH_BYTES`-byte hash of
+    each full block of :data:`BLOCK` tokens chained with the blocks before it, then the tokens of
+    the partial last block (fewer than :data:`BLOCK`, 4 bytes each, native order: the index is
+    rebuilt from the files at every start)."""
 
     n: int
-    chain: bytes
-    tail: array[int]
+    data: bytes
 
     @classmethod
     def of(cls, tokens: Sequence[int]) -> TokenChain:
@@ -140,16 +140,25 @@ class TokenChain:
         full = len(held) // BLOCK
         raw = memoryview(held).cast("B")
         step = BLOCK * held.itemsize
-        chain = bytearray()
+        data = bytearray()
         digest = b""
         for i in range(full):
             digest = hashlib.blake2b(raw[i * step : (i + 1) * step], digest_size=HASH_BYTES, key=digest).digest()
-            chain += digest
-        return cls(len(held), bytes(chain), held[full * BLOCK :])
+            data += digest
+        data += raw[full * step :]
+        return cls(len(held), bytes(data))
 
     @property
     def blocks(self) -> int:
-        return len(self.chain) // HASH_BYTES
+        return self.n // BLOCK
+
+    @property
+    def chain(self) -> bytes:
+        return self.data[: self.blocks * HASH_BYTES]
+
+    @property
+    def tail(self) -> array[int]:
+        return array("i", self.data[self.blocks * HASH_BYTES :])
 
     def shared(self, other: TokenChain, other_tokens: Sequence[int]) -> int:
         """How many leading tokens this sequence shares with ``other`` (whose tokens are
@@ -160,13 +169,14 @@ class TokenChain:
         while lo < hi:
             mid = (lo + hi + 1) // 2
             at = (mid - 1) * HASH_BYTES
-            if self.chain[at : at + HASH_BYTES] == other.chain[at : at + HASH_BYTES]:
+            if self.data[at : at + HASH_BYTES] == other.data[at : at + HASH_BYTES]:
                 lo = mid
             else:
                 hi = mid - 1
         reused = lo * BLOCK
-        if lo == self.blocks and self.tail:
-            reused += common_prefix(self.tail, other_tokens[reused : reused + len(self.tail)])
+        if lo == self.blocks and self.n > reused:
+            tail = self.tail
+            reused += common_prefix(tail, other_tokens[reused : reused + len(tail)])
         return reused
 
 
