@@ -388,6 +388,8 @@ async def _heap(soak: Soak) -> dict[str, float] | None:
         while not (soak.probe.exists() and soak.probe.read_text().rstrip().endswith("</malloc>")):  # noqa: ASYNC110
             await trio.sleep(0.05)
         found.update({f"glibc_{k}": v for k, v in heapprobe.malloc_info(soak.probe.read_text()).items()})
+        with contextlib.suppress(OSError):
+            found.update({f"py_{k}": v for k, v in heapprobe.pymalloc(Path(f"{soak.probe}.pymalloc").read_text()).items()})  # noqa: ASYNC240
     return found
 
 
