@@ -11,7 +11,12 @@ allocator keeps. Two views, both read without changing what is measured:
 - :func:`sitecustomize` writes a ``sitecustomize.py`` that the server imports at start (put its
   folder on ``PYTHONPATH``): on ``SIGUSR2`` it writes glibc's ``malloc_info`` (each arena's
   size, and how much of it is free) to a file, on the main thread, between two bytecodes; with
-  ``trim`` it first calls ``malloc_trim(0)``, to see what a trim would give back.
+  ``trim`` it first calls ``malloc_trim(0)``, to see what a trim would give back; before that
+  it writes CPython's own allocator's account (``sys._debugmallocstats``: its 1 MiB arenas, the
+  bytes in live blocks) beside it (:func:`pymalloc`). With
+  ``HEAP_PROBE_TRACE=<folder>,<seconds>`` it runs ``tracemalloc`` and dumps a snapshot into the
+  folder every ``<seconds>`` (``snap-<seconds since start>.tracemalloc``), from a daemon thread:
+  diff two with :func:`tracemalloc.Snapshot.compare_to` to see which Python allocations grew.
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ def regions(pid: int) -> dict[str, float]:
 
 
 SITECUSTOMIZE = '''
-import ctypes, ctypes.util, os, signal, time
+import ctypes, ctypes.util, os, signal, sys, time
 
 _trimmed = [0.0]
 
@@ -62,6 +67,16 @@ def _probe(signum, frame, _libc=ctypes.CDLL(ctypes.util.find_library("c") or "li
     if os.environ.get("HEAP_PROBE_TRIM") == "1" and time.monotonic() - _trimmed[0] >= 60:
         _trimmed[0] = time.monotonic()
         _libc.malloc_trim(0)
+    # CPython's own allocator first (its arenas: in use against held); it prints to fd 2 only.
+    fd = os.open(os.environ["HEAP_PROBE_OUT"] + ".pymalloc", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    saved = os.dup(2)
+    os.dup2(fd, 2)
+    try:
+        sys._debugmallocstats()
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(fd)
     path = os.environ["HEAP_PROBE_OUT"].encode()
     _libc.fopen.restype = ctypes.c_void_p
     f = _libc.fopen(path, b"w")
@@ -70,6 +85,22 @@ def _probe(signum, frame, _libc=ctypes.CDLL(ctypes.util.find_library("c") or "li
 
 if os.environ.get("HEAP_PROBE_OUT"):
     signal.signal(signal.SIGUSR2, _probe)
+
+
+def _snapshots(folder, every):
+    import tracemalloc
+    n = 0
+    while True:
+        time.sleep(every)
+        n += 1
+        tracemalloc.take_snapshot().dump(os.path.join(folder, f"snap-{n * every:06.0f}.tracemalloc"))
+
+
+if os.environ.get("HEAP_PROBE_TRACE"):
+    import threading, tracemalloc
+    tracemalloc.start(int(os.environ.get("HEAP_PROBE_FRAMES", "8")))
+    _folder, _, _every = os.environ["HEAP_PROBE_TRACE"].partition(",")
+    threading.Thread(target=_snapshots, args=(_folder, float(_every or 60)), daemon=True).start()
 '''
 
 
@@ -77,6 +108,18 @@ def sitecustomize(folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "sitecustomize.py").write_text(SITECUSTOMIZE)
     return folder
+
+
+def pymalloc(text: str) -> dict[str, float]:
+    """CPython's small-object allocator (``sys._debugmallocstats``): the 1 MiB arenas it holds, MB
+    in live blocks, and the rest of those arenas (free blocks and pools, headers)."""
+
+    def number(label: str) -> int:
+        m = re.search(rf"^# {label}\s*=\s*([\d,]+)", text, re.M)
+        return int(m[1].replace(",", "")) if m else -1
+
+    arenas, used = number("arenas allocated current"), number("bytes in allocated blocks") / 2**20
+    return {"arenas": arenas, "used_mb": round(used, 2), "free_mb": round(arenas - used, 2)}
 
 
 _ARENA_XML = re.compile(r'<heap nr="(\d+)">.*?<system type="current" size="(\d+)"/>', re.S)

@@ -388,6 +388,8 @@ async def _heap(soak: Soak) -> dict[str, float] | None:
         while not (soak.probe.exists() and soak.probe.read_text().rstrip().endswith("</malloc>")):  # noqa: ASYNC110
             await trio.sleep(0.05)
         found.update({f"glibc_{k}": v for k, v in heapprobe.malloc_info(soak.probe.read_text()).items()})
+        with contextlib.suppress(OSError):
+            found.update({f"py_{k}": v for k, v in heapprobe.pymalloc(Path(f"{soak.probe}.pymalloc").read_text()).items()})  # noqa: ASYNC240
     return found
 
 
@@ -565,6 +567,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(folder), os.getcwd(), os.environ.get("PYTHONPATH", "")]))
             env["HEAP_PROBE_OUT"] = str(root / "malloc_info.xml")
             env["HEAP_PROBE_TRIM"] = "1" if args.heap_probe == "trim" else "0"
+            if args.heap_probe == "trace":
+                snaps = (args.out / f"{args.stem or 'soak'}-tracemalloc").resolve()
+                snaps.mkdir(parents=True, exist_ok=True)
+                env["HEAP_PROBE_TRACE"] = f"{snaps},60"
         async with open_trioshed(
             models, FLAGS, root / "logs", max_loaded=2, max_queue=MAX_QUEUE, keep_alive="20s",
             extra_env=env, ready_path="/ui",
@@ -606,8 +612,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE", help="an extra variable for the server (repeatable)")
     parser.add_argument(
-        "--heap-probe", choices=("look", "trim"), default=None,
-        help="sample the server's memory map by region and glibc's malloc_info (trim: malloc_trim(0) first, each sample)",
+        "--heap-probe", choices=("look", "trim", "trace"), default=None,
+        help="sample the server's memory map by region and glibc's malloc_info (trim: malloc_trim(0) first, each sample;"
+        " trace: also tracemalloc snapshots every minute, into <out>/<stem>-tracemalloc/)",
     )  # fmt: skip
     parser.add_argument("--stem", default="", help="results' file name (default: <date>-soak[-<minutes>min])")
     args = parser.parse_args()

@@ -16,9 +16,12 @@ import trio
 
 from trioshed.core.estimate import estimate, kv_cells
 from trioshed.core.kvcache import (
+    BLOCK,
+    HASH_BYTES,
     CacheKey,
     FileIdentity,
     SavedSlot,
+    TokenChain,
     choose_restore,
     common_prefix,
     entry_name,
@@ -41,7 +44,7 @@ def slot_file(tokens: list[int], payload: bytes = b"kv" * 100) -> bytes:
 
 
 def entry(name: str, tokens: tuple[int, ...] = (), *, key: str = "k", size: int = 10, used: float = 0.0) -> SavedSlot:
-    return SavedSlot(name, key, tokens, size, 0, used, used)
+    return SavedSlot(name, key, TokenChain.of(tokens), size, 0, used, used)
 
 
 # -- pure ------------------------------------------------------------------------------------
@@ -49,7 +52,7 @@ def entry(name: str, tokens: tuple[int, ...] = (), *, key: str = "k", size: int 
 
 def test_slot_file_tokens_reads_the_header_and_refuses_other_files() -> None:
     tokens = slot_file_tokens(slot_file([2, 818, 7]))
-    assert tokens.tolist() == [2, 818, 7] and tokens.itemsize == 4  # held in memory for every saved file: 4 bytes a token
+    assert tokens.tolist() == [2, 818, 7] and tokens.itemsize == 4
     with pytest.raises(ValueError, match="magic"):
         slot_file_tokens(b"nonsense" * 4)
     with pytest.raises(ValueError, match="version 3"):
@@ -94,6 +97,48 @@ def test_choose_restore_takes_the_longest_shared_prefix_of_the_same_key_that_fit
     tie = [entry("old", tuple(range(50)), used=1), entry("new", tuple(range(50)), used=2)]
     chosen = choose_restore(tie, "k", 256, prompt, min_tokens=32)
     assert chosen is not None and chosen.entry.name == "new"
+
+
+def test_the_index_holds_a_chain_of_block_hashes_not_every_token() -> None:
+    tokens = list(range(1000, 1000 + 10 * BLOCK + 5))
+    held = TokenChain.of(tokens)
+    assert (held.n, held.blocks, held.tail.tolist()) == (len(tokens), 10, tokens[-5:])
+    assert len(held.chain) == 10 * HASH_BYTES  # 0.5 bytes a token, not 4
+    assert TokenChain.of(tokens).chain == held.chain and TokenChain.of(tokens[:80]).chain == held.chain[: 5 * HASH_BYTES]
+
+    def shared(saved: list[int], prompt: list[int]) -> int:
+        return TokenChain.of(saved).shared(TokenChain.of(prompt), prompt)
+
+    # Chained: a block equal in tokens but after one that differs does not count.
+    other_start = [7, *tokens[1:]]
+    assert shared(other_start, tokens) == 0 and TokenChain.of(other_start).chain[-HASH_BYTES:] != held.chain[-HASH_BYTES:]
+    # Exact when the whole file is shared (its partial last block compared token by token)...
+    assert shared(tokens, tokens) == len(tokens)
+    assert shared(tokens, [*tokens, 1, 2, 3]) == len(tokens)
+    assert shared(tokens, [*tokens[:-2], -1, -1]) == len(tokens) - 2
+    # ...and otherwise to the block: short of the exact count by less than a block.
+    for cut in (BLOCK * 3, BLOCK * 3 + 1, BLOCK * 4 - 1):
+        diverging = [*tokens[:cut], -1, *tokens[cut + 1 :]]
+        assert shared(tokens, diverging) == BLOCK * 3 == shared(diverging, tokens)
+    assert shared(tokens, tokens[: BLOCK * 2 + 7]) == BLOCK * 2  # a prompt's partial block is not compared
+    assert shared([], tokens) == 0 and shared(tokens[:5], tokens) == 5
+
+
+def test_choose_restore_counts_to_the_block_and_still_prefers_longer_then_newer() -> None:
+    prompt = list(range(200))
+    entries = [
+        entry("diverges-in-block-5", (*range(5 * BLOCK + 3), *[-1] * BLOCK), used=9),  # 83 shared: counted as 80
+        entry("diverges-in-block-6", (*range(6 * BLOCK + 1), *[-1] * BLOCK), used=1),  # 97 shared: counted as 96
+        entry("too-big", tuple(range(200))),
+    ]
+    match = choose_restore(entries, "k", 150, prompt, min_tokens=32)
+    assert match is not None and (match.entry.name, match.reused) == ("diverges-in-block-6", 96)
+    same_block = [
+        entry("older", (*range(5 * BLOCK + 9), *[-1] * BLOCK), used=1),
+        entry("newer", (*range(5 * BLOCK + 3), *[-1] * BLOCK), used=2),
+    ]
+    match = choose_restore(same_block, "k", 150, prompt, min_tokens=32)
+    assert match is not None and (match.entry.name, match.reused) == ("newer", 80)  # equal to the block: the newer
 
 
 def test_common_prefix() -> None:
@@ -154,7 +199,7 @@ def test_commit_renames_into_place_and_reopening_finds_it(tmp_path: Path) -> Non
     store = SlotStore(tmp_path / "kv", 10_000)
     store.open()
     saved = save(store, [1, 2, 3], now=5.0)
-    assert saved is not None and tuple(saved.tokens) == (1, 2, 3)
+    assert saved is not None and saved.n_tokens == 3 and saved.name == entry_name("k", [1, 2, 3])
     assert sorted(p.name for p in store.folder.iterdir()) == [f"{saved.name}.bin", f"{saved.name}.json"]
     assert saved.checksum == zlib.crc32(store.path_of(saved.name).read_bytes())
     assert (store.folder.stat().st_mode & 0o777) == 0o700
@@ -176,10 +221,10 @@ def test_the_budget_holds_while_saves_fill_it(tmp_path: Path) -> None:
         assert store.bytes_on_disk() <= 1000
         on_disk = sum(p.stat().st_size for p in store.folder.glob("*.bin"))
         assert on_disk == store.bytes_on_disk()
-    assert [e.tokens[0] for e in sorted(store.entries(), key=lambda e: e.used_at)] == [8, 9]
+    assert [e.tokens.tail[0] for e in sorted(store.entries(), key=lambda e: e.used_at)] == [8, 9]
     store.touch(sorted(store.entries(), key=lambda e: e.used_at)[0].name, 100.0)  # 8 used again
     save(store, [10] * 3, now=101.0, payload=b"kv" * 200)
-    assert sorted(e.tokens[0] for e in store.entries()) == [8, 10]  # 9 was the least recently used
+    assert sorted(e.tokens.tail[0] for e in store.entries()) == [8, 10]  # 9 was the least recently used
     assert save(store, [11] * 3, payload=b"x" * 2000, now=102.0) is None  # larger than the budget
     assert not list(store.folder.glob("partial-*"))
     assert not store.make_room(1001) and store.make_room(0)
@@ -227,7 +272,7 @@ def test_reopening_with_a_smaller_budget_evicts(tmp_path: Path) -> None:
         save(store, [i], now=float(i))
     smaller = SlotStore(tmp_path / "kv", 300)  # 216 bytes each: room for one
     smaller.open()
-    assert [tuple(e.tokens) for e in smaller.entries()] == [(2,)]
+    assert [e.name for e in smaller.entries()] == [entry_name("k", [2])]
 
 
 def test_file_identity_tells_same_sized_files_apart(tmp_path: Path) -> None:

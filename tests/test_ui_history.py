@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import tracemalloc
 from contextlib import aclosing
 from dataclasses import replace
 from pathlib import Path
@@ -62,18 +63,44 @@ def test_the_timeline_is_bounded_and_says_idle_once() -> None:
     assert len(timeline._ahead) <= 61
 
 
-def test_an_hour_of_a_steady_server_shares_what_did_not_change() -> None:
-    # The sampler builds new tuples (and new label strings) every second; a steady hour must
-    # cost the samples alone, not an hour of copies of the same memory and queue.
+def test_an_hour_of_samples_is_allocated_in_the_first_seconds() -> None:
+    # The status page's hour must not grow for an hour: once its models and devices are known,
+    # a sample costs nothing more, so a long soak's memory is flat from its first minute.
     timeline = Timeline()
-    for second in range(100):
-        memory = [("cpu", "a" + PROMPT_CACHE, 8 * MiB + 1), ("cpu", "a", 300 * MiB + 1)]
-        timeline.record(second, {"a": 2}, memory if second < 60 else [*memory, ("gpu0", "b", 1)])
+
+    def busy(second: int) -> None:
+        memory = [("cpu", "a" + PROMPT_CACHE, 8 * MiB), ("cpu", "a", 300 * MiB + second)]
+        timeline.record(second, {"a": 1 + second % 3}, memory if second % 2 else [*memory, ("gpu0", "b", 1)])
+        timeline.add_tokens("a", 7, second, second)
+
+    for second in range(10):
+        busy(second)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for second in range(10, TIMELINE + 600):
+            busy(second)
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 4096
     samples = timeline.after(0)
-    assert all(s.memory is samples[0].memory and s.waiting is samples[0].waiting for s in samples[:60])
-    assert samples[60].memory is not samples[59].memory and samples[60].memory[-1] == ("gpu0", "b", 1)
-    assert all(s.memory is samples[60].memory for s in samples[60:])
+    assert len(samples) == TIMELINE and samples[-1].time == TIMELINE + 599
+    assert samples[-1].tokens == (("a", 7),) and samples[-1].waiting == (("a", 1 + (TIMELINE + 599) % 3),)
+    assert samples[-1].memory == (("cpu", "a", 300 * MiB + TIMELINE + 599), ("cpu", "a" + PROMPT_CACHE, 8 * MiB))
+    assert samples[-2].memory[-1] == ("gpu0", "b", 1)
     assert not hasattr(samples[0], "__dict__")  # slots: no per-sample dict
+
+
+def test_a_column_that_holds_nothing_any_more_is_reused() -> None:
+    timeline = Timeline(size=4)
+    for second in range(4):
+        timeline.record(second, {}, [("cpu", f"m{second}", 1)])
+    assert len(timeline._columns) == 4
+    for second in range(4, 12):
+        timeline.record(second, {}, [("cpu", f"m{second}", 1)])  # a new model each second, an hour apart
+    assert len(timeline._columns) == 4  # the evicted sample's column is the new one's: no more
+    assert [s.memory for s in timeline.after(0)] == [(("cpu", f"m{t}", 1),) for t in range(8, 12)]
 
 
 def _runner(model: str, usage: tuple[tuple[str, int], ...], cache_mib: int) -> RunnerStats:

@@ -30,6 +30,19 @@ How a request is matched: tokens, not a hash of the rendered prompt
     runner (``/apply-template`` and ``/tokenize``, a few milliseconds), paid only on a runner
     that still has an unused slot and a saved file with its key.
 
+What the index holds of each file: a chain of block hashes
+    Holding every saved file's tokens costs 4 bytes a token for as long as the file is kept (a
+    disk budget of many files of long conversations: megabytes). The index keeps instead, per
+    file, a hash of each full block of :data:`BLOCK` tokens chained with the hash of the blocks
+    before it (as vLLM's prefix cache does), :data:`HASH_BYTES` bytes each, and the tokens of the
+    partial last block, all in one ``bytes``: 0.5 bytes a token. Two chains agree up to the first
+    block where the sequences differ, so the shared prefix is counted to the block: exact when
+    the file's tokens are all shared (its partial last block compared token by token), and
+    otherwise short of the exact count by less than a block. The choice among files is the same
+    at that resolution (longest, then most recently used). A 64-bit collision could only pick a
+    file that shares less than counted: llama-server compares the tokens itself and reuses
+    exactly what is shared, so a wrong pick costs time, never a wrong answer.
+
 Disk budget
     Files are evicted least recently used first (:func:`plan_room`); a file larger than the whole
     budget is not kept.
@@ -51,6 +64,7 @@ __all__ = [
     "FileIdentity",
     "Match",
     "SavedSlot",
+    "TokenChain",
     "choose_restore",
     "common_prefix",
     "entry_name",
@@ -64,6 +78,9 @@ SLOT_FILE_MAGIC = 0x67677371
 SLOT_FILE_VERSION = 2
 #: A restore must save at least this many tokens of prompt processing to be worth a file read.
 MIN_MATCH_TOKENS = 32
+#: Tokens a block of the index's hash chain covers, and the bytes of each block's hash.
+BLOCK = 16
+HASH_BYTES = 8
 #: Bytes read at each sampled offset of a model file for its identity.
 SAMPLE_BYTES = 64 * 1024
 
@@ -107,22 +124,84 @@ class CacheKey:
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
+class TokenChain:
+    """A token sequence as the index holds it, in one ``bytes``: a :data:`HASH_BYTES`-byte hash of
+    each full block of :data:`BLOCK` tokens chained with the blocks before it, then the tokens of
+    the partial last block (fewer than :data:`BLOCK`, 4 bytes each, native order: the index is
+    rebuilt from the files at every start)."""
+
+    n: int
+    data: bytes
+
+    @classmethod
+    def of(cls, tokens: Sequence[int]) -> TokenChain:
+        held = tokens if isinstance(tokens, array) and tokens.typecode == "i" else array("i", tokens)
+        full = len(held) // BLOCK
+        raw = memoryview(held).cast("B")
+        step = BLOCK * held.itemsize
+        data = bytearray()
+        digest = b""
+        for i in range(full):
+            digest = hashlib.blake2b(raw[i * step : (i + 1) * step], digest_size=HASH_BYTES, key=digest).digest()
+            data += digest
+        data += raw[full * step :]
+        return cls(len(held), bytes(data))
+
+    @property
+    def blocks(self) -> int:
+        return self.n // BLOCK
+
+    @property
+    def chain(self) -> bytes:
+        return self.data[: self.blocks * HASH_BYTES]
+
+    @property
+    def tail(self) -> array[int]:
+        return array("i", self.data[self.blocks * HASH_BYTES :])
+
+    def shared(self, other: TokenChain, other_tokens: Sequence[int]) -> int:
+        """How many leading tokens this sequence shares with ``other`` (whose tokens are
+        ``other_tokens``), to the block: equal block hashes, then this sequence's partial last
+        block token by token when every full block of it is shared."""
+        # Chained hashes agree up to the first block that differs and never after: bisect.
+        lo, hi = 0, min(self.blocks, other.blocks)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            at = (mid - 1) * HASH_BYTES
+            if self.data[at : at + HASH_BYTES] == other.data[at : at + HASH_BYTES]:
+                lo = mid
+            else:
+                hi = mid - 1
+        reused = lo * BLOCK
+        if lo == self.blocks and self.n > reused:
+            tail = self.tail
+            reused += common_prefix(tail, other_tokens[reused : reused + len(tail)])
+        return reused
+
+
+@dataclass(frozen=True, slots=True)
 class SavedSlot:
-    """One saved slot file in the store (``name`` + ``.bin``), as its sidecar describes it."""
+    """One saved slot file in the store (``name`` + ``.bin``), as its sidecar describes it;
+    ``tokens``: the file's tokens as a :class:`TokenChain` (not every token: see above)."""
 
     name: str
     key_id: str
-    tokens: Sequence[int]  # an array('i'): 4 bytes a token held in memory, not a tuple's 36
+    tokens: TokenChain
     size: int
     checksum: int  # zlib.crc32 of the whole file
     saved_at: float
     used_at: float
 
+    @property
+    def n_tokens(self) -> int:
+        return self.tokens.n
+
 
 @dataclass(frozen=True)
 class Match:
-    """The saved slot to restore for a request, and how many of its tokens the request reuses."""
+    """The saved slot to restore for a request, and how many of its tokens the request reuses
+    (to the block: see :meth:`TokenChain.shared`)."""
 
     entry: SavedSlot
     reused: int
@@ -130,8 +209,7 @@ class Match:
 
 def slot_file_tokens(head: bytes) -> array[int]:
     """The tokens at the start of a slot file (``magic, version, n_tokens, tokens[n]``, little
-    endian ``u32``/``i32``), as an ``array('i')``: the store holds every saved file's tokens in
-    memory. Raises ValueError when ``head`` is not such a file or is cut short."""
+    endian ``u32``/``i32``), as an ``array('i')``. Raises ValueError when ``head`` is not such a file or is cut short."""
     if len(head) < 12:
         raise ValueError("not a slot file: shorter than its header")
     magic, version, n = struct.unpack_from("<III", head)
@@ -170,14 +248,15 @@ def choose_restore(
     prompt: Sequence[int],
     min_tokens: int = MIN_MATCH_TOKENS,
 ) -> Match | None:
-    """The saved slot sharing the longest token prefix with ``prompt`` (the most recently used
-    one among equals), or None when none shares ``min_tokens``. Only files of ``key_id`` whose
+    """The saved slot sharing the longest token prefix with ``prompt``, counted to the block (the
+    most recently used one among equals), or None when none shares ``min_tokens``. Only files of ``key_id`` whose
     tokens fit a slot of ``n_ctx_slot`` cells are candidates."""
     best: Match | None = None
+    asked = TokenChain.of(prompt)
     for e in entries:
-        if e.key_id != key_id or len(e.tokens) > n_ctx_slot:
+        if e.key_id != key_id or e.tokens.n > n_ctx_slot:
             continue
-        reused = common_prefix(e.tokens, prompt)
+        reused = e.tokens.shared(asked, prompt)
         if reused < min_tokens:
             continue
         if best is None or (reused, e.used_at) > (best.reused, best.entry.used_at):

@@ -217,7 +217,7 @@ class RunnerSlots:
         await trio.to_thread.run_sync(store.touch, match.entry.name, self.warm._clock())
         log.info(
             "warm returns: restored %d tokens of %s into slot %d in %.0f ms (%d reused by this prompt)",
-            len(match.entry.tokens), self.model, slot, elapsed * 1000, match.reused,
+            match.entry.n_tokens, self.model, slot, elapsed * 1000, match.reused,
         )  # fmt: skip
         return match.entry
 
@@ -311,7 +311,7 @@ class RunnerSlots:
             self.warm._seconds["save"] += elapsed
             log.info(
                 "warm returns: saved %d tokens of %s slot %d (%d bytes) in %.0f ms",
-                len(entry.tokens), self.model, slot, entry.size, elapsed * 1000,
+                entry.n_tokens, self.model, slot, entry.size, elapsed * 1000,
             )  # fmt: skip
             return True
         except ConnectionFailed as exc:

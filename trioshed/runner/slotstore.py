@@ -18,15 +18,18 @@ import json
 import logging
 import os
 import secrets
+import sys
 import threading
 import time
 import zlib
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from trioshed.core.kvcache import (
     FileIdentity,
     SavedSlot,
+    TokenChain,
     entry_name,
     plan_room,
     sample_ranges,
@@ -52,7 +55,12 @@ def file_identity(path: str) -> FileIdentity:
     return FileIdentity(os.path.realpath(path), st.st_size, st.st_mtime_ns, f"{crc:08x}")
 
 
-def _crc_of(path: Path) -> int:
+def _unlink(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
+def _crc_of(path: str | Path) -> int:
     crc = 0
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
@@ -60,7 +68,7 @@ def _crc_of(path: Path) -> int:
     return crc
 
 
-def _read_tokens(path: Path) -> Sequence[int]:
+def _read_tokens(path: str | Path) -> Sequence[int]:
     with open(path, "rb") as f:
         head = f.read(12)
         if len(head) == 12:
@@ -69,9 +77,9 @@ def _read_tokens(path: Path) -> Sequence[int]:
     return slot_file_tokens(head)
 
 
-def _write_json(path: Path, data: dict[str, object]) -> None:
+def _write_json(path: str, data: dict[str, object]) -> None:
     """Write ``data`` to ``path`` all or nothing: a temporary file, fsync, rename."""
-    temp = path.with_name(f"{TEMP_PREFIX}{secrets.token_hex(6)}.json")
+    temp = os.path.join(os.path.dirname(path), f"{TEMP_PREFIX}{secrets.token_hex(6)}.json")
     try:
         with open(temp, "w", encoding="utf-8") as f:
             json.dump(data, f)
@@ -79,8 +87,7 @@ def _write_json(path: Path, data: dict[str, object]) -> None:
             os.fsync(f.fileno())
         os.replace(temp, path)
     except BaseException:
-        with contextlib.suppress(OSError):
-            temp.unlink()
+        _unlink(temp)
         raise
 
 
@@ -95,6 +102,7 @@ class SlotStore:
         self.budget = budget
         self._lock = threading.Lock()  # the index
         self._commit = threading.Lock()  # one commit at a time: the budget holds between them
+        self._dir = os.fspath(self.folder)
         self._entries: dict[str, SavedSlot] = {}
 
     @property
@@ -120,9 +128,8 @@ class SlotStore:
                 continue
             try:
                 meta = json.loads(path.read_text(encoding="utf-8"))
-                bin_path = self.folder / f"{stem}.bin"
                 entries[stem] = SavedSlot(
-                    stem, str(meta["key"]), _read_tokens(bin_path), int(meta["size"]),
+                    stem, sys.intern(str(meta["key"])), TokenChain.of(_read_tokens(self._file(stem, ".bin"))), int(meta["size"]),
                     int(meta["crc32"]), float(meta["saved_at"]), float(meta["used_at"]),
                 )  # fmt: skip
             except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -148,6 +155,11 @@ class SlotStore:
     def path_of(self, name: str) -> Path:
         return self.folder / f"{name}.bin"
 
+    def _file(self, name: str, suffix: str) -> str:
+        # A plain string: a Path interns each of its parts (CPython 3.11), and this runs for every
+        # file saved, so the interpreter's table of interned strings would grow with the files.
+        return os.path.join(self._dir, name + suffix)
+
     def temp_name(self) -> str:
         """A file name for llama-server to save into (never restored until committed)."""
         return f"{TEMP_PREFIX}{secrets.token_hex(8)}.bin"
@@ -169,33 +181,33 @@ class SlotStore:
     def commit(self, temp: str, key_id: str, now: float) -> SavedSlot | None:
         """Make the finished save ``temp`` a saved slot of ``key_id``; None (and the file
         deleted) when it is empty, not a slot file, or larger than the budget."""
-        path = self.folder / temp
+        path = self._file(temp, "")
         try:
             tokens = _read_tokens(path)
-            size = path.stat().st_size
+            size = os.stat(path).st_size
             if not tokens:
                 raise ValueError("empty slot")
             crc = _crc_of(path)
         except (OSError, ValueError) as exc:
             log.info("warm returns: not keeping save %s: %s", temp, exc)
-            path.unlink(missing_ok=True)
+            _unlink(path)
             return None
         name = entry_name(key_id, tokens)
-        entry = SavedSlot(name, key_id, tokens, size, crc, now, now)
+        entry = SavedSlot(name, key_id, TokenChain.of(tokens), size, crc, now, now)
         with self._commit:
             with self._lock:
                 self._entries.pop(name, None)  # the same conversation saved again replaces it
             if not self.make_room(size):
                 log.info("warm returns: a saved slot of %d bytes exceeds the disk budget %d", size, self.budget)
-                path.unlink(missing_ok=True)
+                _unlink(path)
                 self._delete(name)
                 return None
             try:
-                os.replace(path, self.path_of(name))
-                _write_json(self.folder / f"{name}.json", self._sidecar(entry))
+                os.replace(path, self._file(name, ".bin"))
+                _write_json(self._file(name, ".json"), self._sidecar(entry))
             except OSError as exc:
                 log.warning("warm returns: cannot keep save %s: %s", temp, exc)
-                path.unlink(missing_ok=True)
+                _unlink(path)
                 self._delete(name)
                 return None
             with self._lock:
@@ -204,13 +216,13 @@ class SlotStore:
 
     def discard(self, temp: str) -> None:
         """Delete an unfinished save."""
-        (self.folder / temp).unlink(missing_ok=True)
+        _unlink(self._file(temp, ""))
 
     def verify(self, entry: SavedSlot) -> bool:
         """Whether ``entry``'s file is whole (size and CRC-32); a bad one is deleted."""
-        path = self.path_of(entry.name)
+        path = self._file(entry.name, ".bin")
         try:
-            ok = path.stat().st_size == entry.size and _crc_of(path) == entry.checksum
+            ok = os.stat(path).st_size == entry.size and _crc_of(path) == entry.checksum
         except OSError:
             ok = False
         if not ok:
@@ -224,10 +236,10 @@ class SlotStore:
             entry = self._entries.get(name)
             if entry is None:
                 return
-            entry = SavedSlot(entry.name, entry.key_id, entry.tokens, entry.size, entry.checksum, entry.saved_at, now)
+            entry = replace(entry, used_at=now)
             self._entries[name] = entry
         with contextlib.suppress(OSError):
-            _write_json(self.folder / f"{name}.json", self._sidecar(entry))
+            _write_json(self._file(name, ".json"), self._sidecar(entry))
 
     def remove(self, name: str) -> None:
         with self._lock:
@@ -236,12 +248,11 @@ class SlotStore:
 
     def _delete(self, name: str) -> None:
         for suffix in (".json", ".bin"):  # sidecar first: a bin without one is never restored
-            with contextlib.suppress(OSError):
-                (self.folder / f"{name}{suffix}").unlink()
+            _unlink(self._file(name, suffix))
 
     @staticmethod
     def _sidecar(entry: SavedSlot) -> dict[str, object]:
         return {
             "key": entry.key_id, "size": entry.size, "crc32": entry.checksum,
-            "saved_at": entry.saved_at, "used_at": entry.used_at, "tokens": len(entry.tokens),
+            "saved_at": entry.saved_at, "used_at": entry.used_at, "tokens": entry.n_tokens,
         }  # fmt: skip

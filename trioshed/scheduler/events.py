@@ -19,7 +19,9 @@ Kinds: ``load`` (a load started), ``ready`` (``seconds``: the load's duration), 
 from __future__ import annotations
 
 import re
+import sys
 import time
+from array import array
 from collections import deque
 from dataclasses import dataclass, replace
 
@@ -35,7 +37,7 @@ def cause_of(error: TrioshedError) -> str:
     return re.sub(r"(?<!^)(?=[A-Z])", "_", type(error).__name__).lower()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SchedulerEvent:
     seq: int
     time: float  # wall clock, seconds since the epoch
@@ -71,7 +73,9 @@ class EventHistory:
         ):
             self._events[-1] = replace(last, seq=self._seq, time=now, count=last.count + 1)
         else:
-            self._events.append(SchedulerEvent(self._seq, now, kind, model, reason, seconds, status))
+            # Interned: a thousand events name a few models and causes, each request its own copy.
+            event = SchedulerEvent(self._seq, now, sys.intern(kind), sys.intern(model), sys.intern(reason), seconds, status)
+            self._events.append(event)
         self._changed.set()
         self._changed = trio.Event()
 
@@ -134,10 +138,22 @@ class Timeline:
     it all goes away (a gap after an idle sample means nothing happened); the HTTP edge adds each
     finished request's generated tokens. Bounded: at most :data:`TIMELINE` samples, and tokens
     for seconds not yet sampled only while they are within a minute of now.
+
+    Held as a ring of plain numbers, allocated once: each sample's time and sequence number, and
+    one column of numbers per (what, model or device and label) that has been seen, one cell a
+    sample; :meth:`after` builds the :class:`Sample`\\ s it returns. So an hour of samples costs
+    its columns from the first minute on, instead of growing for an hour (a column that holds
+    nothing any more is taken for the next new one).
     """
 
     def __init__(self, size: int = TIMELINE) -> None:
-        self._samples: deque[Sample] = deque(maxlen=size)
+        self._size = size
+        self._times = array("q", bytes(8 * size))
+        self._seqs = array("q", bytes(8 * size))
+        self._first = 0  # ring position of the oldest sample held
+        self._count = 0
+        # ("tokens", model, "") / ("waiting", model, "") / ("memory", device, label): one cell a position
+        self._columns: dict[tuple[str, str, str], array[int]] = {}
         self._ahead: dict[int, dict[str, int]] = {}  # tokens of seconds not sampled yet
         self._seq = 0
         self._changed = trio.Event()
@@ -152,6 +168,24 @@ class Timeline:
         self._changed = trio.Event()
         return self._seq
 
+    def _pos(self, i: int) -> int:
+        """The ring position of the ``i``-th sample held, oldest first."""
+        return (self._first + i) % self._size
+
+    def _column(self, key: tuple[str, str, str]) -> array[int]:
+        column = self._columns.get(key)
+        if column is None:
+            empty = next((k for k, c in self._columns.items() if not any(c)), None)
+            column = self._columns.pop(empty) if empty is not None else array("q", bytes(8 * self._size))
+            self._columns[key] = column
+        return column
+
+    def _held(self, pos: int, kind: str) -> dict[str, int]:
+        return {k[1]: c[pos] for k, c in self._columns.items() if k[0] == kind and c[pos]}
+
+    def _idle(self, pos: int) -> bool:
+        return not any(c[pos] for c in self._columns.values())
+
     def record(
         self,
         second: int,
@@ -162,23 +196,28 @@ class Timeline:
         tokens = self._ahead.pop(second, {})
         for old in [s for s in self._ahead if s < second - 60]:
             del self._ahead[old]
-        if self._samples and self._samples[-1].time >= second:
-            if self._samples[-1].time > second:
+        if self._count and self._times[self._pos(self._count - 1)] >= second:
+            last = self._pos(self._count - 1)
+            if self._times[last] > second:
                 return  # the wall clock went back: keep the timeline monotonic
-            last = self._samples.pop()
-            tokens = {**dict(last.tokens), **tokens}
-        queued = tuple(sorted((m, n) for m, n in waiting.items() if n))
-        held = tuple(sorted(memory))
-        if self._samples:
-            # What is held rarely changes from one second to the next: an equal part is the
-            # previous sample's own object, so an hour of a steady server costs the samples alone.
-            before = self._samples[-1]
-            queued = before.waiting if queued == before.waiting else queued
-            held = before.memory if held == before.memory else held
-        sample = Sample(0, second, tuple(sorted(tokens.items())), queued, held)
-        if sample.idle and self._samples and self._samples[-1].idle:
+            tokens = {**self._held(last, "tokens"), **tokens}
+            self._count -= 1
+        cells = [(("tokens", m, ""), n) for m, n in tokens.items() if n]
+        cells += [(("waiting", m, ""), n) for m, n in waiting.items() if n]
+        cells += [(("memory", device, label), n) for device, label, n in memory if n]
+        if not cells and self._count and self._idle(self._pos(self._count - 1)):
             return  # idle stays idle: one sample says so
-        self._samples.append(replace(sample, seq=self._bump()))
+        if self._count == self._size:
+            self._first = self._pos(1)
+            self._count -= 1
+        pos = self._pos(self._count)
+        for column in self._columns.values():
+            column[pos] = 0
+        for key, n in cells:
+            self._column(key)[pos] += n
+        self._times[pos] = second
+        self._seqs[pos] = self._bump()
+        self._count += 1
 
     def add_tokens(self, model: str, count: int, start: float, end: float) -> None:
         """``count`` tokens of ``model`` generated from ``start`` to ``end`` (wall clock)."""
@@ -191,8 +230,8 @@ class Timeline:
         share, rest = divmod(count, seconds)
         # The request's seconds are the newest ones: walk back from the newest sample only as far
         # as the request reaches (a few entries, not the whole hour).
-        at = len(self._samples) - 1
-        newest = self._samples[-1].time if self._samples else None
+        at = self._count - 1
+        newest = self._times[self._pos(at)] if self._count else None
         for n, second in reversed(list(enumerate(range(first, last + 1)))):
             add = share + (1 if n < rest else 0)
             if not add:
@@ -203,22 +242,34 @@ class Timeline:
                 while len(self._ahead) > AHEAD:  # bounded even with no sampler running
                     del self._ahead[min(self._ahead)]
                 continue
-            while at >= 0 and self._samples[at].time > second:
+            while at >= 0 and self._times[self._pos(at)] > second:
                 at -= 1
             if at < 0:
                 break  # older than anything held: dropped
-            old = self._samples[at]
-            if old.time != second:
+            pos = self._pos(at)
+            if self._times[pos] != second:
                 continue  # a second not sampled (idle): nothing to add to
-            tokens = dict(old.tokens)
-            tokens[model] = tokens.get(model, 0) + add
-            self._samples[at] = replace(old, seq=self._bump(), tokens=tuple(sorted(tokens.items())))
+            self._column(("tokens", model, ""))[pos] += add
+            self._seqs[pos] = self._bump()
 
     def after(self, seq: int = 0) -> tuple[Sample, ...]:
         """The samples held newer than ``seq`` (in time order)."""
         if seq >= self._seq:
             return ()
-        return tuple(s for s in self._samples if s.seq > seq)
+        columns = sorted(self._columns.items())
+        out = []
+        for i in range(self._count):
+            pos = self._pos(i)
+            if self._seqs[pos] <= seq:
+                continue
+            cells = [(k, c[pos]) for k, c in columns if c[pos]]
+            out.append(Sample(
+                self._seqs[pos], self._times[pos],
+                tuple((k[1], n) for k, n in cells if k[0] == "tokens"),
+                tuple((k[1], n) for k, n in cells if k[0] == "waiting"),
+                tuple((k[1], k[2], n) for k, n in cells if k[0] == "memory"),
+            ))  # fmt: skip
+        return tuple(out)
 
     async def wait_after(self, seq: int) -> None:
         while self._seq <= seq:
