@@ -230,6 +230,26 @@ def test_the_budget_holds_while_saves_fill_it(tmp_path: Path) -> None:
     assert not store.make_room(1001) and store.make_room(0)
 
 
+def test_whether_a_key_has_files_follows_every_change_of_the_index(tmp_path: Path) -> None:
+    store = SlotStore(tmp_path / "kv", 1000)
+    store.open()
+    assert not store.has_key("a")
+    first = save(store, [1] * 3, key="a", now=1.0, payload=b"kv" * 200)
+    save(store, [2] * 3, key="b", now=2.0, payload=b"kv" * 200)
+    assert first is not None and store.has_key("a") and store.has_key("b")
+    save(store, [1] * 3, key="a", now=3.0, payload=b"kv" * 200)  # the same conversation again: replaced
+    store.touch(first.name, 4.0)
+    save(store, [3] * 3, key="b", now=5.0, payload=b"kv" * 200)  # room for two: b's older file goes
+    assert store.has_key("a") and store.has_key("b")
+    save(store, [4] * 3, key="c", now=6.0, payload=b"kv" * 200)  # a's file goes, the least recently used
+    assert not store.has_key("a") and store.has_key("b") and store.has_key("c")
+    store.remove(next(e.name for e in store.entries() if e.key_id == "c"))
+    assert not store.has_key("c")
+    reopened = SlotStore(tmp_path / "kv", 1000)
+    reopened.open()
+    assert [reopened.has_key(k) for k in "abc"] == [False, True, False]
+
+
 def test_a_corrupt_file_fails_verification_and_is_deleted(tmp_path: Path) -> None:
     store = SlotStore(tmp_path / "kv", 10_000)
     store.open()
