@@ -3,8 +3,9 @@ arriving at another node of the fleet and forwarded (one hop), at concurrency 1.
 
 ``python -m bench.fleet_forward [--requests N]`` starts two trioshed processes over the stand-in
 upstream (:mod:`bench.standin`: it answers at once, so the figures are trioshed's own cost): B
-serves the model (warm), A knows B as a peer. Requests alternate, B direct then through A, so
-each pair saw the same machine state; the median of the paired differences is the hop's cost.
+serves the model (warm), A knows B as a peer. Requests rotate, B direct, through A and through
+the bare forwarder (below), so each triple saw the same machine state; the median of the paired
+differences is the hop's cost.
 Two kinds: a whole answer (``"stream": false``) and a stream of 16 tokens (to its last byte),
 both on ``/api/generate``. Beside them, the same requests through a bare forwarder
 (:mod:`bench.bare_forward`: the same HTTP layer and client relaying bytes, with no gate, routing,
@@ -115,8 +116,8 @@ async def run(requests: int = 300) -> dict[str, Any]:
 def report(result: dict[str, Any], note: str) -> str:
     lines = [
         f"# Forwarding cost at c=1 ({datetime.date.today()})", "",
-        f"{result['requests']} requests of each kind, alternating direct to the serving node (B) and "
-        "through another node (A, one hop); trioshed over the stand-in upstream. " + note, "",
+        f"{result['requests']} requests of each kind, rotating: direct to the serving node (B), through "
+        "another node (A, one hop) and through a bare forwarder; trioshed over the stand-in upstream. " + note, "",
         "| answer | direct p50 | through A p50 | added p50 (paired) | added p90 (paired) "
         "| through a bare forwarder p50 | its added p50 (paired) | its added p90 (paired) |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
