@@ -31,7 +31,6 @@ import shutil
 import signal
 import socket
 import subprocess
-from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
@@ -46,6 +45,7 @@ from trioshed.models.header_cache import read_header
 from trioshed.models.vocab import incompatibility
 from trioshed.runner.client import ConnectionFailed, UpstreamPool
 from trioshed.runner.command import LaunchConfig, build_command
+from trioshed.runner.output import TAIL_LINES, OutputTail
 from trioshed.runner.slots import RunnerSlots, save_before_stop
 
 try:
@@ -58,7 +58,6 @@ log = logging.getLogger(__name__)
 output_log = logging.getLogger("trioshed.runner.output")
 
 _PR_SET_PDEATHSIG = 1
-_TAIL_LINES = 200
 #: Seconds between two reads of a serving child's output while it trickles (LlamaServer._drain);
 #: a read of DRAIN_BATCH bytes or more is followed by the next at once, so that a child that
 #: writes a lot (verbose, as runners are) never waits for its pipe of PIPE_BYTES.
@@ -92,26 +91,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-class OutputTail:
-    """The last lines a child printed: for error messages and ``/api/ps``-style diagnostics."""
-
-    def __init__(self, lines: int = _TAIL_LINES) -> None:
-        self._lines: deque[str] = deque(maxlen=lines)
-
-    def append(self, line: str) -> None:
-        self._lines.append(line)
-
-    def text(self, lines: int = 20) -> str:
-        return "\n".join(list(self._lines)[-lines:])
-
-    def errors(self, lines: int = 6) -> str:
-        """The lines most likely to explain a failure (errors first, else the last lines)."""
-        interesting = [
-            ln for ln in self._lines if any(w in ln.lower() for w in ("error", "failed", "exception", "what()"))
-        ]
-        return "\n".join((interesting or list(self._lines))[-lines:])
 
 
 class ChildProcess:
@@ -293,7 +272,6 @@ class LlamaServer:
         return status == 200
 
     def _on_line(self, line: str) -> None:
-        self.tail.append(line)
         if output_log.isEnabledFor(logging.DEBUG):
             output_log.debug("%s [%s] %s", self.model.name, self.pid, line)
         if self._progress is not None:  # loading: output is progress, and holds the buffer sizes
@@ -311,14 +289,20 @@ class LlamaServer:
         llama-server writes its log a line at a time, tens of lines for a request of many inputs,
         and each read wakes the event loop (measured: half of trioshed's CPU while indexing
         embeddings). A child blocked on a full pipe would stop serving: a large read is followed
-        by the next at once, and the pipe holds :data:`PIPE_BYTES`."""
+        by the next at once, and the pipe holds :data:`PIPE_BYTES`. Once loaded, the output is
+        only kept (:class:`~trioshed.runner.output.OutputTail`), not split into lines, unless
+        the runners' output is logged (DEBUG)."""
         buffer = b""
         async with stream:
             while chunk := await stream.receive_some(65536):
-                buffer += chunk
-                *lines, buffer = buffer.split(b"\n")
-                for raw in lines:
-                    self._on_line(raw.decode("utf-8", "replace").rstrip("\r"))
+                self.tail.feed(chunk)
+                if not self._loaded or output_log.isEnabledFor(logging.DEBUG):
+                    buffer += chunk
+                    *lines, buffer = buffer.split(b"\n")
+                    for raw in lines:
+                        self._on_line(raw.decode("utf-8", "replace").rstrip("\r"))
+                else:
+                    buffer = b""
                 if self._progress is None and self._loaded and len(chunk) < DRAIN_BATCH:
                     await trio.sleep(DRAIN_PAUSE)  # a trickle: let it gather (a flood is read at once)
         if buffer:
@@ -376,7 +360,7 @@ class LlamaServer:
     @property
     def port_taken(self) -> bool:
         """Whether the child exited because its port was taken (llama-server: "couldn't bind")."""
-        return self.exited and "couldn't bind" in self.tail.text(_TAIL_LINES)
+        return self.exited and "couldn't bind" in self.tail.text(TAIL_LINES)
 
     def scrubbed(self, text: str) -> str:
         """``text`` with the model's files named by the model, not by their paths."""
