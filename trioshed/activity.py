@@ -36,7 +36,7 @@ def protocol_of(route: str) -> str:
     return "other"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class FinishedRequest:
     seq: int
     time: float  # wall clock, when the answer ended

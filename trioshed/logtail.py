@@ -22,7 +22,7 @@ CAPACITY = 500  # lines: about 60 KB held, and what a page receives when it (re)
 MAX_MESSAGE = 2000  # characters per line: a pasted prompt in a warning must not fill the page
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class LogLine:
     seq: int
     time: float  # wall clock, seconds

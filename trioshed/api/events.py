@@ -32,6 +32,7 @@ import json
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import asdict
 from functools import partial
 from typing import Any
 
@@ -189,7 +190,7 @@ async def stream(st: AppState, stopping: trio.Event | None, key: ApiKey | None =
                 if lines:
                     log_seq = lines[-1].seq
                     sent = True
-                    yield sse("log", {"lines": [line.__dict__ for line in lines], "gap": gap and log_seq > len(lines)})
+                    yield sse("log", {"lines": [asdict(line) for line in lines], "gap": gap and log_seq > len(lines)})
             samples = st.timeline.after(sample_seq)
             if samples:
                 sample_seq = max(sample.seq for sample in samples)
