@@ -236,7 +236,7 @@ class DatabasePeers:
             f"another node seems to have this node's name {self.name!r} ({where}, not by this node); "
             "every node needs its own TRIOSHED_NODE_NAME"
         )
-        if conflict != self.conflict:
+        if not self.conflict:  # once, when it starts (its details change as the rows do)
             log.error("fleet: %s", conflict)
         self.conflict = conflict
 
