@@ -223,6 +223,16 @@ async def test_a_hung_listing_delays_no_other_server_s_check(autojump_clock: tri
         nursery.cancel_scope.cancel()
 
 
+def one_answering_server(address: str, *, interval: float) -> tuple[FakeProbes, RemoteDevices]:
+    """One RPC server at ``address`` that answers, probed through :class:`FakeProbes`."""
+    fake = FakeProbes()
+    fake.answering = {address}
+    remote = RemoteDevices(
+        parse_rpc_servers(address), llama_server="unused", interval=interval, connect=fake.connect, list_devices=fake.list_devices
+    )
+    return fake, remote
+
+
 async def test_a_hung_listing_never_stops_the_checks_of_its_server(autojump_clock: trio.testing.MockClock) -> None:
     """A listing that hangs: the server is down after LIST_TIMEOUT and checked again every
     DOWN_RETRY; at most two listings wait on it; a server seen refusing connections is gone, and
@@ -230,11 +240,7 @@ async def test_a_hung_listing_never_stops_the_checks_of_its_server(autojump_cloc
     from trioshed.devices.rpc import DOWN_RETRY, LIST_TIMEOUT
 
     a = "10.0.0.2:50052"
-    fake = FakeProbes()
-    fake.answering = {a}
-    remote = RemoteDevices(
-        parse_rpc_servers(a), llama_server="unused", interval=3600, connect=fake.connect, list_devices=fake.list_devices
-    )
+    fake, remote = one_answering_server(a, interval=3600)
     async with trio.open_nursery() as nursery:
         await nursery.start(remote.run, frozenset)
         fake.stuck[a] = trio.Event()  # the server is stopped: it accepts, never answers
@@ -262,11 +268,7 @@ async def test_a_listing_left_waiting_on_a_server_gone_does_not_keep_its_success
     from trioshed.devices.rpc import DOWN_RETRY, LIST_TIMEOUT
 
     a = "10.0.0.2:50052"
-    fake = FakeProbes()
-    fake.answering = {a}
-    remote = RemoteDevices(
-        parse_rpc_servers(a), llama_server="unused", interval=60, connect=fake.connect, list_devices=fake.list_devices
-    )
+    fake, remote = one_answering_server(a, interval=60)
     async with trio.open_nursery() as nursery:
         await nursery.start(remote.run, frozenset)
         old = fake.stuck[a] = trio.Event()

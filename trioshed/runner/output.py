@@ -32,10 +32,6 @@ class OutputTail:
             del self._buffer[: len(self._buffer) - self.limit]
             self._cut = True
 
-    def append(self, line: str) -> None:
-        """Keep one line."""
-        self.feed(line.encode("utf-8", "replace") + b"\n")
-
     def lines(self) -> list[str]:
         """The kept output's last :data:`TAIL_LINES` lines (a line cut at the start left out)."""
         start = max(0, len(self._buffer) - self.limit)

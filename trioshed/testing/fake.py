@@ -31,7 +31,7 @@ from trioshed.core.model import (
 )
 from trioshed.errors import LoadFailed
 from trioshed.runner.client import ConnectionFailed
-from trioshed.runner.process import OutputTail
+from trioshed.runner.output import OutputTail
 from trioshed.runner.slots import RunnerSlots
 from trioshed.scheduler.contracts import RunnerHandle, Upstream, UpstreamAnswer
 
