@@ -92,8 +92,9 @@ class StreamBatching:
     waits after each read until its share of :data:`READS_PER_SECOND` has passed (the number of
     streams over that rate: 8 ms at 8 streams, 16 ms at 16), at most ``window`` (50 ms), and takes
     what arrived meanwhile in one read and one send. The first :data:`EAGER_READS` reads of an
-    answer are never held (nor is a short answer), and fewer streams are relayed as they come. ``window`` 0 turns it off
-    (``TRIOSHED_STREAM_BATCH``; ``TRIOSHED_STREAM_BATCH_FROM``)."""
+    answer are never held (so neither is a short answer), nor is its end, and fewer streams are
+    relayed as they come. ``window`` 0 turns it off (``TRIOSHED_STREAM_BATCH``,
+    ``TRIOSHED_STREAM_BATCH_FROM``)."""
 
     __slots__ = ("from_streams", "streams", "window")
 
