@@ -57,13 +57,13 @@ def app_for(pool: UpstreamPool) -> Any:
     return app
 
 
-async def serve(port: int, upstream: str) -> None:
+async def serve(port: int, upstream: str, streams_keep_alive: bool = True) -> None:
     from trioshed.api.http import hypercorn_config
     from trioshed.config import Settings
 
     parts = urlsplit(upstream)
     pool = UpstreamPool(
-        parts.port or 80, host=parts.hostname or "127.0.0.1", max_idle=64, streams_keep_alive=True
+        parts.port or 80, host=parts.hostname or "127.0.0.1", max_idle=64, streams_keep_alive=streams_keep_alive
     )
     config = hypercorn_config(Settings(host="127.0.0.1", port=port))
     await serve_http(
@@ -75,9 +75,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--upstream", required=True)
+    parser.add_argument("--llama-server", action="store_true",
+                        help="the upstream is llama-server, which closes a streamed answer's connection (as trioshed's runners)")
     args = parser.parse_args()
     try:
-        trio.run(serve, args.port, args.upstream)
+        trio.run(serve, args.port, args.upstream, not args.llama_server)
     except KeyboardInterrupt:
         pass
 

@@ -42,6 +42,7 @@ from typing import Any
 import trio
 
 from bench import embed_index, procs, relay, report, scenarios, sched_scale, state_scale
+from bench.fleet_forward import open_bare_forward
 from bench.load import Target, open_client
 from bench.models import GEMMA, TINY_SIZES, prepare_models
 from bench.plan import API_BY_FAMILY, PLANS, TARGETS, Plan
@@ -129,12 +130,22 @@ async def group_steady(run: scenarios.Run, models: dict[str, Path], wanted: Sequ
                 unavailable[f"floor-{kind}@steady"] = str(exc)[-1500:]
                 continue
             floors[f"floor-{kind}"] = Target(f"floor-{kind}", server.base_url, "ollama-raw")
+        small = "tiny-s"
+        forward: Target | None = None
+        if small in g.direct:  # the stack's floor for a proxy: a hop that only relays, to the direct server
+            try:
+                fwd = await stack.enter_async_context(open_bare_forward(g.direct[small].base_url, run.log_dir, llama_server=True))
+                forward = Target("floor-forward", fwd.base_url, "native")
+            except ServerFailed as exc:
+                unavailable["floor-forward@steady"] = str(exc)[-1500:]
         gen = g.family("generate")
         run.say(f"steady: targets {list(gen)} + {list(floors)}; warming up {list(models)}")
         meta["warmup"] = await scenarios.warm_up(run, gen, list(models))
-        small = "tiny-s"
         by_family = {f: g.family(f) for f in API_BY_FAMILY}
         by_family["generate"].update(floors)  # the inbound floor, paired with the same requests
+        if forward is not None:
+            by_family["generate"]["floor-forward"] = forward
+            by_family["chat"]["floor-forward"] = Target("floor-forward", forward.base_url, "openai-chat")
         await scenarios.overhead(run, by_family, small)
         if not run.out_of_time():
             await scenarios.throughput(run, gen, small)

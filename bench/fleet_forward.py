@@ -50,14 +50,15 @@ async def _timed(http: httpx.AsyncClient, url: str, body: dict[str, Any]) -> flo
 
 
 @asynccontextmanager
-async def open_bare_forward(upstream: str, log_dir: Path) -> AsyncIterator[procs.Server]:
-    """:mod:`bench.bare_forward` in front of ``upstream``."""
+async def open_bare_forward(upstream: str, log_dir: Path, *, llama_server: bool = False) -> AsyncIterator[procs.Server]:
+    """:mod:`bench.bare_forward` in front of ``upstream`` (a trioshed node, or a ``llama_server``)."""
     port = procs.free_port()
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([procs._REPO, env.get("PYTHONPATH", "")])
-    argv = [sys.executable, "-m", "bench.bare_forward", "--port", str(port), "--upstream", upstream]
+    argv = [sys.executable, "-m", "bench.bare_forward", "--port", str(port), "--upstream", upstream, *(["--llama-server"] if llama_server else [])]
+    ready_path = "/health" if llama_server else "/api/version"
     async with procs.open_server(
-        "bare-forward", argv, env=env, base_url=f"http://127.0.0.1:{port}", ready_path="/api/version",
+        "bare-forward", argv, env=env, base_url=f"http://127.0.0.1:{port}", ready_path=ready_path,
         log_path=log_dir / f"bare-forward-{port}.log", ready_timeout=60,
     ) as server:  # fmt: skip
         yield server

@@ -259,15 +259,19 @@ async def test_compare_smoke_writes_results_with_ratios(tmp_path: Path) -> None:
     assert doc["meta"]["leaked_llama_servers"] == []
     assert doc["unavailable"] == {}
     over = doc["results"]["overhead-generate"]["per_target"]
-    assert set(over) == {"direct", "trioshed", "floor-raw", "floor-hypercorn", "floor-quart"}
+    assert set(over) == {"direct", "trioshed", "floor-raw", "floor-hypercorn", "floor-quart", "floor-forward"}
     assert over["trioshed"]["summary"]["ok"] == over["trioshed"]["summary"]["n"] == 5
     # the inbound floor answered the same requests, and its row is in the summary
     assert over["floor-quart"]["summary"]["ok"] == over["floor-hypercorn"]["summary"]["ok"] == 5
     assert over["floor-raw"]["summary"]["ok"] == 5
+    # so did the bare forwarder in front of the direct server, in both families
+    assert over["floor-forward"]["paired_delta_ms"]["n"] == 5
+    assert doc["results"]["overhead-chat"]["per_target"]["floor-forward"]["summary"]["ok"] == 5
     assert over["trioshed"]["paired_delta_ms"]["n"] == 5
     rows = {r["metric"]: r for r in doc["summary"]}
     assert rows["req/s c=4"]["ratio"]["trioshed"] > 0
     assert any(m.startswith("inbound floor") for m in rows)
+    assert any(m.startswith("proxy floor") for m in rows)
     assert {r["scenario"] for r in doc["records"]} >= {"overhead-generate", "overhead-chat", "throughput-c4"}
     assert (tmp_path / path.name.replace(".json", ".md")).is_file()
     assert (tmp_path / path.name.replace(".json", "-ratios.png")).is_file()

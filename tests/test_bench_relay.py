@@ -56,3 +56,23 @@ def test_the_targets_are_judged_at_the_ceiling_when_it_was_measured() -> None:
     del doc["saturated"]  # an older document: the event-by-event table and its floor
     judged = {t["target"].split(":")[0]: (t["value"], t["met"], t["floor"]) for t in relay.targets(doc)}
     assert judged == {"openai-chat": (30_000, False, 50_000), "ollama-generate": (30_000, False, 50_000)}
+
+
+def test_the_real_binary_targets_pair_each_stream_with_the_routers_and_judge_cpu_and_rate() -> None:
+    def row(proxy: str, protocol: str, c: int, tok: int, us: float) -> dict[str, object]:
+        return {"proxy": proxy, "protocol": protocol, "concurrency": c, "tokens_per_s": tok, "cpu_us_per_token_all_in": us}
+
+    doc = {"real": {"rows": [
+        row("trioshed", "ollama-generate", 16, 5000, 50.0), row("trioshed", "ollama-generate", 64, 4000, 60.0),
+        row("trioshed", "openai-chat", 16, 3000, 40.0),
+        row("router", "native", 16, 5200, 41.0), row("router", "native", 64, 4100, 47.0),
+        row("router", "openai-chat", 16, 3300, 40.0),
+    ]}}  # fmt: skip
+    judged = {t["target"]: (t["value"], t["router"], t["met"]) for t in relay.targets(doc)}
+    assert judged == {
+        "CPU per relayed token, ollama-generate (real llama-server, 16 streams) <= 1.25x the router's": (50.0, 41.0, True),
+        "aggregate tokens/s, ollama-generate (real llama-server, 16 streams) >= 0.95x the router's": (5000, 5200, True),
+        "CPU per relayed token, ollama-generate (real llama-server, 64 streams) <= 1.25x the router's": (60.0, 47.0, False),
+        "CPU per relayed token, openai-chat (real llama-server, 16 streams) <= 1.25x the router's": (40.0, 40.0, True),
+        "aggregate tokens/s, openai-chat (real llama-server, 16 streams) >= 0.95x the router's": (3000, 3300, False),
+    }

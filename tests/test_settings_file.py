@@ -38,6 +38,8 @@ rpc_probe_interval = "1m"
 log_format = "json"
 shutdown_timeout = "20s"
 stream_idle_timeout = "2m"
+stream_batch = "20ms"
+stream_batch_from = 4
 max_body = "16MiB"
 http_idle_timeout = 45
 max_connections = 256
@@ -86,6 +88,7 @@ def test_every_setting_can_be_given_in_the_file(tmp_path: Path) -> None:
     assert (s.rpc_allow_public, s.rpc_probe_interval) == (False, 60)
     assert s.log_format == "json"
     assert (s.shutdown_timeout, s.stream_idle_timeout, s.max_body) == (20, 120, 16 * 2**20)
+    assert (s.stream_batch, s.stream_batch_from) == (0.02, 4)
     assert (s.http_idle_timeout, s.max_connections, s.allow_symlinks) == (45, 256, True)
     assert (s.kv_cache_dir, s.kv_cache_budget, s.kv_save_timeout, s.cache_ram) == (tmp_path / "kv", 2 * 2**30, 3, 256 * 2**20)
     assert s.max_extra_wait == 2
@@ -125,6 +128,9 @@ def test_values_as_strings_work_like_the_variables(tmp_path: Path) -> None:
         ("max_queue = 2.5", "max_queue = 2.5: invalid literal"),
         ("max_queue = true", "max_queue = True: invalid literal"),
         ('kv_cache_type = "q2"', "kv_cache_type = 'q2': use one of"),
+        ('stream_batch = "2s"', "stream_batch = '2s': must be a duration from 0 (off) to 1s"),
+        ('stream_batch = "-1"', "stream_batch = '-1': must be a duration from 0 (off) to 1s"),
+        ("stream_batch_from = 0", "stream_batch_from = 0: must be at least 1"),
         ("num_thread = [1]", "num_thread = [1]: must be a string, a number or a boolean"),
         ("[server]\nhost = 1", "unknown key 'server'"),
         ("keep_alive = ", "not valid TOML"),

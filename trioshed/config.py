@@ -220,6 +220,8 @@ class Settings:
     log_format: str = "text"  # "json": one JSON object per log line, one line per request
     shutdown_timeout: float = 10.0
     stream_idle_timeout: float = 300.0
+    stream_batch: float = 0.05  # under load, the longest a stream waits between reads of its runner
+    stream_batch_from: int = 8  # concurrent streams from which the batching applies
     max_body: int = 32 * 1024 * 1024
     http_idle_timeout: float = 30.0
     max_connections: int = 512
@@ -347,6 +349,13 @@ def _positive_timeout(seconds: float) -> float:
     return seconds
 
 
+def _stream_batch(value: str) -> float:
+    seconds = parse_duration(value)
+    if not 0 <= seconds <= 1:
+        raise ValueError("must be a duration from 0 (off) to 1s, like '50ms'")
+    return seconds
+
+
 def _extra_wait(seconds: float) -> float:
     if seconds < 0 or seconds == math.inf:  # parse_duration reads a negative as "forever"
         raise ValueError("must be 0 (arrival order) or a number of seconds: a request is never passed over without bound")
@@ -418,6 +427,8 @@ _PARSERS: dict[str, Callable[[str], object]] = {
     "log_format": _log_format,
     "shutdown_timeout": parse_duration,
     "stream_idle_timeout": lambda v: _positive_timeout(parse_duration(v)),
+    "stream_batch": _stream_batch,
+    "stream_batch_from": _at_least(1),
     "max_body": parse_bytes,
     "http_idle_timeout": lambda v: _positive_timeout(parse_duration(v)),
     "max_connections": _at_least(1),

@@ -32,6 +32,7 @@ from trioshed.api import (
     tools,
     transcriptions,
     ui,
+    upstream,
     usage,
 )
 from trioshed.api.gate import Gate
@@ -70,6 +71,8 @@ def create_app(state: AppState) -> QuartTrio:
     routed = fleet.routed if state.fleet is not None else (lambda view: view)  # in a fleet: any request may go to another node
     for endpoint, view in list(app.view_functions.items()):
         app.view_functions[endpoint] = routed(view)  # type: ignore[arg-type]
+    upstream.batching.window = state.settings.stream_batch
+    upstream.batching.from_streams = state.settings.stream_batch_from
     app.config["TRIOSHED_METRICS"] = metrics.Metrics(state.scheduler, warm=state.warm, usage=state.usage)
     wrapper = RequestWrapper(
         Gate(state),

@@ -142,14 +142,18 @@ class FakeResponse:
     def __init__(self, runner: FakeRunner) -> None:
         self._runner = runner
         self.headers = {"content-type": "application/json"}
+        self.complete = False
 
     async def batches(self) -> AsyncGenerator[bytes, None]:
         received = 0
-        for i, piece in enumerate(self._runner.answer):
+        answer = self._runner.answer
+        for i, piece in enumerate(answer):
             if i:
                 await self._runner._wait(self._runner.piece_time, received=received)
             received += len(piece)
+            self.complete = i == len(answer) - 1
             yield piece
+        self.complete = True
 
     async def read(self) -> bytes:
         return b"".join([piece async for piece in self.batches()])

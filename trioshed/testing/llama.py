@@ -67,9 +67,7 @@ class RunningServer:
         """Everything the child wrote so far (stdout and stderr together)."""
         if self.final_log is not None:
             return self.final_log
-        self._log.flush()
-        self._log.seek(0)
-        return self._log.read().decode("utf-8", errors="replace")
+        return _read(self._log).decode("utf-8", errors="replace")
 
 
 @contextlib.contextmanager
@@ -88,33 +86,22 @@ def running_llama_server(
     ``timeout`` seconds.
     """
     path, env = binary or llama_server_binary()
-    port = free_port()
-    argv = [path, "-m", str(model), "-v", "--host", "127.0.0.1", "--port", str(port), *args]
-    with tempfile.TemporaryFile(mode="w+b") as log:
+    for attempt in range(PORT_ATTEMPTS):
+        port = free_port()
+        argv = [path, "-m", str(model), "-v", "--host", "127.0.0.1", "--port", str(port), *args]
+        log = tempfile.TemporaryFile(mode="w+b")
         started = time.monotonic()
-        proc = subprocess.Popen(
-            argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
-        )
+        proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
         try:
-            ready_after = None
-            while time.monotonic() - started < timeout:
-                if proc.poll() is not None:
-                    break
-                try:
-                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
-                        if r.status == 200:
-                            ready_after = time.monotonic() - started
-                            break
-                except (OSError, urllib.error.URLError):
-                    pass
-                time.sleep(0.02)
+            ready_after = _wait_ready(proc, log, port, started, timeout)
+            if ready_after is None and proc.poll() is not None and attempt + 1 < PORT_ATTEMPTS and b"couldn't bind" in _read(log):
+                continue  # another process took the port between free_port() and the bind: a new one
             if ready_after is None:
                 if proc.poll() is None:
                     why = f"was not ready within {timeout} s"
                 else:
                     why = f"exited with code {proc.returncode} before it was ready"
-                log.seek(0)
-                tail = "\n".join(log.read().decode("utf-8", "replace").splitlines()[-15:])
+                tail = "\n".join(_read(log).decode("utf-8", "replace").splitlines()[-15:])
                 raise RuntimeError(f"llama-server {why}: {argv}\n{tail}")
             server = RunningServer(argv, f"http://127.0.0.1:{port}", proc, ready_after, log)
             yield server
@@ -126,8 +113,40 @@ def running_llama_server(
                 except subprocess.TimeoutExpired:
                     proc.kill()
             proc.wait()
-        log.seek(0)
-        server.final_log = log.read().decode("utf-8", errors="replace")
+            final = _read(log).decode("utf-8", errors="replace")
+            log.close()
+        server.final_log = final
+        return
+
+
+#: Starts tried when the port chosen is taken by another process before the child binds it.
+PORT_ATTEMPTS = 3
+
+
+def _read(log: IO[bytes]) -> bytes:
+    """What the child wrote to ``log`` so far. Read at an offset (``pread``): the child writes
+    through the same open file, whose position a ``seek`` here would move under its writes."""
+    fd = log.fileno()
+    return os.pread(fd, os.fstat(fd).st_size, 0)
+
+
+def _wait_ready(proc: subprocess.Popen[bytes], log: IO[bytes], port: int, started: float, timeout: float) -> float | None:
+    """Seconds until the child answered ``/health`` 200 on ``port`` having said that it listens
+    there (an answer from another process that holds the port does not count); None when it
+    exited or was not ready in time."""
+    listening = f"listening on http://127.0.0.1:{port}".encode()
+    while time.monotonic() - started < timeout:
+        if proc.poll() is not None:
+            return None
+        if listening in _read(log):
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                    if r.status == 200:
+                        return time.monotonic() - started
+            except (OSError, urllib.error.URLError):
+                pass
+        time.sleep(0.02)
+    return None
 
 
 def measure_load(
