@@ -101,6 +101,10 @@ if os.environ.get("HEAP_PROBE_TRACE"):
     tracemalloc.start(int(os.environ.get("HEAP_PROBE_FRAMES", "8")))
     _folder, _, _every = os.environ["HEAP_PROBE_TRACE"].partition(",")
     threading.Thread(target=_snapshots, args=(_folder, float(_every or 60)), daemon=True).start()
+
+if os.environ.get("HEAP_PROBE_EXTRA"):  # a probe of one's own, run at start (a path to a .py)
+    import runpy
+    runpy.run_path(os.environ["HEAP_PROBE_EXTRA"])
 '''
 
 

@@ -132,3 +132,62 @@ def test_a_large_buffer_after_a_larger_one_is_mapped_on_its_own_once_the_thresho
     done = subprocess.run([sys.executable, "-c", MMAP_PROBE, how], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == mapped
+
+
+class _Cycle:
+    def __init__(self) -> None:
+        self.me = self
+
+
+async def test_cyclic_garbage_is_collected_every_period_without_waiting_for_the_collectors_own_thresholds(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    import gc
+    import weakref
+
+    was_enabled = gc.isenabled()
+    gc.disable()  # only the regular collection may free it
+    try:
+        cycle = _Cycle()
+        gone = weakref.ref(cycle)
+        del cycle
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(heap.collect_regularly, 10.0)
+            await trio.sleep(9.5)
+            assert gone() is not None  # not yet: the period has not passed
+            await trio.sleep(1.0)
+            assert gone() is None
+            nursery.cancel_scope.cancel()
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def test_settle_frees_start_ups_garbage_and_freezes_the_rest_so_a_full_collection_walks_only_what_came_since() -> None:
+    # in a child: freezing is for a process that serves until it exits, not for the test run
+    script = """
+import gc, weakref
+from trioshed import heap
+
+class Cycle:
+    def __init__(self):
+        self.me = self
+
+kept = [Cycle() for _ in range(1000)]  # start-up's objects, alive for good
+before = Cycle()
+gone_before = weakref.ref(before)
+del before
+gc.disable()
+heap.settle()
+assert gone_before() is None, "start-up's garbage freed"
+assert gc.get_freeze_count() >= 1000, gc.get_freeze_count()
+assert len(gc.get_objects(2)) < 100, len(gc.get_objects(2))
+after = Cycle()
+gone_after = weakref.ref(after)
+del after
+gc.collect()
+assert gone_after() is None, "garbage made since is still collected"
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr

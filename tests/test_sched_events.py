@@ -96,3 +96,21 @@ def test_the_history_is_bounded_and_readers_get_the_oldest_held() -> None:
     history.refused("m4", QueueFull())
     history.refused("m4", QueueFull())
     assert [(e.kind, e.count) for e in history.after(5)] == [("refused", 2)]
+
+
+def test_the_history_costs_its_full_size_when_made_and_nothing_per_event() -> None:
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        history = EventHistory(size=256)
+        made = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, "*/scheduler/events.py")])
+        for i in range(256):  # full: each event now holds a place of its own
+            history.add(("load", "ready", "unloaded")[i % 3], f"m{i % 4}:latest", "keep_alive expired", seconds=i / 7)
+        full = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, "*/scheduler/events.py")])
+    finally:
+        tracemalloc.stop()
+    grown = sum(s.size_diff for s in full.compare_to(made, "filename"))
+    assert grown < 2048, f"{grown} bytes for 256 events held"  # an object per event: ~40 KB
+    events = history.after(0)
+    assert len(events) == 256 and events[-1].seconds == 255 / 7 and events[0].model == "m0:latest"

@@ -213,6 +213,24 @@ def test_log_tail_keeps_the_last_lines_and_says_when_a_reader_missed_some(capaci
     assert tail.since(5) == ([], False)
 
 
+def test_log_tail_costs_its_full_size_when_made_and_nothing_per_line_but_its_message() -> None:
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        tail = LogTail(256)
+        made = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, "*/logtail.py")])
+        for _ in range(256):
+            tail.emit(logging.LogRecord("trioshed.scheduler", logging.INFO, __file__, 1, "%s", ("x" * 40,), None))
+        full = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, "*/logtail.py")])
+    finally:
+        tracemalloc.stop()
+    grown = sum(s.size_diff for s in full.compare_to(made, "filename"))
+    assert grown < 2048, f"{grown} bytes for 256 lines held"  # an object per line: ~20 KB
+    lines, _ = tail.since(0)
+    assert len(lines) == 256 and lines[0].logger == "trioshed.scheduler" and lines[0].level == "INFO"
+
+
 async def test_streams_are_counted_a_vanished_client_ends_its_stream_and_the_limit_is_a_503(
     model_store: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -191,6 +191,30 @@ def test_recent_requests_say_why_one_was_slow_and_stay_bounded() -> None:
     assert protocol_of("/v1/responses") == "openai" and protocol_of("/api/embed") == "ollama"
 
 
+def test_recent_requests_come_back_as_they_were_added_and_cost_nothing_per_request_once_made() -> None:
+    import tracemalloc
+
+    recent = RecentRequests(size=128)
+    added = [
+        recent.add(_trace("/api/chat", model="m", queue_wait=2.5, load_wait=2.0, prompt_tokens=10, eval_tokens=0,
+                          prompt_seconds=0.25, eval_seconds=0.5, key="alice"), 3.0),
+        recent.add(_trace("/v1/chat/completions", status=0), 0.0),  # no model, no timings: None stays None
+    ]  # fmt: skip
+    assert recent.after(0) == tuple(added)
+    tracemalloc.start()
+    try:
+        made = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, "*/activity.py")])
+        for i in range(128):  # full: each request now holds a place of its own
+            recent.add(_trace("/api/generate", model="m", queue_wait=i / 1000, prompt_tokens=i, eval_tokens=i), i / 7)
+        full = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, "*/activity.py")])
+    finally:
+        tracemalloc.stop()
+    grown = sum(s.size_diff for s in full.compare_to(made, "filename"))
+    assert grown < 2048, f"{grown} bytes for 128 requests held"  # an object per request: ~23 KB
+    last = recent.after(0)[-1]
+    assert (last.queue_wait, last.load_wait, last.eval_tokens, last.duration) == (0.127, None, 127, 127 / 7)
+
+
 def test_a_trace_reads_the_timings_of_each_protocol() -> None:
     trace = RequestTrace("POST", "/api/chat", "", 0.0)
     trace.counted({"prompt_eval_count": 5, "eval_count": 7, "prompt_eval_duration": 250_000_000, "eval_duration": 700_000_000})

@@ -4,13 +4,21 @@ The HTTP edge adds each finished request that named a model (:meth:`RecentReques
 its :class:`~trioshed.trace.RequestTrace`); the page's stream follows the list by sequence
 number, as it follows the scheduler's events. Plain data and one ``trio.Event``: a few
 attribute reads per request, nothing per token.
+
+Held as a ring allocated once, as the scheduler's events are: each request's numbers in arrays
+(a missing one as NaN or -1), its names interned and its words in lists; :meth:`RecentRequests.after`
+builds the :class:`FinishedRequest`\\ s it returns. An object per request, with its six floats,
+held small blocks among short-lived ones in CPython's arenas for as long as the request was among
+the last :data:`RECENT`.
 """
 
 from __future__ import annotations
 
+import math
+import sys
 import time
-from collections import deque
-from dataclasses import asdict, dataclass
+from array import array
+from dataclasses import asdict, dataclass, fields
 
 import trio
 
@@ -78,11 +86,23 @@ def why_slow(trace: RequestTrace) -> str:
     return "; ".join(words)
 
 
+_FLOATS = ("time", "queue_wait", "load_wait", "ttft", "tokens_per_second", "duration")  # NaN: None
+_INTS = ("seq", "status", "prompt_tokens", "eval_tokens")  # -1: None
+_NAMES = ("key", "model", "protocol", "route")  # a few of each: interned
+_OPTIONAL = frozenset({"queue_wait", "load_wait", "ttft", "tokens_per_second", "prompt_tokens", "eval_tokens"})
+_ORDER = tuple(f.name for f in fields(FinishedRequest))
+
+
 class RecentRequests:
     """The last :data:`RECENT` finished requests that named a model."""
 
     def __init__(self, size: int = RECENT) -> None:
-        self._items: deque[FinishedRequest] = deque(maxlen=size)
+        self._size = size
+        self._floats = {name: array("d", bytes(8 * size)) for name in _FLOATS}
+        self._ints = {name: array("q", bytes(8 * size)) for name in _INTS}
+        self._words: dict[str, list[str]] = {name: [""] * size for name in (*_NAMES, "slow")}
+        self._next = 0  # ring position of the next request
+        self._held = 0
         self._seq = 0
         self._changed = trio.Event()
 
@@ -101,15 +121,43 @@ class RecentRequests:
             trace.status, trace.queue_wait, trace.load_wait, ttft, trace.prompt_tokens,
             trace.eval_tokens, speed, duration, why_slow(trace),
         )  # fmt: skip
-        self._items.append(item)
+        at = self._next
+        for name in _FLOATS:
+            value = getattr(item, name)
+            self._floats[name][at] = math.nan if value is None else value
+        for name in _INTS:
+            value = getattr(item, name)
+            self._ints[name][at] = -1 if value is None else value
+        for name in _NAMES:
+            self._words[name][at] = sys.intern(getattr(item, name))
+        self._words["slow"][at] = item.slow
+        self._next = (at + 1) % self._size
+        self._held = min(self._held + 1, self._size)
         self._changed.set()
         self._changed = trio.Event()
         return item
 
+    def _item(self, at: int) -> FinishedRequest:
+        values: dict[str, object] = {}
+        for name in _FLOATS:
+            value = self._floats[name][at]
+            values[name] = None if math.isnan(value) else value
+        for name in _INTS:
+            number = self._ints[name][at]
+            values[name] = None if number < 0 and name in _OPTIONAL else number
+        for name, column in self._words.items():
+            values[name] = column[at]
+        return FinishedRequest(*(values[name] for name in _ORDER))  # type: ignore[arg-type]
+
     def after(self, seq: int = 0) -> tuple[FinishedRequest, ...]:
         if seq >= self._seq:
             return ()
-        return tuple(r for r in self._items if r.seq > seq)
+        out = []
+        for i in range(self._held):
+            at = (self._next - self._held + i) % self._size
+            if self._ints["seq"][at] > seq:
+                out.append(self._item(at))
+        return tuple(out)
 
     async def wait_after(self, seq: int) -> None:
         while self._seq <= seq:

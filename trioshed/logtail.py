@@ -4,6 +4,12 @@ A :class:`LogTail` is a :class:`logging.Handler` holding the last ``capacity`` r
 frozen :class:`LogLine`\\ s, numbered in order. It never grows beyond ``capacity`` and never
 blocks: a reader that fell behind gets what is still held and is told it missed some.
 
+Held as a ring allocated once: each line's number and time in arrays, its level and logger
+(interned: a few of each) and its message in lists; :meth:`LogTail.since` builds the
+:class:`LogLine`\\ s it returns. A line lives for minutes under a load (the soak logs a line every
+second or two), and an object per line (with its time) held small blocks among short-lived
+ones in CPython's arenas, which an arena goes back only once all of its blocks are free.
+
 Records may come from worker threads (``trio.to_thread``); :meth:`wait_changed` wakes Trio
 waiters through the run's token in that case.
 """
@@ -11,8 +17,9 @@ waiters through the run's token in that case.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
-from collections import deque
+from array import array
 from dataclasses import dataclass
 
 import trio
@@ -35,7 +42,13 @@ class LogTail(logging.Handler):
     def __init__(self, capacity: int = CAPACITY, level: int = logging.INFO) -> None:
         super().__init__(level)
         self.capacity = capacity
-        self._lines: deque[LogLine] = deque(maxlen=capacity)
+        self._seqs = array("q", bytes(8 * capacity))
+        self._times = array("d", bytes(8 * capacity))
+        self._levels = [""] * capacity
+        self._loggers = [""] * capacity
+        self._messages = [""] * capacity
+        self._next = 0  # ring position of the next line
+        self._held = 0
         self._seq = 0
         self._guard = threading.Lock()
         self._changed = RepeatedEvent()
@@ -63,7 +76,12 @@ class LogTail(logging.Handler):
             message = message[:MAX_MESSAGE] + "…"
         with self._guard:
             self._seq += 1
-            self._lines.append(LogLine(self._seq, record.created, record.levelname, record.name, message))
+            at = self._next
+            self._seqs[at], self._times[at] = self._seq, record.created
+            self._levels[at], self._loggers[at] = sys.intern(record.levelname), sys.intern(record.name)
+            self._messages[at] = message
+            self._next = (at + 1) % self.capacity
+            self._held = min(self._held + 1, self.capacity)
         self._wake()
 
     def _wake(self) -> None:
@@ -85,7 +103,11 @@ class LogTail(logging.Handler):
     def since(self, seq: int) -> tuple[list[LogLine], bool]:
         """The lines after ``seq``, and whether some after it are no longer held."""
         with self._guard:
-            lines = [line for line in self._lines if line.seq > seq]
+            lines = []
+            for i in range(self._held):
+                at = (self._next - self._held + i) % self.capacity
+                if self._seqs[at] > seq:
+                    lines.append(LogLine(self._seqs[at], self._times[at], self._levels[at], self._loggers[at], self._messages[at]))
         gap = bool(lines) and lines[0].seq > seq + 1
         return lines, gap
 

@@ -35,7 +35,7 @@ from trioshed.devices import DeviceSource, discover
 from trioshed.devices.rpc import RemoteDevices, check_addresses
 from trioshed.fleet import build_fleet
 from trioshed.fleet.state import default_name
-from trioshed.heap import fix_mmap_threshold, trim_when_quiet
+from trioshed.heap import collect_regularly, fix_mmap_threshold, settle, trim_when_quiet
 from trioshed.logtail import LogTail
 from trioshed.models.gguf_meta import read_metadata
 from trioshed.models.stores import Stores
@@ -162,9 +162,12 @@ async def serve(
     binary: LlamaBinary | None = None,
     handle_signals: bool = True,
     record: list[tuple[str, str]] | None = None,
+    settle_heap: bool = False,
     task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve until cancelled (or SIGINT/SIGTERM when ``handle_signals``)."""
+    """Serve until cancelled (or SIGINT/SIGTERM when ``handle_signals``); with ``settle_heap``
+    (a process that serves until it exits), start-up's objects are frozen once listening and
+    garbage is collected regularly (:mod:`trioshed.heap`)."""
     binary = binary or find_llama_server(settings.llama_server)
     fix_mmap_threshold()  # large temporary buffers mapped on their own: no holes left in the heap
     await check_addresses(settings.rpc_servers, allow_public=settings.rpc_allow_public)
@@ -255,6 +258,9 @@ async def serve(
                     log.info("trioshed listening on %s", ", ".join(urls))
                     if state.fleet is not None:
                         state.fleet.source.listening(urls[0])  # its place in the shared database, from now on
+                    if settle_heap:
+                        settle()
+                        nursery.start_soon(collect_regularly)
                     systemd.notify("READY=1")
                     nursery.start_soon(systemd.run_notifier, partial(_status, scheduler, app))
                     task_status.started(Server(settings, state, urls, devices, app, connections))

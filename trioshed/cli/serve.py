@@ -80,7 +80,7 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     except ValueError as exc:
         say(f"Error: {exc}")
         return 2
-    trio.run(lambda: serve(settings, binary=binary))
+    trio.run(lambda: serve(settings, binary=binary, settle_heap=True))
     exit_now(0)
     return 0  # pragma: no cover - not reached
 
