@@ -122,37 +122,49 @@ async def test_a_plain_request_sent_to_a_stopped_llama_server_is_answered_by_a_n
                 _kill(stopped)
 
 
-async def test_a_plain_answer_whose_llama_server_is_killed_mid_generation_comes_from_a_new_one(model_store: Path) -> None:
+_LONG = {"num_predict": 3000, "num_ctx": 4096, "temperature": 1}
+#: route -> (path, a whole answer of 3,000 tokens, what its answer says when complete). Some are
+#: read from llama-server as a stream (Anthropic's): none of it reaches the client before its end.
+WHOLE_LONG: dict[str, tuple[str, dict[str, Any], str]] = {
+    "ollama generate": ("/api/generate", {"model": "long", "prompt": "hello", "stream": False, "options": _LONG}, "done"),
+    "anthropic messages": ("/v1/messages", {"model": "long", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3000,
+                                            "temperature": 1, "num_ctx": 4096}, "stop_reason"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("route", sorted(WHOLE_LONG))
+async def test_a_plain_answer_whose_llama_server_is_killed_mid_generation_comes_from_a_new_one(model_store: Path, route: str) -> None:
     add_tiny(model_store, "long", context_length=4096)
-    body = {"model": "long", "prompt": "hello", "stream": False, "options": {"num_predict": 3000, "num_ctx": 4096, "temperature": 1}}
+    path, body, complete = WHOLE_LONG[route]
     with trio.fail_after(90):
         async with open_test_server(model_store) as server, httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
             async with trio.open_nursery() as nursery:
                 answers: list[httpx.Response] = []
 
                 async def ask() -> None:
-                    answers.append(await http.post("/api/generate", json=body))
+                    answers.append(await http.post(path, json=body))
 
                 nursery.start_soon(ask)
                 await _generating(server, loads=1)
                 killed = _pid(server)
                 os.kill(killed, signal.SIGKILL)
             [r] = answers
-            assert r.status_code == 200 and r.json()["done"] is True, r.text
+            assert r.status_code == 200 and r.json()[complete], r.text
             stats = server.scheduler.statistics()
             assert stats.loads == 2 and stats.crashes == 1 and _pid(server) != killed
 
 
-async def test_a_plain_answer_whose_llama_server_hangs_mid_generation_comes_from_a_new_one(model_store: Path) -> None:
+@pytest.mark.parametrize("route", sorted(WHOLE_LONG))
+async def test_a_plain_answer_whose_llama_server_hangs_mid_generation_comes_from_a_new_one(model_store: Path, route: str) -> None:
     add_tiny(model_store, "long", context_length=4096)
-    body = {"model": "long", "prompt": "hello", "stream": False, "options": {"num_predict": 3000, "num_ctx": 4096, "temperature": 1}}
+    path, body, complete = WHOLE_LONG[route]
     with trio.fail_after(90):
         async with open_test_server(model_store) as server, httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
             async with trio.open_nursery() as nursery:
                 answers: list[httpx.Response] = []
 
                 async def ask() -> None:
-                    answers.append(await http.post("/api/generate", json=body))
+                    answers.append(await http.post(path, json=body))
 
                 nursery.start_soon(ask)
                 await _generating(server, loads=1)
@@ -164,7 +176,7 @@ async def test_a_plain_answer_whose_llama_server_hangs_mid_generation_comes_from
                 finally:
                     _kill(hung)
             [r] = answers
-            assert r.status_code == 200 and r.json()["done"] is True, r.text
+            assert r.status_code == 200 and r.json()[complete], r.text
             assert ("unhealthy", "long:latest") in [(e.kind, e.model) for e in server.scheduler.events.after()]
 
 

@@ -44,9 +44,15 @@ from trioshed.api.protocols.anthropic import (
 from trioshed.api.protocols.anthropic_stream import MessageStream, encode_events, error_event
 from trioshed.api.protocols.errors import message_for
 from trioshed.api.protocols.options import split_options
-from trioshed.api.upstream import leased_stream, open_upstream, post_upstream, truncated
+from trioshed.api.upstream import (
+    leased_stream,
+    open_upstream,
+    post_upstream,
+    run_again_or_raise,
+    truncated,
+)
 from trioshed.core.model import ModelSpec
-from trioshed.errors import BadRequest, TrioshedError, UpstreamError
+from trioshed.errors import BadRequest, RunnerCrashed, RunnerStalled, TrioshedError, UpstreamError
 from trioshed.models.capabilities import capabilities
 from trioshed.scheduler import Lease
 from trioshed.trace import current as current_trace
@@ -102,19 +108,33 @@ async def messages() -> Response:
         return await leased_stream(st.scheduler, model, prepared.options, prepared.keep_alive,
                                    lambda lease: _relay(lease, up, name), "text/event-stream",
                                    key=prepared.key, fit=fit)  # fmt: skip
-    translator = _translator(up, name)
     async with st.scheduler.acquire(model, prepared.options, prepared.keep_alive, key=prepared.key, fit=fit) as lease:
-        async with open_upstream(lease, up.upstream.path, up.upstream.body) as batches:
-            async for lines in batches:
-                translator.feed_lines(lines)
-                if translator.cut:
-                    break
-        if not translator.finished:
-            raise await truncated(lease)
+        translator = await _whole(lease, up, name)
     message = translator.message()
     if (trace := current_trace.get()) is not None:
         trace.counted_anthropic(message["usage"])
     return Response(json.dumps(message, ensure_ascii=False), content_type="application/json")
+
+
+async def _whole(lease: Lease, up: MessagesUpstream, name: str) -> MessageStream:
+    """A whole answer, read from llama-server's stream: none of it reaches the client before its
+    end, so the request waits for its answer until then (a runner that stops answering is
+    found within seconds), and a runner that dies or hangs on the way costs a rerun on a new
+    runner, as for any whole answer (once: :func:`~trioshed.api.upstream.run_again_or_raise`)."""
+    while True:
+        translator = _translator(up, name)
+        try:
+            with lease.waiting_for_answer():
+                async with open_upstream(lease, up.upstream.path, up.upstream.body) as batches:
+                    async for lines in batches:
+                        translator.feed_lines(lines)
+                        if translator.cut:
+                            break
+            if not translator.finished:
+                raise await truncated(lease)
+            return translator
+        except (RunnerCrashed, RunnerStalled) as exc:
+            await run_again_or_raise(lease, exc)
 
 
 async def _relay(lease: Lease, up: MessagesUpstream, name: str) -> AsyncIterator[bytes]:
