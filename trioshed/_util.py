@@ -45,3 +45,32 @@ def read_toml(path: Path | str, what: str) -> dict[str, Any]:
         raise ValueError(f"{what} {path}: cannot read it: {exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"{what} {path}: not valid TOML: {exc}") from None
+
+
+class RingIndex:
+    """The positions of a ring of ``size`` entries whose columns (arrays of numbers, lists of
+    strings) the owner keeps: allocated once, so that a long-lived entry is not an object of its
+    own among short-lived ones."""
+
+    __slots__ = ("_next", "held", "size")
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.held = 0  # entries held, at most ``size``
+        self._next = 0  # the position the next entry goes to
+
+    def push(self) -> int:
+        """The position for a new entry (the oldest's, once the ring is full)."""
+        at = self._next
+        self._next = (at + 1) % self.size
+        self.held = min(self.held + 1, self.size)
+        return at
+
+    def last(self) -> int | None:
+        """The newest entry's position (None while empty)."""
+        return (self._next - 1) % self.size if self.held else None
+
+    def positions(self) -> Iterator[int]:
+        """The positions held, oldest first."""
+        first = self._next - self.held
+        return ((first + i) % self.size for i in range(self.held))

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, fields
 
 import trio
 
+from trioshed._util import RingIndex
 from trioshed.trace import RequestTrace
 
 RECENT = 200  # requests held
@@ -97,12 +98,10 @@ class RecentRequests:
     """The last :data:`RECENT` finished requests that named a model."""
 
     def __init__(self, size: int = RECENT) -> None:
-        self._size = size
+        self._ring = RingIndex(size)
         self._floats = {name: array("d", bytes(8 * size)) for name in _FLOATS}
         self._ints = {name: array("q", bytes(8 * size)) for name in _INTS}
         self._words: dict[str, list[str]] = {name: [""] * size for name in (*_NAMES, "slow")}
-        self._next = 0  # ring position of the next request
-        self._held = 0
         self._seq = 0
         self._changed = trio.Event()
 
@@ -121,7 +120,7 @@ class RecentRequests:
             trace.status, trace.queue_wait, trace.load_wait, ttft, trace.prompt_tokens,
             trace.eval_tokens, speed, duration, why_slow(trace),
         )  # fmt: skip
-        at = self._next
+        at = self._ring.push()
         for name in _FLOATS:
             value = getattr(item, name)
             self._floats[name][at] = math.nan if value is None else value
@@ -131,8 +130,6 @@ class RecentRequests:
         for name in _NAMES:
             self._words[name][at] = sys.intern(getattr(item, name))
         self._words["slow"][at] = item.slow
-        self._next = (at + 1) % self._size
-        self._held = min(self._held + 1, self._size)
         self._changed.set()
         self._changed = trio.Event()
         return item
@@ -152,12 +149,8 @@ class RecentRequests:
     def after(self, seq: int = 0) -> tuple[FinishedRequest, ...]:
         if seq >= self._seq:
             return ()
-        out = []
-        for i in range(self._held):
-            at = (self._next - self._held + i) % self._size
-            if self._ints["seq"][at] > seq:
-                out.append(self._item(at))
-        return tuple(out)
+        seqs = self._ints["seq"]
+        return tuple(self._item(at) for at in self._ring.positions() if seqs[at] > seq)
 
     async def wait_after(self, seq: int) -> None:
         while self._seq <= seq:

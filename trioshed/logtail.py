@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import trio
 from trio_util import RepeatedEvent
 
+from trioshed._util import RingIndex
+
 CAPACITY = 500  # lines: about 60 KB held, and what a page receives when it (re)connects
 MAX_MESSAGE = 2000  # characters per line: a pasted prompt in a warning must not fill the page
 
@@ -47,8 +49,7 @@ class LogTail(logging.Handler):
         self._levels = [""] * capacity
         self._loggers = [""] * capacity
         self._messages = [""] * capacity
-        self._next = 0  # ring position of the next line
-        self._held = 0
+        self._ring = RingIndex(capacity)
         self._seq = 0
         self._guard = threading.Lock()
         self._changed = RepeatedEvent()
@@ -76,12 +77,10 @@ class LogTail(logging.Handler):
             message = message[:MAX_MESSAGE] + "…"
         with self._guard:
             self._seq += 1
-            at = self._next
+            at = self._ring.push()
             self._seqs[at], self._times[at] = self._seq, record.created
             self._levels[at], self._loggers[at] = sys.intern(record.levelname), sys.intern(record.name)
             self._messages[at] = message
-            self._next = (at + 1) % self.capacity
-            self._held = min(self._held + 1, self.capacity)
         self._wake()
 
     def _wake(self) -> None:
@@ -103,11 +102,10 @@ class LogTail(logging.Handler):
     def since(self, seq: int) -> tuple[list[LogLine], bool]:
         """The lines after ``seq``, and whether some after it are no longer held."""
         with self._guard:
-            lines = []
-            for i in range(self._held):
-                at = (self._next - self._held + i) % self.capacity
-                if self._seqs[at] > seq:
-                    lines.append(LogLine(self._seqs[at], self._times[at], self._levels[at], self._loggers[at], self._messages[at]))
+            lines = [
+                LogLine(self._seqs[at], self._times[at], self._levels[at], self._loggers[at], self._messages[at])
+                for at in self._ring.positions() if self._seqs[at] > seq
+            ]  # fmt: skip
         gap = bool(lines) and lines[0].seq > seq + 1
         return lines, gap
 

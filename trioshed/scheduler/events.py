@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import trio
 
+from trioshed._util import RingIndex
 from trioshed.errors import TrioshedError
 
 HISTORY = 1024  # events held; /metrics is scraped far more often than this many loads happen
@@ -51,8 +52,8 @@ class SchedulerEvent:
 class EventHistory:
     """The last :data:`HISTORY` events and a way to wait for the next one.
 
-    Held as a ring allocated once: each event's numbers in arrays and its names (interned: a
-    thousand events name a few models and causes) in lists; :meth:`after` builds the
+    Held as a ring allocated once (:class:`~trioshed._util.RingIndex`): each event's numbers in
+    arrays, its kind and model (interned: a thousand events name a few) and its reason in lists; :meth:`after` builds the
     :class:`SchedulerEvent`\\ s it returns. An event lives for minutes (the soak: ~3 a second), and
     an object per event (with its time, its sequence number) held a few small blocks each among
     short-lived ones in CPython's arenas, which an arena goes back only once all of its blocks are
@@ -60,17 +61,15 @@ class EventHistory:
     """
 
     def __init__(self, size: int = HISTORY) -> None:
-        self._size = size
+        self._ring = RingIndex(size)
         self._seqs = array("q", bytes(8 * size))
         self._times = array("d", bytes(8 * size))
         self._seconds = array("d", bytes(8 * size))
-        self._statuses = array("l", bytes(array("l").itemsize * size))
+        self._statuses = array("q", bytes(8 * size))
         self._counts = array("q", bytes(8 * size))
         self._kinds = [""] * size
         self._models = [""] * size
         self._reasons = [""] * size
-        self._next = 0  # ring position the next event goes to
-        self._held = 0
         self._seq = 0
         self._changed = trio.Event()  # swapped for a fresh one on every change
 
@@ -82,22 +81,22 @@ class EventHistory:
     def add(self, kind: str, model: str, reason: str = "", seconds: float = 0.0, status: int = 0) -> None:
         now = time.time()
         self._seq += 1
-        last = (self._next - 1) % self._size
+        last = self._ring.last()
         if (
             kind == "refused"
-            and self._held
+            and last is not None
             and (self._kinds[last], self._models[last], self._reasons[last], self._statuses[last]) == (kind, model, reason, status)
         ):
             self._seqs[last] = self._seq
             self._times[last] = now
             self._counts[last] += 1
         else:
-            at = self._next
+            at = self._ring.push()
             self._seqs[at], self._times[at], self._seconds[at] = self._seq, now, seconds
             self._statuses[at], self._counts[at] = status, 1
-            self._kinds[at], self._models[at], self._reasons[at] = sys.intern(kind), sys.intern(model), sys.intern(reason)
-            self._next = (at + 1) % self._size
-            self._held = min(self._held + 1, self._size)
+            # kinds and models are a few names, interned; a reason may be any text (a crash's
+            # output), kept as it is rather than adding to the interpreter's table of names
+            self._kinds[at], self._models[at], self._reasons[at] = sys.intern(kind), sys.intern(model), reason
         self._changed.set()
         self._changed = trio.Event()
 
@@ -111,15 +110,13 @@ class EventHistory:
         they saw (``/metrics`` counts refusals from the HTTP edge, not from here)."""
         if seq >= self._seq:
             return ()
-        out = []
-        for i in range(self._held):
-            at = (self._next - self._held + i) % self._size
-            if self._seqs[at] > seq:
-                out.append(SchedulerEvent(
-                    self._seqs[at], self._times[at], self._kinds[at], self._models[at], self._reasons[at],
-                    self._seconds[at], self._statuses[at], self._counts[at],
-                ))  # fmt: skip
-        return tuple(out)
+        return tuple(
+            SchedulerEvent(
+                self._seqs[at], self._times[at], self._kinds[at], self._models[at], self._reasons[at],
+                self._seconds[at], self._statuses[at], self._counts[at],
+            )
+            for at in self._ring.positions() if self._seqs[at] > seq
+        )  # fmt: skip
 
     async def wait_after(self, seq: int) -> tuple[SchedulerEvent, ...]:
         """Wait until there is an event newer than ``seq``; return those held (oldest first)."""
