@@ -5,6 +5,7 @@ runner is started; ``/api/show``'s ``capabilities`` is the single source."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from trioshed.api.protocols.anthropic import messages_needs
 from trioshed.api.protocols.ollama import needs
 from trioshed.api.protocols.openai_chat import chat_needs
 from trioshed.testing.server import open_test_server
-from trioshed.testing.tiny import CHATML_TEMPLATE
+from trioshed.testing.tiny import CHATML_TEMPLATE, write_tiny_model
 
 pytestmark = pytest.mark.usefixtures("no_leaked_runner")
 
@@ -110,3 +111,34 @@ async def test_what_the_model_can_do_is_served(model_store: Path) -> None:
             r = await http.post("/api/chat", json={"model": "toolsy", "messages": USER, "think": False, "stream": False, "options": opts})
             assert r.status_code == 200, r.text
             assert server.scheduler.statistics().leased == 0
+
+
+def test_a_models_capabilities_are_worked_out_once_per_version_of_its_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Read per request, they are worked out once per header read (a file version) and per
+    projector version: a changed projector file, or a new header, is looked at again."""
+    from trioshed.api import preamble
+    from trioshed.core.model import ModelSpec
+    from trioshed.models.gguf_meta import read_metadata
+
+    write_tiny_model(tmp_path / "m.gguf")
+    projector = tmp_path / "mmproj-m.gguf"
+    projector.write_bytes(b"not yet a projector")
+    calls: list[bool] = []
+    real = preamble.capabilities
+
+    def counted(*args: Any, **kwargs: Any) -> list[str]:
+        calls.append(kwargs["projector"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(preamble, "capabilities", counted)
+    spec = ModelSpec(name="m:latest", path=str(tmp_path / "m.gguf"), projector=str(projector))
+    meta = read_metadata(spec.path)
+    first = preamble.capabilities_of(spec, meta)
+    assert preamble.capabilities_of(spec, meta) == first and len(calls) == 1
+    first.append("mutated")  # a caller's copy
+    assert "mutated" not in preamble.capabilities_of(spec, meta) and len(calls) == 1
+    projector.write_bytes(b"a different projector file")
+    preamble.capabilities_of(spec, meta)
+    assert len(calls) == 2
+    preamble.capabilities_of(spec, dataclasses.replace(meta))  # another read of the header: a new file version
+    assert len(calls) == 3

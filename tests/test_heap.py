@@ -7,6 +7,7 @@ import platform
 import subprocess
 import sys
 import threading
+from collections.abc import Awaitable, Callable
 
 import pytest
 import trio
@@ -17,6 +18,21 @@ from trio_util import RepeatedEvent
 from trioshed import heap
 
 
+class Changes:
+    """A scheduler's changes as the trimmer reads them: an event, and when it was last set."""
+
+    def __init__(self) -> None:
+        self.event = RepeatedEvent()
+        self.at = 0.0
+
+    def set(self) -> None:
+        self.at = trio.current_time()
+        self.event.set()
+
+    def start(self, idle: Callable[[], bool], **kw: float) -> Callable[[], Awaitable[None]]:
+        return lambda: heap.trim_when_quiet(self.event.wait, idle, lambda: self.at, **kw)
+
+
 @pytest.fixture
 def trims(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     done: list[float] = []
@@ -25,9 +41,9 @@ def trims(monkeypatch: pytest.MonkeyPatch) -> list[float]:
 
 
 async def test_a_quiet_idle_server_trims_once_after_each_spell_of_activity(autojump_clock: trio.testing.MockClock, trims: list[float]) -> None:
-    changes, idle = RepeatedEvent(), [True]
+    changes, idle = Changes(), [True]
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(lambda: heap.trim_when_quiet(changes.wait, lambda: idle[0]))
+        nursery.start_soon(changes.start(lambda: idle[0]))
         await trio.sleep(10)
         assert trims == []  # nothing happened: nothing to give back
         for _ in range(20):  # a load: a change every 0.1 s
@@ -45,7 +61,28 @@ async def test_a_quiet_idle_server_trims_once_after_each_spell_of_activity(autoj
         nursery.cancel_scope.cancel()
 
 
-async def _load(changes: RepeatedEvent, seconds: float, *, hold_for_threads: bool = False) -> None:
+async def test_a_spell_of_activity_wakes_the_trimmer_once_per_quiet_period_not_per_change(
+    autojump_clock: trio.testing.MockClock, trims: list[float]
+) -> None:
+    changes, looks = Changes(), [0]
+
+    def last_change() -> float:
+        looks[0] += 1
+        return changes.at
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(lambda: heap.trim_when_quiet(changes.event.wait, lambda: True, last_change))
+        await trio.sleep(1)
+        for _ in range(1000):  # ten seconds of a change every 10 ms
+            changes.set()
+            await trio.sleep(0.01)
+        await trio.sleep(heap.QUIET + 0.01)
+        nursery.cancel_scope.cancel()
+    assert len(trims) == 1 and trims[0] == pytest.approx(11.0 - 0.01 + heap.QUIET, abs=0.02)
+    assert looks[0] <= 3 * (10 / heap.QUIET + 2)  # a few looks per quiet period, not one per change (1,000)
+
+
+async def _load(changes: Changes, seconds: float, *, hold_for_threads: bool = False) -> None:
     """A change every 0.1 s: never quiet. ``hold_for_threads``: while a worker thread runs, stay
     runnable so that the autojump clock does not move on (how long a thread takes is real time)."""
     limiter = trio.to_thread.current_default_thread_limiter()
@@ -67,9 +104,9 @@ async def test_a_load_that_never_goes_quiet_trims_every_busy_period_in_a_worker_
         return True
 
     monkeypatch.setattr(heap, "trim", fake_trim)
-    changes = RepeatedEvent()
+    changes = Changes()
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(lambda: heap.trim_when_quiet(changes.wait, lambda: False))
+        nursery.start_soon(changes.start(lambda: False))
         await trio.sleep(5)
         await _load(changes, 3.5 * heap.BUSY_EVERY, hold_for_threads=True)
         assert [round(t) for t, _ in done] == [round(heap.BUSY_EVERY * n) for n in (1, 2, 3)]
@@ -88,9 +125,9 @@ async def test_a_busy_trim_does_not_hold_the_event_loop(autojump_clock: trio.tes
         return True
 
     monkeypatch.setattr(heap, "trim", slow_trim)
-    changes = RepeatedEvent()
+    changes = Changes()
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(lambda: heap.trim_when_quiet(changes.wait, lambda: False, busy_every=1.0))
+        nursery.start_soon(changes.start(lambda: False, busy_every=1.0))
         nursery.start_soon(_load, changes, 30.0)
         await began.wait()
         ticks = 0

@@ -104,14 +104,19 @@ def trim() -> bool:
 async def trim_when_quiet(
     wait_changed: Callable[[], Awaitable[Any]],
     idle: Callable[[], bool],
+    last_change: Callable[[], float],
     *,
     quiet: float = QUIET,
     busy_every: float = BUSY_EVERY,
 ) -> None:
-    """Until cancelled: after each spell of activity (``wait_changed`` returns on every change
-    of the scheduler), once nothing changed for ``quiet`` seconds and ``idle()`` holds, trim; and
-    within a spell that goes on, trim in a worker thread once ``busy_every`` seconds have passed
-    since the last trim.
+    """Until cancelled: after each spell of activity (``wait_changed`` returns on a change of the
+    scheduler; ``last_change()`` is when it last changed, on Trio's clock), once nothing changed
+    for ``quiet`` seconds and ``idle()`` holds, trim; and within a spell that goes on, trim in a
+    worker thread once ``busy_every`` seconds have passed since the last trim.
+
+    Within a spell it wakes once per ``quiet`` seconds at most, not on every change: a request
+    changes the scheduler two or three times, and a wake-up of this task each time was part of
+    every request's cost.
 
     Cancellation: a busy trim under way in its worker thread is waited for (about a millisecond).
     """
@@ -120,14 +125,14 @@ async def trim_when_quiet(
     last = trio.current_time()
     while True:
         await wait_changed()
-        while True:
-            with trio.move_on_after(quiet) as waited:
-                await wait_changed()
-            if waited.cancelled_caught:
-                break
-            if trio.current_time() - last >= busy_every:
-                last = trio.current_time()
+        first = last_change()
+        while (due := last_change() + quiet) > (now := trio.current_time()):
+            going_on = last_change() != first  # a spell, not a lone change
+            if going_on and now - last >= busy_every:
+                last = now
                 await trio.to_thread.run_sync(trim)
+                continue
+            await trio.sleep_until(min(due, last + busy_every) if going_on else due)
         if idle():
             last = trio.current_time()
             trim()

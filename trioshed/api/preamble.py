@@ -10,6 +10,7 @@ do (tools, thinking, images, generating with an embedding model) as Ollama does.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -248,14 +249,40 @@ async def model_capabilities(spec: ModelSpec) -> list[str] | None:
     return capabilities_of(spec, meta)
 
 
+#: :func:`capabilities_of`'s answers, by the header they were read from (a header is read once
+#: per file version and compares by identity) and what else they depend on: worked out once per
+#: model version, not on every request (it walks every tensor's name).
+_CAPABILITIES: dict[tuple[GGUFMetadata, str, str, str, tuple[int, int] | None], list[str]] = {}
+_CAPABILITIES_KEPT = 64
+
+
 def capabilities_of(spec: ModelSpec, meta: GGUFMetadata) -> list[str]:
     """What the model can do, from its header (and its Ollama manifest's template, if any)."""
     origin = spec.origin if isinstance(spec.origin, OllamaManifest) else None
     template = (origin.template if origin else "") or meta.chat_template or ""
     family = (origin.family if origin else "") or meta.architecture or ""
+    key = (meta, template, family, spec.projector or "", _version(spec.projector))
+    kept = _CAPABILITIES.get(key)
+    if kept is not None:
+        return list(kept)
     names = (t.name for t in meta.tensors)
-    return capabilities(meta.fields, template, projector=bool(spec.projector), projector_fields=_projector_fields(spec),
-                        family=family, tensor_names=names)  # fmt: skip
+    found = capabilities(meta.fields, template, projector=bool(spec.projector), projector_fields=_projector_fields(spec),
+                         family=family, tensor_names=names)  # fmt: skip
+    if len(_CAPABILITIES) >= _CAPABILITIES_KEPT:
+        _CAPABILITIES.clear()
+    _CAPABILITIES[key] = found
+    return list(found)
+
+
+def _version(path: str | None) -> tuple[int, int] | None:
+    """A file's version (mtime, size), None without one or when it cannot be read."""
+    if not path:
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_size
 
 
 def _projector_fields(spec: ModelSpec) -> Mapping[str, Any] | None:

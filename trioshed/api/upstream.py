@@ -316,6 +316,7 @@ class LeasedBody:
         self._lease = lease
         self._body = body
         self._token = trio.lowlevel.current_trio_token()
+        self._ended = False  # read to its end: nothing left to close
 
     def __aiter__(self) -> LeasedBody:
         return self
@@ -323,11 +324,17 @@ class LeasedBody:
     async def __anext__(self) -> bytes:
         try:
             return await self._body.__anext__()
+        except StopAsyncIteration:
+            self._ended = True
+            self._lease.release()
+            raise
         except BaseException:
             self._lease.release()
             raise
 
     async def aclose(self) -> None:
+        if self._ended:  # read to its end: the lease went back then
+            return
         try:
             aclose: Callable[[], Any] | None = getattr(self._body, "aclose", None)
             if aclose is not None:

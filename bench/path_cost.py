@@ -1,0 +1,231 @@
+"""What a short request costs trioshed beyond a bare relay, counted call by call.
+
+``python -m bench.path_cost`` starts one ``llama-server`` (a tiny random llama, ``-t 1``, 4
+slots), trioshed over the same model (its own runner, same flags) and :mod:`bench.bare_forward`
+in front of the direct server (hypercorn and trioshed's own upstream client relaying the bytes,
+nothing else). Then, one client at a time, streamed answers of 8 tokens (Ollama's raw
+``/api/generate`` through trioshed, llama-server's ``/completion`` through the bare forwarder,
+which is what trioshed sends upstream for it):
+
+1. **CPU per request** of each proxy process (user + system, psutil), in rounds that alternate;
+2. **Python calls per request**, each attributed to the nearest frame of the repository's own
+   code on its stack (a library call made from ``trioshed/api/fast.py:_serve`` counts for
+   ``_serve``; the event loop's own calls count for the function that runs it), by a profile
+   hook that a ``sitecustomize`` installs in both proxies and that is switched on only for the
+   counted block (``SIGUSR1`` on, ``SIGUSR2`` off and written out). The hook slows the process
+   several times over, so CPU is measured in blocks without it.
+
+Calls are exact and repeatable where CPU time on a shared 2-core machine is not: the difference
+between the two proxies' calls, by owner, is where trioshed's own per-request CPU goes.
+``--json PATH`` keeps everything; the markdown table goes to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import psutil
+import trio
+
+from bench import procs
+from bench.fleet_forward import open_bare_forward
+from bench.relay import run_block
+
+_REPO = str(Path(__file__).resolve().parent.parent) + "/"
+
+HOOK = """
+import collections, json, os, signal, sys
+_counts = collections.Counter()
+_root = os.environ["PATH_COST_ROOT"]
+_own = (_root + "trioshed/", _root + "bench/")
+def _hook(frame, event, arg):
+    if event != "call":
+        return
+    f = frame
+    while f is not None:
+        name = f.f_code.co_filename
+        if name.startswith(_own):
+            _counts[name[len(_root):] + ":" + f.f_code.co_name] += 1
+            return
+        f = f.f_back
+    _counts["(no frame of the repository)"] += 1
+def _on(*_):
+    _counts.clear()
+    sys.setprofile(_hook)
+def _off(*_):
+    sys.setprofile(None)
+    with open(os.environ["PATH_COST_OUT"] + ".tmp", "w") as out:
+        json.dump(_counts, out)
+    os.replace(os.environ["PATH_COST_OUT"] + ".tmp", os.environ["PATH_COST_OUT"])
+signal.signal(signal.SIGUSR1, _on)
+signal.signal(signal.SIGUSR2, _off)
+"""
+
+#: owner (a prefix of ``path:function``) -> the part of a request it is, for the summary
+PARTS: tuple[tuple[str, str], ...] = (
+    ("trioshed/api/http.py", "shared: hypercorn reading the request and writing to the socket"),
+    ("trioshed/runner/process.py", "other (background tasks, the runner's log reader)"),
+    ("trioshed/runner/", "shared: the upstream client (connect, send, read, de-chunk)"),
+    ("trioshed/api/wrapper.py:send_and_end", "shared: the answer's way through hypercorn and h11"),
+    ("bench/bare_forward.py:app", "shared: the answer's way through hypercorn and h11"),
+    ("trioshed/cli/", "the event loop (its iterations and task switches)"),
+    ("bench/bare_forward.py:main", "the event loop (its iterations and task switches)"),
+    ("trioshed/api/drain.py", "the request wrapper: drain guard, a bounded wait per upstream read"),
+    ("trioshed/api/fast.py", "the request wrapper: body, disconnect watch, answer"),
+    ("trioshed/api/wrapper.py", "the request wrapper: trace, gate, CORS"),
+    ("trioshed/api/observe.py", "the end of the request: metrics, activity, usage"),
+    ("trioshed/api/metrics.py", "the end of the request: metrics, activity, usage"),
+    ("trioshed/activity.py", "the end of the request: metrics, activity, usage"),
+    ("trioshed/usage/", "the end of the request: metrics, activity, usage"),
+    ("trioshed/api/state.py", "the end of the request: metrics, activity, usage"),
+    ("trioshed/api/upstream.py", "the upstream stream: lease, bounded reads, batching"),
+    ("trioshed/api/protocols/", "the translation (Ollama's chunks)"),
+    ("trioshed/api/ollama.py", "the route (Ollama generate)"),
+    ("trioshed/api/preamble.py", "the route's preamble: options, need, capabilities"),
+    ("trioshed/core/", "the route's preamble: options, need, capabilities"),
+    ("trioshed/models/", "model resolution (the store's folders)"),
+    ("trioshed/scheduler/", "the scheduler: lease, wake-ups, release"),
+    ("trioshed/", "other (background tasks, the runner's log reader)"),
+    ("bench/", "other (background tasks, the runner's log reader)"),
+)
+
+
+def part_of(owner: str) -> str:
+    return next((label for prefix, label in PARTS if owner.startswith(prefix)), "outside the repository")
+
+
+async def _counted(pid: int, out: Path, work: Any) -> tuple[Any, Counter[str]]:
+    os.kill(pid, signal.SIGUSR1)
+    await trio.sleep(0.3)
+    result = await work()
+    os.kill(pid, signal.SIGUSR2)
+    written = trio.Path(out)
+    with trio.fail_after(10):
+        while not await written.exists():  # noqa: ASYNC110 (another process writes it)
+            await trio.sleep(0.05)
+    counts = Counter(json.loads(await written.read_text()))
+    await written.unlink()
+    return result, counts
+
+
+async def run(*, requests: int = 1000, rounds: int = 4, say: Any = print) -> dict[str, Any]:
+    from trioshed.testing.tiny import write_tiny_model
+
+    doc: dict[str, Any] = {"load_before": os.getloadavg(), "requests": requests, "rounds": rounds}
+    with tempfile.TemporaryDirectory(prefix="path-cost-") as tmp:
+        base = Path(tmp)
+        models = base / "models"
+        models.mkdir()
+        write_tiny_model(models / "tiny.gguf")
+        hook = base / "hook"
+        hook.mkdir()
+        (hook / "sitecustomize.py").write_text(HOOK)
+        flags = procs.RunnerFlags(parallel=4, ctx_per_slot=256)
+        pythonpath = os.pathsep.join([str(hook), _REPO.rstrip("/"), os.environ.get("PYTHONPATH", "")])
+        ts_env = {"PYTHONPATH": pythonpath, "PATH_COST_ROOT": _REPO, "PATH_COST_OUT": str(base / "trioshed.json")}
+        os.environ.update({"PATH_COST_ROOT": _REPO, "PATH_COST_OUT": str(base / "bare.json")})
+        old_path = os.environ.get("PYTHONPATH", "")
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(hook), old_path])
+        try:
+            async with procs.open_direct("tiny", models / "tiny.gguf", flags, base / "logs") as direct, \
+                    procs.open_trioshed(models, flags, base / "logs", max_loaded=1, extra_env=ts_env) as ts, \
+                    open_bare_forward(direct.base_url, base / "logs", llama_server=True) as bare:  # fmt: skip
+                targets = {
+                    "trioshed": (int(ts.base_url.rsplit(":", 1)[1]), ts.pid, "ollama-generate"),
+                    "bare": (int(bare.base_url.rsplit(":", 1)[1]), bare.pid, "native"),
+                }
+                for port, pid, protocol in targets.values():  # loads, imports, warms
+                    await run_block(port, pid, protocol, "tiny", 1, 8, 100)
+                cpu: dict[str, list[float]] = {t: [] for t in targets}
+                wall: dict[str, list[float]] = {t: [] for t in targets}
+                for r in range(rounds):
+                    for name in (list(targets) if r % 2 == 0 else list(reversed(targets))):
+                        port, pid, protocol = targets[name]
+                        block = await run_block(port, pid, protocol, "tiny", 1, 8, requests)
+                        if block.failed:
+                            raise RuntimeError(f"{name}: {block.failed} of {requests} requests failed")
+                        cpu[name].append(block.cpu_s / requests * 1e6)
+                        wall[name].append(block.wall_s / requests * 1e3)
+                calls: dict[str, Counter[str]] = {}
+                for name, (port, pid, protocol) in targets.items():
+                    out = base / f"{name}.json"
+                    _, counted = await _counted(pid, out, lambda: run_block(port, pid, protocol, "tiny", 1, 8, requests))  # noqa: B023
+                    calls[name] = counted
+        finally:
+            os.environ["PYTHONPATH"] = old_path
+    doc["cpu_us_per_request"] = cpu
+    doc["wall_ms_per_request"] = wall
+    doc["calls_per_request"] = {t: {k: v / requests for k, v in c.most_common()} for t, c in calls.items()}
+    doc["load_after"] = os.getloadavg()
+    doc["when"] = time.strftime("%Y-%m-%d %H:%M")
+    say(markdown(doc))
+    return doc
+
+
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def markdown(doc: dict[str, Any], *, top: int = 25) -> str:
+    cpu, wall, calls = doc["cpu_us_per_request"], doc["wall_ms_per_request"], doc["calls_per_request"]
+    ts, bare = calls["trioshed"], calls["bare"]
+    lines = [
+        f"c=1, streamed answers of 8 tokens, {doc['requests']} requests a block, {doc['rounds']} rounds ({doc['when']}, "
+        f"load average {doc['load_before'][0]:.2f} before, {doc['load_after'][0]:.2f} after)",
+        "",
+        "| | trioshed (Ollama raw generate) | bare forwarder (`/completion`) | difference |",
+        "| --- | ---: | ---: | ---: |",
+        f"| CPU per request, median of rounds (us) | {_median(cpu['trioshed']):.0f} | {_median(cpu['bare']):.0f} | "
+        f"{_median(cpu['trioshed']) - _median(cpu['bare']):+.0f} |",
+        f"| wall per request, median of rounds (ms) | {_median(wall['trioshed']):.2f} | {_median(wall['bare']):.2f} | "
+        f"{_median(wall['trioshed']) - _median(wall['bare']):+.2f} |",
+        f"| Python calls per request | {sum(ts.values()):.0f} | {sum(bare.values()):.0f} | {sum(ts.values()) - sum(bare.values()):+.0f} |",
+        "",
+        "By part (Python calls per request, each counted for the nearest frame of the repository's code):",
+        "",
+        "| part | trioshed | bare forwarder |",
+        "| --- | ---: | ---: |",
+    ]
+    parts_ts: Counter[str] = Counter()
+    parts_bare: Counter[str] = Counter()
+    for owner, n in ts.items():
+        parts_ts[part_of(owner)] += n
+    for owner, n in bare.items():
+        parts_bare[part_of(owner)] += n
+    for part in sorted(set(parts_ts) | set(parts_bare), key=lambda p: -(parts_ts[p] + parts_bare[p])):
+        lines.append(f"| {part} | {parts_ts[part]:.0f} | {parts_bare[part]:.0f} |")
+    lines += ["", f"trioshed's functions with the most calls outside the shared parts (top {top}):", "",
+              "| function (with the library code it calls) | calls per request |", "| --- | ---: |"]  # fmt: skip
+    own = [(k, v) for k, v in ts.items() if not part_of(k).startswith("shared")]
+    for owner, n in sorted(own, key=lambda kv: -kv[1])[:top]:
+        lines.append(f"| `{owner}` | {n:.1f} |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=1000, help="requests a block")
+    parser.add_argument("--rounds", type=int, default=4, help="CPU blocks per proxy, alternating")
+    parser.add_argument("--json", type=Path, help="write the figures here")
+    args = parser.parse_args(argv)
+    doc = trio.run(lambda: procs.run_until_signalled(lambda: run(requests=args.requests, rounds=args.rounds)))
+    if args.json:
+        args.json.write_text(json.dumps(doc, indent=1))
+    print(f"\n({psutil.cpu_count()} CPUs)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
