@@ -19,6 +19,12 @@ sub-folder holding one model (llama.cpp's router layout: the model is named afte
 The folder is re-read on each lookup (a stat per file: cheap), so models copied in while
 trioshed runs appear at once; ``models.toml`` is re-parsed when its size or mtime changes
 (or on :meth:`ModelStore.reload`), and its problems are logged each time it is.
+
+A lookup, the listing and hashing work on paths as strings (``os.path``), not ``pathlib``: on
+CPython 3.11 ``pathlib`` interns every part of a path it parses (``sys.intern``), and a model's
+file name interned for one request and freed after it leaves a dead entry in the interpreter's
+table of interned strings. One per request doubled that table (0.94 MB to 1.88 MB, for good)
+after ~6,000 requests of a soak (``tests/test_interned.py``).
 """
 
 from __future__ import annotations
@@ -59,22 +65,26 @@ class ModelStore:
         self._digests: dict[str, _DigestCacheEntry] = {}
         self._catalogue: tuple[tuple[int, int, int] | None, Catalogue] | None = None
         #: folder -> (its identity when scanned, its pairing); file identity -> architecture
-        self._pairings: dict[Path, tuple[tuple[int, int], FolderPairing]] = {}
+        self._pairings: dict[str, tuple[tuple[int, int], FolderPairing]] = {}
         self._architectures: dict[tuple[str, int, int], str | None] = {}
 
-    def _inside(self, file: Path) -> bool:
+    @property
+    def _root(self) -> str:
+        return str(self.root)
+
+    def _inside(self, file: str | Path) -> bool:
         """Whether ``file`` (in the store folder) really lies in it: a symlink pointing out of the
         store is followed only with TRIOSHED_ALLOW_SYMLINKS (models.toml can name any path)."""
         if self.allow_symlinks:
             return True
+        file = os.fspath(file)
+        if os.path.dirname(file) == self._root and not os.path.islink(file):
+            return True  # a file right in the folder, not a link: where the folder is (one lstat)
         try:
-            if file.parent == self.root and not file.is_symlink():
-                return (
-                    True  # a file right in the folder, not a link: where the folder is (one lstat)
-                )
-            return file.resolve().is_relative_to(self.root.resolve())
-        except OSError:
+            real, root = os.path.realpath(file), os.path.realpath(self._root)
+        except (OSError, ValueError):
             return False
+        return real == root or real.startswith(root.rstrip(os.sep) + os.sep)
 
     @property
     def toml_path(self) -> Path:
@@ -105,22 +115,22 @@ class ModelStore:
         return catalogue
 
     def _spec_from_file(
-        self, full_name: str, path: Path, stat: os.stat_result | None = None, **extra: object
+        self, full_name: str, path: str, stat: os.stat_result | None = None, **extra: object
     ) -> ModelSpec:
-        stat = stat or path.stat()
+        stat = stat or os.stat(path)
         return ModelSpec(
-            name=full_name, path=str(path), size=stat.st_size, modified=stat.st_mtime, **extra  # type: ignore[arg-type]
+            name=full_name, path=path, size=stat.st_size, modified=stat.st_mtime, **extra  # type: ignore[arg-type]
         )
 
     def _spec_from_entry(self, entry: Entry, name: str) -> ModelSpec:
         for what, path in (("path", entry.path), *(("adapter", a) for a in entry.adapters),
                            *((("projector", entry.projector),) if entry.projector else ())):  # fmt: skip
-            if not Path(path).is_file():
+            if not os.path.isfile(path):
                 raise BadRequest(f"models.toml: {what} {path!r} of model '{name}' does not exist")
-        projector, problem = (entry.projector, "") if entry.projector else self.projector_of(Path(entry.path))
+        projector, problem = (entry.projector, "") if entry.projector else self.projector_of(entry.path)
         return self._spec_from_file(
             name,
-            Path(entry.path),
+            entry.path,
             adapters=entry.adapters,
             projector=projector,
             projector_problem=problem,
@@ -143,9 +153,9 @@ class ModelStore:
             return self._spec_from_entry(entry, full)
         if tag != "latest":
             raise ModelNotFound(name)
-        file = self.root / f"{base}.gguf"
+        file = os.path.join(self._root, f"{base}.gguf")
         try:
-            found = file.stat()
+            found = os.stat(file)
         except (OSError, ValueError):
             return self._resolve_subfolder(name, base)
         if not stat_module.S_ISREG(found.st_mode):
@@ -155,20 +165,20 @@ class ModelStore:
                 f"model '{name}' is a symlink to a file outside the model store; name that file in "
                 "models.toml, or set TRIOSHED_ALLOW_SYMLINKS=1 to follow such links"
             )
-        if self._is_projector(file.name, found, str(file)):
+        if self._is_projector(f"{base}.gguf", found, file):
             raise ModelNotFound(name)  # a projector goes with its model, it is not one
         projector, problem = self.projector_of(file)
         return self._spec_from_file(full, file, found, projector=projector, projector_problem=problem)
 
     def _resolve_subfolder(self, name: str, base: str) -> ModelSpec:
         """``base/`` holding one model (and maybe its projector): llama.cpp's router layout."""
-        folder = self.root / base
-        if base.startswith(".") or not folder.is_dir() or not self._inside(folder):
+        folder = os.path.join(self._root, base)
+        if base.startswith(".") or not os.path.isdir(folder) or not self._inside(folder):
             raise ModelNotFound(name)
         models = [n for n in self._names(folder) if n not in self._pairing(folder).projectors]
         if len(models) != 1:
             raise ModelNotFound(name)
-        file = folder / models[0]
+        file = os.path.join(folder, models[0])
         if not self._inside(file):
             raise ModelNotFound(name)
         projector, problem = self.projector_of(file)
@@ -176,18 +186,18 @@ class ModelStore:
 
     # -- projectors --------------------------------------------------------------------------
 
-    def projector_of(self, model: Path) -> tuple[str | None, str]:
+    def projector_of(self, model: str | Path) -> tuple[str | None, str]:
         """The projector that goes with the model file ``model`` on its own (its folder's
         pairing), or None and why not when the folder leaves it ambiguous ("" when it holds
         none for it). Only folders of this store are paired."""
-        folder = model.parent
-        if folder != self.root and folder.parent != self.root:
+        folder, name = os.path.split(os.fspath(model))
+        if folder != self._root and os.path.dirname(folder) != self._root:
             return None, ""
         pairing = self._pairing(folder)
-        paired = pairing.paired.get(model.name)
-        return (str(folder / paired), "") if paired else (None, pairing.ambiguous.get(model.name, ""))
+        paired = pairing.paired.get(name)
+        return (os.path.join(folder, paired), "") if paired else (None, pairing.ambiguous.get(name, ""))
 
-    def _names(self, folder: Path) -> list[str]:
+    def _names(self, folder: str) -> list[str]:
         try:
             with os.scandir(folder) as found:
                 return sorted(e.name for e in found if e.name.endswith(".gguf") and not e.name.startswith("."))
@@ -206,11 +216,11 @@ class ModelStore:
             self._architectures[key] = first_architecture(path)
         return self._architectures[key] == "clip"
 
-    def _pairing(self, folder: Path) -> FolderPairing:
+    def _pairing(self, folder: str) -> FolderPairing:
         """``folder``'s pairing, scanned again when the folder changed (its mtime); an
         ambiguous pairing is logged each time it is scanned."""
         try:
-            st = folder.stat()
+            st = os.stat(folder)
         except OSError:
             return FolderPairing()
         identity = (st.st_mtime_ns, st.st_ino)
@@ -221,13 +231,14 @@ class ModelStore:
         by_header = set()
         for n in names:
             try:
-                if not is_projector_name(n) and self._is_projector(n, (folder / n).stat(), str(folder / n)):
+                path = os.path.join(folder, n)
+                if not is_projector_name(n) and self._is_projector(n, os.stat(path), path):
                     by_header.add(n)
             except OSError:
                 continue
         pairing = pair_folder(names, projectors=by_header)
         for model, why in sorted(pairing.ambiguous.items()):
-            log.warning("no projector for %s: %s; name it in models.toml (projector = \"...\")", folder / model, why)
+            log.warning("no projector for %s: %s; name it in models.toml (projector = \"...\")", os.path.join(folder, model), why)
         self._pairings[folder] = (identity, pairing)
         return pairing
 
@@ -244,7 +255,7 @@ class ModelStore:
                 entries = sorted((e for e in found if not e.name.startswith(".")), key=lambda e: e.name)
         except OSError:  # no folder (yet), or not one
             entries = []
-        pairing = self._pairing(self.root) if entries else FolderPairing()
+        pairing = self._pairing(self._root) if entries else FolderPairing()
         folders: list[str] = []
         # One stat per file: a store of thousands lists in milliseconds (the glob, the
         # is_file and two resolves per file were ~17 system calls each).
@@ -260,12 +271,12 @@ class ModelStore:
                 st = found_file.stat()  # follows a symlink
             except OSError:
                 continue  # a dangling link, or gone since
-            if not stat_module.S_ISREG(st.st_mode) or (found_file.is_symlink() and not self._inside(Path(found_file.path))):
+            if not stat_module.S_ISREG(st.st_mode) or (found_file.is_symlink() and not self._inside(found_file.path)):
                 continue
             name = f"{stem}:latest"
             paired = pairing.paired.get(found_file.name)
             specs[name] = ModelSpec(name=name, path=found_file.path, size=st.st_size, modified=st.st_mtime,
-                                    projector=str(self.root / paired) if paired else None,
+                                    projector=os.path.join(self._root, paired) if paired else None,
                                     projector_problem=pairing.ambiguous.get(found_file.name, ""))  # fmt: skip
         for folder in folders:
             if f"{folder}:latest" not in specs:
@@ -282,7 +293,7 @@ class ModelStore:
 
     def digest(self, spec: ModelSpec) -> str:
         """sha256 of the GGUF file, cached by (size, mtime). Blocking: call in a thread."""
-        stat = Path(spec.path).stat()
+        stat = os.stat(spec.path)
         key = (stat.st_size, stat.st_mtime_ns)
         cached = self._digests.get(spec.path)
         if cached and cached.key == key:
