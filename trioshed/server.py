@@ -251,7 +251,7 @@ async def serve(
                     nursery.start_soon(_receive_signals, app)
                     nursery.start_soon(reload_on_sighup, state)
                 nursery.start_soon(_drain_on_request, app, scheduler, settings.shutdown_timeout, http_stopped)
-                nursery.start_soon(trim_when_quiet, scheduler.wait_changed, partial(_idle, scheduler), scheduler.last_change)
+                nursery.start_soon(trim_when_quiet, scheduler.wait_changed, partial(_idle, scheduler), lambda: scheduler.changed_at)
                 async with trio.open_nursery() as http_nursery:
                     urls = await http_nursery.start(partial(serve_http, app, config, connections, shutdown_trigger=http_stopped.wait))
                     urls = [u.replace("0.0.0.0", "127.0.0.1") for u in urls]

@@ -111,7 +111,7 @@ class Scheduler:
         owner = Owner(note=self._note, wake=self._wake, out_of_memory=self._resizer.after_out_of_memory, fail_waiters=self._queue.fail_waiters)
         self._runners = Runners(owner, factory=factory, devices=devices, remote=remote)
         self._changes = RepeatedEvent()  # set on every change the planner or a waiter cares about
-        self._changed_at = 0.0  # when, on Trio's clock (last_change())
+        self.changed_at = 0.0  # when the state last changed (Trio's clock; 0 before any change)
         self._dirty = False  # a change the planner must look at (others only wake waiters)
         self._ids = itertools.count(1)
         self._nursery: trio.Nursery | None = None
@@ -329,10 +329,6 @@ class Scheduler:
         """``model`` as pin() left it: pinned (keep-alive forever unless set), or unpinned."""
         return self._runners.pinned_for_session(model)
 
-    def last_change(self) -> float:
-        """When the state last changed (Trio's clock; 0 before any change)."""
-        return self._changed_at
-
     async def wait_changed(self) -> None:
         """Wait for the next change of state (a request queued or leased, a lease ended, a runner
         loaded, unloaded, crashed...); then read ``statistics()`` or ``events``."""
@@ -366,7 +362,7 @@ class Scheduler:
     def _wake(self) -> None:
         """A change for the planner: the loop runs a pass (and waiters look again)."""
         self._dirty = True
-        self._changed_at = trio.current_time()
+        self.changed_at = trio.current_time()
         self._changes.set()
 
     def _note(self, event: str, model: ModelSpec, reason: str = "", seconds: float = 0.0) -> None:
@@ -390,7 +386,7 @@ class Scheduler:
         runner.leases -= 1
         runner.last_used = trio.current_time()
         if self._hand_over(runner):
-            self._changed_at = runner.last_used
+            self.changed_at = runner.last_used
             self._changes.set()  # waiters look again; the planner has nothing new to decide
             return
         self._runners.released(runner)
