@@ -19,6 +19,7 @@ import trio
 
 from tests.interned import InternedTable
 from trioshed.models.stores import Stores
+from trioshed.testing.ollama_store import add_ollama_model
 from trioshed.testing.server import open_test_server
 
 N = 200
@@ -90,6 +91,30 @@ def test_the_model_store_interns_nothing_per_lookup(table: InternedTable, store:
         "unknown": unknown,
         "list": store.list,
         "digest": lambda: store.digest(spec),
+    }
+    assert entries_per_call(table, calls[what]) == 0
+
+
+@pytest.fixture
+def ollama(tmp_path: Path, tiny_model: Path) -> Stores:
+    """An Ollama store (manifests and blobs) of two models whose names no live ``Path`` holds."""
+    root = os.path.join(str(tmp_path), "interned-ollama")
+    add_ollama_model(Path(root), "interned-ollama-model:7b", tiny_model)
+    add_ollama_model(Path(root), "someone/interned-other:q8", tiny_model)
+    return Stores(Path(root))
+
+
+@pytest.mark.parametrize("what", ["found", "found in another case", "unknown", "list"])
+def test_an_ollama_store_interns_nothing_per_lookup(table: InternedTable, ollama: Stores, what: str) -> None:
+    def unknown() -> None:
+        with pytest.raises(Exception, match="not found"):
+            ollama.resolve("no-such-ollama-model")
+
+    calls: dict[str, Callable[[], object]] = {
+        "found": lambda: ollama.resolve("interned-ollama-model:7b"),
+        "found in another case": lambda: ollama.resolve("Interned-Ollama-Model:7B"),  # the manifests' walk
+        "unknown": unknown,
+        "list": ollama.list,
     }
     assert entries_per_call(table, calls[what]) == 0
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,6 +107,15 @@ def parse_name(name: str) -> OllamaName:
     return OllamaName(host, namespace, model, tag)
 
 
+def _names_in(folder: str) -> list[str]:
+    """The names in ``folder`` not starting with a dot, sorted ([] when it is not a folder)."""
+    try:
+        with os.scandir(folder) as entries:
+            return sorted(e.name for e in entries if not e.name.startswith("."))
+    except OSError:
+        return []
+
+
 def is_ollama_store(path: Path) -> bool:
     """Whether ``path`` looks like an Ollama models folder (``manifests/`` and ``blobs/``)."""
     return (path / "manifests").is_dir() and (path / "blobs").is_dir()
@@ -140,18 +150,19 @@ class OllamaStore:
     def __repr__(self) -> str:
         return f"OllamaStore({str(self.root)!r})"
 
-    def _index(self) -> dict[tuple[str, str, str, str], tuple[OllamaName, Path]]:
-        """Every manifest file, by its name's case-folded key (a walk of four levels: cheap)."""
-        found: dict[tuple[str, str, str, str], tuple[OllamaName, Path]] = {}
-        top = self.root / "manifests"
-        if not top.is_dir():
-            return found
-        for path in sorted(top.glob("*/*/*/*")):
-            if not path.is_file():
-                continue
-            host, namespace, model, tag = path.relative_to(top).parts
-            name = OllamaName(host, namespace, model, tag)
-            found.setdefault(name.key, (name, path))
+    def _index(self) -> dict[tuple[str, str, str, str], tuple[OllamaName, str]]:
+        """Every manifest file, by its name's case-folded key (a walk of four levels: cheap; on
+        strings, as :meth:`resolve`)."""
+        found: dict[tuple[str, str, str, str], tuple[OllamaName, str]] = {}
+        top = os.path.join(self.root, "manifests")
+        for host in _names_in(top):
+            for namespace in _names_in(os.path.join(top, host)):
+                for model in _names_in(os.path.join(top, host, namespace)):
+                    for tag in _names_in(os.path.join(top, host, namespace, model)):
+                        path = os.path.join(top, host, namespace, model, tag)
+                        if os.path.isfile(path):
+                            name = OllamaName(host, namespace, model, tag)
+                            found.setdefault(name.key, (name, path))
         return found
 
     def blob(self, digest: object) -> Path:
@@ -251,21 +262,24 @@ class OllamaStore:
     def resolve(self, name: str) -> ModelSpec:
         """The model ``name``: its manifest's path as typed (a stat), else a case-blind search."""
         wanted = parse_name(name)
-        direct = self.root / "manifests" / wanted.host / wanted.namespace / wanted.model / wanted.tag
-        if direct.is_file():
+        # A string, not a Path: pathlib interns every part it parses, and a name interned for
+        # one request and freed after it is a dead entry in the interpreter's table of interned
+        # strings (the model store's module docstring says what that costs).
+        direct = os.path.join(self.root, "manifests", wanted.host, wanted.namespace, wanted.model, wanted.tag)
+        if os.path.isfile(direct):
             return self._cached_load(wanted, direct)
         entry = self._index().get(wanted.key)
         if entry is None:
             raise ModelNotFound(name)
         return self._cached_load(*entry)
 
-    def _cached_load(self, name: OllamaName, path: Path) -> ModelSpec:
+    def _cached_load(self, name: OllamaName, path: str | Path) -> ModelSpec:
         """:meth:`_load`, reused while the manifest file is unchanged (layers are content-addressed)."""
-        stat = path.stat()
-        key = (str(path), stat.st_mtime_ns, stat.st_size)
+        stat = os.stat(path)
+        key = (os.fspath(path), stat.st_mtime_ns, stat.st_size)
         spec = _LOADED.get(key)
-        if spec is None or not Path(spec.path).is_file():
-            spec = self._load(name, path)
+        if spec is None or not os.path.isfile(spec.path):
+            spec = self._load(name, Path(path))
             if len(_LOADED) >= 1024:
                 _LOADED.clear()
             _LOADED[key] = spec
