@@ -129,7 +129,8 @@ class Drain:
         finally:
             self._inflight.discard(guard)
             _current.reset(token)
-            self._changed.set()
+            if self.draining:  # only the drain waits for requests to end
+                self._changed.set()
 
     async def _refuse(
         self,
