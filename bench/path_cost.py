@@ -118,10 +118,12 @@ async def _counted(pid: int, out: Path, work: Any) -> tuple[Any, Counter[str]]:
     return result, counts
 
 
-async def run(*, requests: int = 1000, rounds: int = 4, say: Any = print) -> dict[str, Any]:
+async def run(*, requests: int = 1000, rounds: int = 4, source: Path | None = None, say: Any = print) -> dict[str, Any]:
     from trioshed.testing.tiny import write_tiny_model
 
-    doc: dict[str, Any] = {"load_before": os.getloadavg(), "requests": requests, "rounds": rounds}
+    doc: dict[str, Any] = {"load_before": os.getloadavg(), "requests": requests, "rounds": rounds,
+                           "source": str(source) if source else ""}  # fmt: skip
+    root = f"{source}/" if source else _REPO  # absolute (main resolves it)
     with tempfile.TemporaryDirectory(prefix="path-cost-") as tmp:
         base = Path(tmp)
         models = base / "models"
@@ -131,14 +133,14 @@ async def run(*, requests: int = 1000, rounds: int = 4, say: Any = print) -> dic
         hook.mkdir()
         (hook / "sitecustomize.py").write_text(HOOK)
         flags = procs.RunnerFlags(parallel=4, ctx_per_slot=256)
-        pythonpath = os.pathsep.join([str(hook), _REPO.rstrip("/"), os.environ.get("PYTHONPATH", "")])
-        ts_env = {"PYTHONPATH": pythonpath, "PATH_COST_ROOT": _REPO, "PATH_COST_OUT": str(base / "trioshed.json")}
+        pythonpath = os.pathsep.join([str(hook), root.rstrip("/"), os.environ.get("PYTHONPATH", "")])
+        ts_env = {"PYTHONPATH": pythonpath, "PATH_COST_ROOT": root, "PATH_COST_OUT": str(base / "trioshed.json")}
         os.environ.update({"PATH_COST_ROOT": _REPO, "PATH_COST_OUT": str(base / "bare.json")})
         old_path = os.environ.get("PYTHONPATH", "")
         os.environ["PYTHONPATH"] = os.pathsep.join([str(hook), old_path])
         try:
             async with procs.open_direct("tiny", models / "tiny.gguf", flags, base / "logs") as direct, \
-                    procs.open_trioshed(models, flags, base / "logs", max_loaded=1, extra_env=ts_env) as ts, \
+                    procs.open_trioshed(models, flags, base / "logs", max_loaded=1, extra_env=ts_env, source=source) as ts, \
                     open_bare_forward(direct.base_url, base / "logs", llama_server=True) as bare:  # fmt: skip
                 targets = {
                     "trioshed": (int(ts.base_url.rsplit(":", 1)[1]), ts.pid, "ollama-generate"),
@@ -218,9 +220,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=1000, help="requests a block")
     parser.add_argument("--rounds", type=int, default=4, help="CPU blocks per proxy, alternating")
+    parser.add_argument("--source", type=Path, help="another checkout's trioshed (e.g. a worktree of an earlier commit), for a before/after")
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args(argv)
-    doc = trio.run(lambda: procs.run_until_signalled(lambda: run(requests=args.requests, rounds=args.rounds)))
+    doc = trio.run(lambda: procs.run_until_signalled(lambda: run(requests=args.requests, rounds=args.rounds, source=args.source.resolve() if args.source else None)))
     if args.json:
         args.json.write_text(json.dumps(doc, indent=1))
     print(f"\n({psutil.cpu_count()} CPUs)")
