@@ -116,9 +116,10 @@ def _names_in(folder: str) -> list[str]:
         return []
 
 
-def is_ollama_store(path: Path) -> bool:
-    """Whether ``path`` looks like an Ollama models folder (``manifests/`` and ``blobs/``)."""
-    return (path / "manifests").is_dir() and (path / "blobs").is_dir()
+def is_ollama_store(path: str | Path) -> bool:
+    """Whether ``path`` looks like an Ollama models folder (``manifests/`` and ``blobs/``); two
+    stats, on strings (asked on every lookup)."""
+    return os.path.isdir(os.path.join(path, "manifests")) and os.path.isdir(os.path.join(path, "blobs"))
 
 
 @dataclass(frozen=True)

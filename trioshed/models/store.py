@@ -61,16 +61,14 @@ class ModelStore:
 
     def __init__(self, root: Path, *, allow_symlinks: bool = False) -> None:
         self.root = Path(root)
+        self._root = str(self.root)  # lookups work on strings (the module docstring says why)
+        self._toml = os.path.join(self._root, "models.toml")
         self.allow_symlinks = allow_symlinks
         self._digests: dict[str, _DigestCacheEntry] = {}
         self._catalogue: tuple[tuple[int, int, int] | None, Catalogue] | None = None
         #: folder -> (its identity when scanned, its pairing); file identity -> architecture
         self._pairings: dict[str, tuple[tuple[int, int], FolderPairing]] = {}
         self._architectures: dict[tuple[str, int, int], str | None] = {}
-
-    @property
-    def _root(self) -> str:
-        return str(self.root)
 
     def _inside(self, file: str | Path) -> bool:
         """Whether ``file`` (in the store folder) really lies in it: a symlink pointing out of the
@@ -92,7 +90,7 @@ class ModelStore:
 
     def _toml_key(self) -> tuple[int, int, int] | None:
         try:
-            st = self.toml_path.stat()
+            st = os.stat(self._toml)
         except OSError:
             return None
         return (st.st_mtime_ns, st.st_size, st.st_ino)

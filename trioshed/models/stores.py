@@ -50,6 +50,7 @@ class Stores:
     def __init__(self, models: Path | str, *, allow_symlinks: bool = False) -> None:
         self.folders = store_folders(models)
         self._folder_stores = {folder: ModelStore(folder, allow_symlinks=allow_symlinks) for folder in self.folders}
+        self._pulled = {folder: folder / PULLED for folder in self.folders}
         self._lock = threading.Lock()  # copy/delete edit models.toml: one at a time
 
     def backends(self) -> list[Backend]:
@@ -62,8 +63,8 @@ class Stores:
                 found.append(OllamaStore(folder))
                 continue
             found.append(self._folder_stores[folder])
-            if is_ollama_store(folder / PULLED):
-                found.append(OllamaStore(folder / PULLED))
+            if is_ollama_store(pulled := self._pulled[folder]):
+                found.append(OllamaStore(pulled))
         return found
 
     @property
