@@ -32,6 +32,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 import psutil
@@ -174,12 +175,6 @@ async def run(*, requests: int = 1000, rounds: int = 4, source: Path | None = No
     return doc
 
 
-def _median(values: Sequence[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-
-
 def markdown(doc: dict[str, Any], *, top: int = 25) -> str:
     cpu, wall, calls = doc["cpu_us_per_request"], doc["wall_ms_per_request"], doc["calls_per_request"]
     ts, bare = calls["trioshed"], calls["bare"]
@@ -189,10 +184,10 @@ def markdown(doc: dict[str, Any], *, top: int = 25) -> str:
         "",
         "| | trioshed (Ollama raw generate) | bare forwarder (`/completion`) | difference |",
         "| --- | ---: | ---: | ---: |",
-        f"| CPU per request, median of rounds (us) | {_median(cpu['trioshed']):.0f} | {_median(cpu['bare']):.0f} | "
-        f"{_median(cpu['trioshed']) - _median(cpu['bare']):+.0f} |",
-        f"| wall per request, median of rounds (ms) | {_median(wall['trioshed']):.2f} | {_median(wall['bare']):.2f} | "
-        f"{_median(wall['trioshed']) - _median(wall['bare']):+.2f} |",
+        f"| CPU per request, median of rounds (us) | {median(cpu['trioshed']):.0f} | {median(cpu['bare']):.0f} | "
+        f"{median(cpu['trioshed']) - median(cpu['bare']):+.0f} |",
+        f"| wall per request, median of rounds (ms) | {median(wall['trioshed']):.2f} | {median(wall['bare']):.2f} | "
+        f"{median(wall['trioshed']) - median(wall['bare']):+.2f} |",
         f"| Python calls per request | {sum(ts.values()):.0f} | {sum(bare.values()):.0f} | {sum(ts.values()) - sum(bare.values()):+.0f} |",
         "",
         "By part (Python calls per request, each counted for the nearest frame of the repository's code):",
