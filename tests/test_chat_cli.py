@@ -10,6 +10,7 @@ import fcntl
 import json
 import os
 import re
+import signal
 import sys
 import termios
 import threading
@@ -300,12 +301,23 @@ def _controlling_terminal() -> None:
 
 
 @asynccontextmanager
-async def terminal(model: str, host: str, home: Path) -> AsyncIterator[Terminal]:
+async def terminal(model: str, host: str, home: Path, *, sigint: str = "default") -> AsyncIterator[Terminal]:
+    """``sigint``: what the chat inherits for SIGINT: ``default``, ``ignored`` (as a job started
+    in the background by a shell, or under ``nohup``) or ``blocked`` (from a thread that had it
+    blocked)."""
     env = {**os.environ, "TRIOSHED_HOST": host, "TERM": "dumb", "HOME": str(home)}
     main_fd, child_fd = os.openpty()
+
+    def prepare() -> None:
+        _controlling_terminal()
+        if sigint == "ignored":
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        elif sigint == "blocked":
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
     process = await trio.lowlevel.open_process(
         [sys.executable, "-m", "trioshed", "run", model], stdin=child_fd, stdout=child_fd, stderr=child_fd, env=env,
-        start_new_session=True, preexec_fn=_controlling_terminal,
+        start_new_session=True, preexec_fn=prepare,
     )  # fmt: skip
     os.close(child_fd)
     try:
@@ -446,16 +458,19 @@ async def test_the_commands_against_a_real_server(model_store: Path, tmp_path: P
 
 
 @slow
-async def test_ctrl_c_stops_only_the_answer(model_store: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("sigint", ["default", "ignored", "blocked"])
+async def test_ctrl_c_stops_only_the_answer(model_store: Path, tmp_path: Path, sigint: str) -> None:
     """Ctrl-C while an answer is written returns to ``>>>`` at once, the request is cancelled
     (the runner's slot is free long before the answer would have ended), and the chat goes on;
-    Ctrl-C at the prompt says how to leave, Ctrl-D leaves."""
+    Ctrl-C at the prompt says how to leave, Ctrl-D leaves. So too when the chat was started with
+    SIGINT ignored or blocked (a shell's background job, a parent's thread): a chat on a terminal
+    always answers Ctrl-C, as Ollama's does."""
     # wider and longer than the default tiny model: 16,000 tokens take minutes to write here
     write_tiny_model(model_store / "long.gguf", context_length=16384, n_embd=256, n_layer=4)
     with trio.fail_after(300):
         async with open_test_server(model_store) as server:
             host = server.base_url.removeprefix("http://")
-            async with terminal("long", host, tmp_path) as term:
+            async with terminal("long", host, tmp_path, sigint=sigint) as term:
                 await term.until(">>> ")
                 term.type("\x03")
                 assert "Use Ctrl + d or /bye to exit." in await term.until(">>> ")

@@ -12,7 +12,9 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -170,7 +172,17 @@ def chat(args: argparse.Namespace, settings: Settings, read: Callable[[str], str
         hide_thinking=bool(args.hidethinking), verbose=bool(args.verbose),
         wordwrap=is_tty(sys.stdout) and os.environ.get("TERM", "") != "dumb",
     )  # fmt: skip
+    answer_ctrl_c()
     return Chat(session, settings, read if read is not None else default_reader()).run()
+
+
+def answer_ctrl_c() -> None:
+    """A chat on a terminal answers Ctrl-C, as Ollama's does, even when it was started with
+    SIGINT ignored (a shell's background job, ``nohup``) or blocked (inherited from the thread
+    that started it): Ctrl-C is how an answer is stopped. (Only Python's main thread may set it.)"""
+    if threading.current_thread() is threading.main_thread():
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 class Chat:
