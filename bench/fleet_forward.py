@@ -22,7 +22,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -50,10 +50,13 @@ async def _timed(http: httpx.AsyncClient, url: str, body: dict[str, Any]) -> flo
 
 
 @asynccontextmanager
-async def open_bare_forward(upstream: str, log_dir: Path, *, llama_server: bool = False) -> AsyncIterator[procs.Server]:
-    """:mod:`bench.bare_forward` in front of ``upstream`` (a trioshed node, or a ``llama_server``)."""
+async def open_bare_forward(
+    upstream: str, log_dir: Path, *, llama_server: bool = False, extra_env: Mapping[str, str] | None = None
+) -> AsyncIterator[procs.Server]:
+    """:mod:`bench.bare_forward` in front of ``upstream`` (a trioshed node, or a ``llama_server``);
+    ``extra_env`` over this process's environment (its ``PYTHONPATH`` after this checkout's)."""
     port = procs.free_port()
-    env = dict(os.environ)
+    env = {**os.environ, **(extra_env or {})}
     env["PYTHONPATH"] = os.pathsep.join([procs._REPO, env.get("PYTHONPATH", "")])
     argv = [sys.executable, "-m", "bench.bare_forward", "--port", str(port), "--upstream", upstream, *(["--llama-server"] if llama_server else [])]
     ready_path = "/health" if llama_server else "/api/version"

@@ -105,10 +105,11 @@ def part_of(owner: str) -> str:
     return next((label for prefix, label in PARTS if owner.startswith(prefix)), "outside the repository")
 
 
-async def _counted(pid: int, out: Path, work: Any) -> tuple[Any, Counter[str]]:
+async def _counted(pid: int, out: Path, work: Any) -> Counter[str]:
+    """The calls process ``pid`` makes while ``work()`` runs (its hook on, then off and written)."""
     os.kill(pid, signal.SIGUSR1)
     await trio.sleep(0.3)
-    result = await work()
+    await work()
     os.kill(pid, signal.SIGUSR2)
     written = trio.Path(out)
     with trio.fail_after(10):
@@ -116,7 +117,7 @@ async def _counted(pid: int, out: Path, work: Any) -> tuple[Any, Counter[str]]:
             await trio.sleep(0.05)
     counts = Counter(json.loads(await written.read_text()))
     await written.unlink()
-    return result, counts
+    return counts
 
 
 async def run(*, requests: int = 1000, rounds: int = 4, source: Path | None = None, say: Any = print) -> dict[str, Any]:
@@ -136,36 +137,31 @@ async def run(*, requests: int = 1000, rounds: int = 4, source: Path | None = No
         flags = procs.RunnerFlags(parallel=4, ctx_per_slot=256)
         pythonpath = os.pathsep.join([str(hook), root.rstrip("/"), os.environ.get("PYTHONPATH", "")])
         ts_env = {"PYTHONPATH": pythonpath, "PATH_COST_ROOT": root, "PATH_COST_OUT": str(base / "trioshed.json")}
-        os.environ.update({"PATH_COST_ROOT": _REPO, "PATH_COST_OUT": str(base / "bare.json")})
-        old_path = os.environ.get("PYTHONPATH", "")
-        os.environ["PYTHONPATH"] = os.pathsep.join([str(hook), old_path])
-        try:
-            async with procs.open_direct("tiny", models / "tiny.gguf", flags, base / "logs") as direct, \
-                    procs.open_trioshed(models, flags, base / "logs", max_loaded=1, extra_env=ts_env, source=source) as ts, \
-                    open_bare_forward(direct.base_url, base / "logs", llama_server=True) as bare:  # fmt: skip
-                targets = {
-                    "trioshed": (int(ts.base_url.rsplit(":", 1)[1]), ts.pid, "ollama-generate"),
-                    "bare": (int(bare.base_url.rsplit(":", 1)[1]), bare.pid, "native"),
-                }
-                for port, pid, protocol in targets.values():  # loads, imports, warms
-                    await run_block(port, pid, protocol, "tiny", 1, 8, 100)
-                cpu: dict[str, list[float]] = {t: [] for t in targets}
-                wall: dict[str, list[float]] = {t: [] for t in targets}
-                for r in range(rounds):
-                    for name in (list(targets) if r % 2 == 0 else list(reversed(targets))):
-                        port, pid, protocol = targets[name]
-                        block = await run_block(port, pid, protocol, "tiny", 1, 8, requests)
-                        if block.failed:
-                            raise RuntimeError(f"{name}: {block.failed} of {requests} requests failed")
-                        cpu[name].append(block.cpu_s / requests * 1e6)
-                        wall[name].append(block.wall_s / requests * 1e3)
-                calls: dict[str, Counter[str]] = {}
-                for name, (port, pid, protocol) in targets.items():
-                    out = base / f"{name}.json"
-                    _, counted = await _counted(pid, out, lambda: run_block(port, pid, protocol, "tiny", 1, 8, requests))  # noqa: B023
-                    calls[name] = counted
-        finally:
-            os.environ["PYTHONPATH"] = old_path
+        bare_env = {"PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]),
+                    "PATH_COST_ROOT": _REPO, "PATH_COST_OUT": str(base / "bare.json")}  # fmt: skip
+        async with procs.open_direct("tiny", models / "tiny.gguf", flags, base / "logs") as direct, \
+                procs.open_trioshed(models, flags, base / "logs", max_loaded=1, extra_env=ts_env, source=source) as ts, \
+                open_bare_forward(direct.base_url, base / "logs", llama_server=True, extra_env=bare_env) as bare:  # fmt: skip
+            targets = {
+                "trioshed": (int(ts.base_url.rsplit(":", 1)[1]), ts.pid, "ollama-generate"),
+                "bare": (int(bare.base_url.rsplit(":", 1)[1]), bare.pid, "native"),
+            }
+            for port, pid, protocol in targets.values():  # loads, imports, warms
+                await run_block(port, pid, protocol, "tiny", 1, 8, 100)
+            cpu: dict[str, list[float]] = {t: [] for t in targets}
+            wall: dict[str, list[float]] = {t: [] for t in targets}
+            for r in range(rounds):
+                for name in (list(targets) if r % 2 == 0 else list(reversed(targets))):
+                    port, pid, protocol = targets[name]
+                    block = await run_block(port, pid, protocol, "tiny", 1, 8, requests)
+                    if block.failed:
+                        raise RuntimeError(f"{name}: {block.failed} of {requests} requests failed")
+                    cpu[name].append(block.cpu_s / requests * 1e6)
+                    wall[name].append(block.wall_s / requests * 1e3)
+            calls: dict[str, Counter[str]] = {}
+            for name, (port, pid, protocol) in targets.items():
+                out = base / f"{name}.json"
+                calls[name] = await _counted(pid, out, lambda: run_block(port, pid, protocol, "tiny", 1, 8, requests))  # noqa: B023
     doc["cpu_us_per_request"] = cpu
     doc["wall_ms_per_request"] = wall
     doc["calls_per_request"] = {t: {k: v / requests for k, v in c.most_common()} for t, c in calls.items()}

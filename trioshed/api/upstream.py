@@ -324,11 +324,8 @@ class LeasedBody:
     async def __anext__(self) -> bytes:
         try:
             return await self._body.__anext__()
-        except StopAsyncIteration:
-            self._ended = True
-            self._lease.release()
-            raise
-        except BaseException:
+        except BaseException as exc:
+            self._ended = isinstance(exc, StopAsyncIteration)
             self._lease.release()
             raise
 

@@ -86,7 +86,7 @@ class ModelStore:
 
     @property
     def toml_path(self) -> Path:
-        return self.root / "models.toml"
+        return Path(self._toml)
 
     def _toml_key(self) -> tuple[int, int, int] | None:
         try:

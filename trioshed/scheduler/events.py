@@ -53,11 +53,11 @@ class EventHistory:
     """The last :data:`HISTORY` events and a way to wait for the next one.
 
     Held as a ring allocated once (:class:`~trioshed._util.RingIndex`): each event's numbers in
-    arrays, its kind and model (interned: a thousand events name a few) and its reason in lists; :meth:`after` builds the
-    :class:`SchedulerEvent`\\ s it returns. An event lives for minutes (the soak: ~3 a second), and
-    an object per event (with its time, its sequence number) held a few small blocks each among
-    short-lived ones in CPython's arenas, which an arena goes back only once all of its blocks are
-    free.
+    arrays, its kind and model (interned: a thousand events name a few) and its reason in lists;
+    :meth:`after` builds the :class:`SchedulerEvent`\\ s it returns. An event lives for minutes
+    (the soak: ~3 a second), and an object per event (with its time, its sequence number) held a
+    few small blocks each among short-lived ones in CPython's arenas, which an arena goes back
+    only once all of its blocks are free.
     """
 
     def __init__(self, size: int = HISTORY) -> None:
