@@ -49,8 +49,16 @@ import collections, json, os, signal, sys
 _counts = collections.Counter()
 _root = os.environ["PATH_COST_ROOT"]
 _own = (_root + "trioshed/", _root + "bench/")
+_leaf = os.environ.get("PATH_COST_LEAF") == "1"
+def _name(code):
+    return code.co_filename.rsplit("/site-packages/", 1)[-1].replace(_root, "").rsplit("/lib/python3", 1)[-1] + ":" + code.co_name
 def _hook(frame, event, arg):
     if event != "call":
+        return
+    if _leaf:
+        back = frame.f_back
+        caller = "" if back is None else _name(back.f_code)
+        _counts[_name(frame.f_code) + " <- " + caller] += 1
         return
     f = frame
     while f is not None:
@@ -120,7 +128,7 @@ async def _counted(pid: int, out: Path, work: Any) -> Counter[str]:
     return counts
 
 
-async def run(*, requests: int = 1000, rounds: int = 4, source: Path | None = None, say: Any = print) -> dict[str, Any]:
+async def run(*, requests: int = 1000, rounds: int = 4, source: Path | None = None, leaf: bool = False, say: Any = print) -> dict[str, Any]:
     from trioshed.testing.tiny import write_tiny_model
 
     doc: dict[str, Any] = {"load_before": os.getloadavg(), "requests": requests, "rounds": rounds,
@@ -139,6 +147,8 @@ async def run(*, requests: int = 1000, rounds: int = 4, source: Path | None = No
         ts_env = {"PYTHONPATH": pythonpath, "PATH_COST_ROOT": root, "PATH_COST_OUT": str(base / "trioshed.json")}
         bare_env = {"PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]),
                     "PATH_COST_ROOT": _REPO, "PATH_COST_OUT": str(base / "bare.json")}  # fmt: skip
+        if leaf:
+            ts_env["PATH_COST_LEAF"] = bare_env["PATH_COST_LEAF"] = "1"
         async with procs.open_direct("tiny", models / "tiny.gguf", flags, base / "logs") as direct, \
                 procs.open_trioshed(models, flags, base / "logs", max_loaded=1, extra_env=ts_env, source=source) as ts, \
                 open_bare_forward(direct.base_url, base / "logs", llama_server=True, extra_env=bare_env) as bare:  # fmt: skip
@@ -167,8 +177,24 @@ async def run(*, requests: int = 1000, rounds: int = 4, source: Path | None = No
     doc["calls_per_request"] = {t: {k: v / requests for k, v in c.most_common()} for t, c in calls.items()}
     doc["load_after"] = os.getloadavg()
     doc["when"] = time.strftime("%Y-%m-%d %H:%M")
-    say(markdown(doc))
+    doc["leaf"] = leaf
+    say(leaf_markdown(doc) if leaf else markdown(doc))
     return doc
+
+
+def leaf_markdown(doc: dict[str, Any], *, top: int = 60) -> str:
+    """``--leaf``: calls per request by the function called (not by owner), both proxies."""
+    ts: Counter[str] = Counter()
+    bare: Counter[str] = Counter()
+    for counts, into in ((doc["calls_per_request"]["trioshed"], ts), (doc["calls_per_request"]["bare"], bare)):
+        for key, n in counts.items():
+            into[key.split(" <- ")[0]] += n
+    lines = ["| function called | trioshed | bare forwarder | difference |", "| --- | ---: | ---: | ---: |"]
+    names = sorted(set(ts) | set(bare), key=lambda k: -max(ts.get(k, 0), bare.get(k, 0)))[:top]
+    for name in names:
+        a, b = ts.get(name, 0.0), bare.get(name, 0.0)
+        lines.append(f"| `{name}` | {a:.1f} | {b:.1f} | {a - b:+.1f} |")
+    return "\n".join(lines)
 
 
 def markdown(doc: dict[str, Any], *, top: int = 25) -> str:
@@ -213,8 +239,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=4, help="CPU blocks per proxy, alternating")
     parser.add_argument("--source", type=Path, help="another checkout's trioshed (e.g. a worktree of an earlier commit), for a before/after")
     parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument("--leaf", action="store_true", help="count calls by the function called instead of by owner")
     args = parser.parse_args(argv)
-    doc = trio.run(lambda: procs.run_until_signalled(lambda: run(requests=args.requests, rounds=args.rounds, source=args.source.resolve() if args.source else None)))
+    doc = trio.run(lambda: procs.run_until_signalled(lambda: run(requests=args.requests, rounds=args.rounds, source=args.source.resolve() if args.source else None, leaf=args.leaf)))
     if args.json:
         args.json.write_text(json.dumps(doc, indent=1))
     print(f"\n({psutil.cpu_count()} CPUs)")

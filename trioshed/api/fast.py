@@ -23,11 +23,13 @@ gate refuses (Quart runs the same gate and its early-answer handling), a chunked
 limit or one that does not arrive in time (replayed to Quart from what was read). Errors after
 that point are answered here through the wrapper's
 :meth:`~trioshed.api.wrapper.RequestWrapper.on_error`, as Quart's error handler answers them. A
-client that leaves cancels the request, as in Quart.
+client that leaves cancels the request, as in Quart: the connection tells it
+(:class:`~trioshed.api.http.Departure`), without a task per request.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -37,6 +39,7 @@ from quart.wrappers.response import DataBody
 
 from trioshed.api import upload
 from trioshed.api.bodypump import run_with_pump
+from trioshed.api.http import DEPARTURE, Departure
 from trioshed.api.preamble import fast_request
 from trioshed.api.state import AppState
 from trioshed.api.wrapper import Entry, Headers, RequestWrapper
@@ -71,9 +74,12 @@ class FastPath:
         self.max_body = state.settings.max_body
 
     def wants(self, scope: Message) -> bool:
+        """A generating route, served by trioshed's listener (which tells the request that its
+        client left: :class:`~trioshed.api.http.Departure`; under another server Quart serves it)."""
         return (
             scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in self.handlers
-        )
+            and DEPARTURE in scope.get("extensions", ())
+        )  # fmt: skip
 
     async def delegate(self, scope: Message, receive: Receive, send: Send) -> None:
         """The request as Quart serves it."""
@@ -127,7 +133,9 @@ class FastPath:
         entry, get, _ = entered
         read: list[Message] = []
         body = bytearray()
-        with trio.move_on_after(self.body_timeout):
+        answering = False
+        # One scope for the request: first the body's deadline, then the client's departure.
+        with trio.CancelScope(deadline=trio.current_time() + self.body_timeout) as scope_of_request:
             while True:
                 message = await receive()
                 read.append(message)
@@ -137,19 +145,20 @@ class FastPath:
                 if len(body) > self.max_body:
                     break
                 if not message.get("more_body", False):
-                    break
-        if len(body) > self.max_body or not read or read[-1].get("more_body", False):
-            await self.delegate(scope, _replay(read, receive), send)  # too large, or too slow
-            return
-        token = fast_request.set((self.state, bytes(body), scope))
-        try:
-            async with trio.open_nursery() as nursery:
-                watch = _Disconnect(nursery.cancel_scope)
-                nursery.start_soon(watch.run, receive)
-                await self._answer(method, path, get, watch.guard(send), entry)
-                nursery.cancel_scope.cancel()
-        finally:
-            fast_request.reset(token)
+                    scope_of_request.deadline = math.inf
+                    answering = True
+                    departure: Departure = scope["extensions"][DEPARTURE]
+                    token = fast_request.set((self.state, bytes(body), scope))
+                    departure.watch(scope_of_request)
+                    try:
+                        await self._answer(method, path, get, send, entry)
+                    finally:
+                        departure.watch(None)
+                        fast_request.reset(token)
+                    return
+        if answering:
+            return  # the client left while its answer was being written
+        await self.delegate(scope, _replay(read, receive), send)  # too large, or too slow
 
     async def _answer(self, method: str, path: str, get: Headers, send: Send, entry: Entry) -> None:
         try:
@@ -188,33 +197,6 @@ class FastPath:
     def _finish(self, get: Headers, status: int) -> list[tuple[bytes, bytes]]:
         """The wrapper's :meth:`~trioshed.api.wrapper.RequestWrapper.finish`, as ASGI headers."""
         return [(name.lower().encode(), value.encode()) for name, value in self.wrapper.finish(get, status)]
-
-
-class _Disconnect:
-    """Cancels the request's work when the client leaves.
-
-    Not once the last message of the answer is being sent: hypercorn closes a ``Connection:
-    close`` connection from inside that send and reports ``http.disconnect`` while doing so;
-    cancelling then would cancel the close, and the connection would stay open.
-    """
-
-    def __init__(self, scope: trio.CancelScope) -> None:
-        self.scope = scope
-        self.finishing = False
-
-    async def run(self, receive: Receive) -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        if not self.finishing:
-            self.scope.cancel(reason="client disconnected")
-
-    def guard(self, send: Send) -> Send:
-        async def guarded(message: Message) -> None:
-            if message["type"] == "http.response.body" and not message.get("more_body", False):
-                self.finishing = True
-            await send(message)
-
-        return guarded
 
 
 def _replay(read: list[Message], receive: Receive) -> Receive:

@@ -28,7 +28,7 @@ from typing import Any
 
 import trio
 from hypercorn.config import Config
-from hypercorn.events import Event, RawData
+from hypercorn.events import Closed, Event, RawData
 from hypercorn.trio.lifespan import Lifespan
 from hypercorn.trio.statsd import StatsdLogger
 from hypercorn.trio.tcp_server import TCPServer
@@ -55,8 +55,38 @@ def hypercorn_config(settings: Settings) -> Config:
     return config
 
 
+#: The key of a request's :class:`Departure` in its ASGI scope's ``extensions``.
+DEPARTURE = "trioshed.departure"
+
+
+class Departure:
+    """A connection's client leaving, told to the request being answered on it.
+
+    hypercorn reports a client that leaves by queueing ``http.disconnect`` for the app, which
+    only a task reading that queue would see: a task per request. Instead the connection, which
+    sees the client go (its read ends), cancels the scope that the request being answered
+    registered with :meth:`watch` (the fast path's, :mod:`trioshed.api.fast`). Not when the
+    server closes the connection itself: hypercorn closes a ``Connection: close`` connection from
+    inside the answer's last send, and cancelling then would cancel the close.
+    """
+
+    __slots__ = ("closing", "scope")
+
+    def __init__(self) -> None:
+        self.scope: trio.CancelScope | None = None
+        self.closing = False  # the server closes the connection: the client did not leave
+
+    def watch(self, scope: trio.CancelScope | None) -> None:
+        """Cancel ``scope`` if the client leaves from now on (None: stop watching)."""
+        self.scope = scope
+
+    def left(self) -> None:
+        if self.scope is not None and not self.closing:
+            self.scope.cancel(reason="client disconnected")
+
+
 class _Connection(TCPServer):
-    """hypercorn's connection, with two changes:
+    """hypercorn's connection, with three changes:
 
     - once the client has closed it no longer waits out its keep-alive timer (it did: every
       closed connection held its slot for up to 30 s, so clients opening a connection per
@@ -64,10 +94,20 @@ class _Connection(TCPServer):
     - a response's head is written with the first bytes of its body (or its end), in one write,
       as Go's server (Ollama's) does: hypercorn wrote it alone, and each write is a packet and a
       wake-up of the client. Every response ends with a write of its own (its last chunk, or an
-      empty one), so a held head always goes out; ``100 Continue`` is never held.
+      empty one), so a held head always goes out; ``100 Continue`` is never held;
+    - each request's scope carries the connection's :class:`Departure` (``extensions``).
     """
 
     _head: bytes | None = None
+
+    def __init__(self, app: Any, config: Config, context: WorkerContext, state: Any, stream: Any) -> None:
+        departure = self.departure = Departure()
+
+        async def with_departure(scope: Any, receive: Any, send: Any, sync_spawn: Any, call_soon: Any) -> None:
+            scope.setdefault("extensions", {})[DEPARTURE] = departure
+            await app(scope, receive, send, sync_spawn, call_soon)
+
+        super().__init__(with_departure, config, context, state, stream)
 
     async def protocol_send(self, event: Event) -> None:
         if isinstance(event, RawData):
@@ -79,6 +119,8 @@ class _Connection(TCPServer):
                 return
             await super().protocol_send(RawData(data=data, address=event.address))
             return
+        if isinstance(event, Closed):
+            self.departure.closing = True
         if self._head is not None:
             head, self._head = self._head, None
             await super().protocol_send(RawData(data=head))
@@ -86,6 +128,7 @@ class _Connection(TCPServer):
 
     async def _read_data(self) -> None:
         await super()._read_data()
+        self.departure.left()
         await self.idle_task.stop()
 
 
