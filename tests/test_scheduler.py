@@ -337,6 +337,39 @@ async def test_a_freed_slot_goes_to_the_oldest_waiter_without_a_planning_pass(au
         assert h.events("evict") == [("evict", "b")]
 
 
+class _Steps(trio.abc.Instrument):
+    """Counts the steps of the tasks whose name ends with ``suffix``."""
+
+    def __init__(self, suffix: str) -> None:
+        self.suffix = suffix
+        self.steps = 0
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        if task.name.endswith(self.suffix):
+            self.steps += 1
+
+
+async def test_a_request_on_a_free_slot_wakes_no_planning_pass(autojump_clock: trio.testing.MockClock) -> None:
+    # Nothing waits: the lease takes the free slot at once, and its release has nothing for the
+    # planner to decide, so the planner's task does not run at all (it ran once per release).
+    async with running({"a": 8, "b": 8}) as h:
+        await h.once("a")
+        await trio.testing.wait_all_tasks_blocked()
+        planner = _Steps("Scheduler.run")
+        trio.lowlevel.add_instrument(planner)
+        try:
+            for _ in range(50):
+                await h.once("a")
+                await trio.testing.wait_all_tasks_blocked()
+        finally:
+            trio.lowlevel.remove_instrument(planner)
+        assert planner.steps == 0
+        assert h.sched.statistics().loaded == 1 and h.factory.started == 1
+        # a request that must wait still gets its pass: b loads beside a
+        await h.once("b")
+        assert h.factory.started == 2
+
+
 async def test_no_starvation_requests_for_a_victim_queue_behind_the_swap(autojump_clock: trio.testing.MockClock) -> None:
     async with running({"a": 16, "c": 16}) as h:
         busy = trio.Event()

@@ -18,6 +18,7 @@ life tells the scheduler what happened only through the few callbacks it was giv
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterator, Mapping, ValuesView
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -130,6 +131,10 @@ class Runners(Mapping[int, Runner]):
 
     def values(self) -> ValuesView[Runner]:
         return self._runners.values()
+
+    def any_closed(self) -> bool:
+        """Whether the planner closed a runner to later requests (``Runner.closed_from``)."""
+        return any(r.closed_from != math.inf for r in self._runners.values())
 
     # -- what the scheduler does to its runners --------------------------------------------------
 

@@ -110,7 +110,8 @@ class Scheduler:
         # The runners and their lives; they tell this scheduler what happened through Owner.
         owner = Owner(note=self._note, wake=self._wake, out_of_memory=self._resizer.after_out_of_memory, fail_waiters=self._queue.fail_waiters)
         self._runners = Runners(owner, factory=factory, devices=devices, remote=remote)
-        self._changes = RepeatedEvent()  # set on every change the planner or a waiter cares about
+        self._changes = RepeatedEvent()  # set on every change a waiter cares about
+        self._plan = RepeatedEvent()  # set on a change the planner has something to decide on
         self.changed_at = 0.0  # when the state last changed (Trio's clock; 0 before any change)
         self._dirty = False  # a change the planner must look at (others only wake waiters)
         self._ids = itertools.count(1)
@@ -133,7 +134,7 @@ class Scheduler:
                 nursery.start_soon(self._queue.run)
                 nursery.start_soon(self._wake_when_due)
                 task_status.started()
-                async with aclosing(self._changes.events()) as changes:
+                async with aclosing(self._plan.events()) as changes:
                     async for _ in changes:  # eventually consistent: bursts coalesce into one pass
                         if self._dirty:
                             self._dirty = False
@@ -243,7 +244,7 @@ class Scheduler:
             raise ShuttingDown()
         trace, key = current_trace.get(), req.key
         tenant = self._tenants.setdefault(key.name, Tenant())
-        runner = self._free_slot_now(req) if self._nothing_ahead(req) else None
+        runner = queue.free_runner(req, self._runners.values()) if self._nothing_ahead(req) else None
         if runner is not None:
             # Fast path, FIFO-safe because nothing for this model waits ahead of it: a ready
             # runner has a free slot (the planner would dispatch it at once too).
@@ -287,9 +288,6 @@ class Scheduler:
         if self._queue.in_channel():
             return False
         return queue.nothing_ahead(req, self._waiting, self._runners.values())
-
-    def _free_slot_now(self, req: Request) -> Runner | None:
-        return queue.free_runner(req, self._runners.values())
 
     def runner_models(self) -> list[ModelSpec]:
         """The model each runner was started from (a models.toml reload compares them)."""
@@ -360,10 +358,12 @@ class Scheduler:
     # -- internals ----------------------------------------------------------------------------
 
     def _wake(self) -> None:
-        """A change for the planner: the loop runs a pass (and waiters look again)."""
+        """A change: waiters look again; the planner runs a pass unless it has nothing to do."""
         self._dirty = True
         self.changed_at = trio.current_time()
         self._changes.set()
+        if self._waiting or self._hold_timer.deadline != math.inf or self._queue.in_channel() or self._runners.any_closed():
+            self._plan.set()
 
     def _note(self, event: str, model: ModelSpec, reason: str = "", seconds: float = 0.0) -> None:
         log.log(logging.DEBUG if event == "dispatch" else logging.INFO, "%s %s", event, model.name)
