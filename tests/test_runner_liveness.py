@@ -7,8 +7,8 @@ Simulated time, in-process fakes, the edge's own upstream code."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import pytest
 import trio
@@ -26,14 +26,21 @@ LONG = tuple(b"tok%d " % i for i in range(400))  # 200 s of tokens, 0.5 s apart
 IDLE = 30.0  # TRIOSHED_STREAM_IDLE_TIMEOUT in these tests
 
 
-@contextmanager
-def idle_timeout(seconds: float) -> Iterator[None]:
-    """Bound each wait on the runner as the HTTP layer does for a request (``Drain``)."""
-    token = drain._current.set(drain.RequestGuard(seconds))
-    try:
-        yield
-    finally:
-        drain._current.reset(token)
+@asynccontextmanager
+async def idle_timeout(seconds: float) -> AsyncIterator[drain.RequestGuard]:
+    """Bound each wait on the runner as the HTTP layer does for a request (``Drain``, with its
+    watchdog for the reads of an answer)."""
+    guards = drain.Drain(None, idle_timeout=seconds)  # type: ignore[arg-type]  # no app: its guard and watchdog only
+    async with trio.open_nursery() as nursery:
+        await nursery.start(guards.watch)
+        guard = drain.RequestGuard(seconds, watched=True)
+        guards._inflight.add(guard)
+        token = drain._current.set(guard)
+        try:
+            yield guard
+        finally:
+            drain._current.reset(token)
+            nursery.cancel_scope.cancel()
 
 
 async def _stream(h, got: list[bytes], options: RunnerOptions | None = None) -> Lease:  # type: ignore[no-untyped-def]
@@ -138,7 +145,7 @@ async def test_a_stream_stalled_before_its_first_piece_runs_again_on_a_new_runne
         first = h.factory.runner("a")
         first.head_time = 10 * IDLE  # it answers its checks, and nothing else
         got: list[bytes] = []
-        with idle_timeout(IDLE):
+        async with idle_timeout(IDLE):
             lease = await _stream(h, got)
         assert got == [b'{"content":"ok"}'] and lease.handle is not first
         assert isinstance(lease.rerun_after, RunnerStalled)
@@ -152,8 +159,13 @@ async def test_a_stream_stalled_after_its_first_piece_ends_with_the_stall(autoju
         runner = h.factory.runner("a")
         runner.answer, runner.piece_time = (b"one ", b"two"), 10 * IDLE
         got: list[bytes] = []
-        with idle_timeout(IDLE), pytest.raises(RunnerStalled):
-            await _stream(h, got)
+        started = trio.current_time()
+        async with idle_timeout(IDLE) as guard:
+            with pytest.raises(RunnerStalled):
+                await _stream(h, got)
+            # ended by the watchdog at the bound: the first piece came after 0.5 s
+            assert started + 0.5 + IDLE <= trio.current_time() <= started + 0.5 + IDLE + 0.01
+            assert guard.since is None and not guard._stalled
         assert got == [b"one "] and h.factory.started == 1
 
 

@@ -231,6 +231,7 @@ async def serve(
                 await nursery.start(state.writer.run)  # the store's writer: pulls, creates, pushes run there
                 await nursery.start(state.key_sync.run)  # the store's keys in force before listening, then polled
                 await nursery.start(scheduler.run)
+                await nursery.start(app.watch)  # ends upstream reads that stall (TRIOSHED_STREAM_IDLE_TIMEOUT)
                 if state.fleet is not None:
                     await nursery.start(state.fleet.run)
                 nursery.start_soon(run_timeline, scheduler, state.timeline)  # the status page's last hour

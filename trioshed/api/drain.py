@@ -11,7 +11,11 @@ upstream code through a context variable. ``serve()`` drives the shutdown:
    final error line and a plain answer becomes a 503; after a short grace what is left is cancelled.
 
 The same guard bounds each upstream wait by ``TRIOSHED_STREAM_IDLE_TIMEOUT``: a runner that sends
-nothing for that long (hung, not dead) ends the request with :class:`RunnerStalled`.
+nothing for that long (hung, not dead) ends the request with :class:`RunnerStalled`. A wait that
+can be ended from outside (a read of an answer: its connection is closed) is watched by the
+drain's one watchdog task (:meth:`Drain.watch`) at the cost of noting when it began; any other
+wait runs in a cancel scope with the bound as its deadline, which costs some forty Python calls
+each, once per streamed read before the watchdog.
 """
 
 from __future__ import annotations
@@ -38,21 +42,31 @@ CUT_GRACE = 2.0  # seconds for cut requests to write their final line before the
 class RequestGuard:
     """One request in flight: its cancel scope, and the upstream wait it is in (if any)."""
 
-    def __init__(self, idle_timeout: float, draining: trio.Event | None = None) -> None:
+    def __init__(self, idle_timeout: float, draining: trio.Event | None = None, *, watched: bool = False) -> None:
         self.idle_timeout = idle_timeout
         self.draining = trio.Event() if draining is None else draining  # set when the server drains
         self.scope = trio.CancelScope()
+        #: a watchdog (:meth:`Drain.watch`) ends this request's abortable waits that stall
+        self.watched = watched
         self._stop: TrioshedError | None = None
         self._waiting: trio.CancelScope | None = None
+        self.since: float | None = None  # when the abortable wait under way began
+        self._abort: Callable[[], None] | None = None
+        self._stalled = False
 
-    async def bounded(self, step: Callable[[], Awaitable[T]], what: str) -> T:
+    async def bounded(self, step: Callable[[], Awaitable[T]], what: str, abort: Callable[[], None] | None = None) -> T:
         """``await step()`` unless the request is cut (raises its error) or ``step`` takes longer
         than the idle timeout (raises RunnerStalled naming ``what``).
 
-        Cancellation: only this wait is cancelled; the caller's scopes are untouched.
+        ``abort``: makes ``step`` fail at once (closes the connection it reads); given, and the
+        request watched, the watchdog calls it instead of a cancel scope bounding the wait.
+
+        Cancellation: only this wait is cancelled or aborted; the caller's scopes are untouched.
         """
         if self._stop is not None:
             raise self._stop
+        if abort is not None and self.watched:
+            return await self._abortable(step, what, abort)
         with trio.CancelScope(deadline=trio.current_time() + self.idle_timeout) as scope:
             self._waiting = scope
             try:
@@ -63,11 +77,38 @@ class RequestGuard:
             raise self._stop
         raise RunnerStalled(what, self.idle_timeout)
 
+    async def _abortable(self, step: Callable[[], Awaitable[T]], what: str, abort: Callable[[], None]) -> T:
+        self.since, self._abort = trio.current_time(), abort
+        try:
+            got = await step()
+        except Exception:
+            self._raise_ended(what)
+            raise
+        finally:
+            self.since = self._abort = None
+        self._raise_ended(what)  # aborted as its answer came: the connection is closed, no more follows
+        return got
+
+    def _raise_ended(self, what: str) -> None:
+        if self._stop is not None:
+            raise self._stop from None
+        if self._stalled:
+            self._stalled = False
+            raise RunnerStalled(what, self.idle_timeout) from None
+
+    def stall(self) -> None:
+        """The abortable wait under way stalled (the watchdog's call): abort it."""
+        if self._abort is not None:
+            self._stalled = True
+            self._abort()
+
     def stop(self, error: TrioshedError) -> None:
         """Make the current and every later upstream wait raise ``error``."""
         self._stop = error
         if self._waiting is not None:
             self._waiting.cancel(reason="request cut")
+        if self._abort is not None:
+            self._abort()
 
 
 def drain_started() -> trio.Event | None:
@@ -77,12 +118,12 @@ def drain_started() -> trio.Event | None:
     return None if guard is None else guard.draining
 
 
-async def bounded(step: Callable[[], Awaitable[T]], what: str) -> T:
+async def bounded(step: Callable[[], Awaitable[T]], what: str, abort: Callable[[], None] | None = None) -> T:
     """:meth:`RequestGuard.bounded` for the current request (unbounded outside one)."""
     guard = _current.get()
     if guard is None:
         return await step()
-    return await guard.bounded(step, what)
+    return await guard.bounded(step, what, abort)
 
 
 class Drain:
@@ -100,6 +141,7 @@ class Drain:
         self.started = trio.Event()  # begin() was called: endless streams end
         self._inflight: set[RequestGuard] = set()
         self._changed = RepeatedEvent()
+        self._watching = False  # the watchdog runs (:meth:`watch`)
 
     @property
     def inflight(self) -> int:
@@ -117,7 +159,7 @@ class Drain:
         if self.draining:
             await run_with_pump(self._refuse, scope, receive, send)
             return
-        guard = RequestGuard(self.idle_timeout, self.started)
+        guard = RequestGuard(self.idle_timeout, self.started, watched=self._watching)
         token = _current.set(guard)
         self._inflight.add(guard)
         try:
@@ -131,6 +173,28 @@ class Drain:
             _current.reset(token)
             if self.draining:  # only the drain waits for requests to end
                 self._changed.set()
+
+    async def watch(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The watchdog, until cancelled: aborts each abortable upstream wait that has gone on for
+        the idle timeout, at that moment (it sleeps until the oldest wait's bound, or for the
+        timeout when none is under way: a wait that begins meanwhile cannot stall sooner)."""
+        self._watching = True
+        task_status.started()
+        try:
+            while True:
+                now = trio.current_time()
+                wake = now + self.idle_timeout
+                for guard in self._inflight:
+                    since = guard.since
+                    if since is None:
+                        continue
+                    if now - since >= self.idle_timeout:
+                        guard.stall()
+                    else:
+                        wake = min(wake, since + self.idle_timeout)
+                await trio.sleep_until(wake)
+        finally:
+            self._watching = False
 
     async def _refuse(
         self,

@@ -63,12 +63,13 @@ async def truncated(lease: LeaseView) -> TrioshedError:
     return await crash_or(lease, RuntimeError("llama-server closed the stream early"))
 
 
-async def step(lease: LeaseView, fn: Callable[[], Any]) -> Any:
-    """One wait on the runner, bounded (:func:`trioshed.api.drain.bounded`): a runner that sends
-    nothing for TRIOSHED_STREAM_IDLE_TIMEOUT is hung, so it is replaced once its leases end. What
-    it sends is a sign of life for its health monitor (:meth:`LeaseView.produced`)."""
+async def step(lease: LeaseView, fn: Callable[[], Any], abort: Callable[[], None] | None = None) -> Any:
+    """One wait on the runner, bounded (:func:`trioshed.api.drain.bounded`; ``abort`` ends it
+    from outside: a read of an answer): a runner that sends nothing for
+    TRIOSHED_STREAM_IDLE_TIMEOUT is hung, so it is replaced once its leases end. What it sends is
+    a sign of life for its health monitor (:meth:`LeaseView.produced`)."""
     try:
-        got = await bounded(fn, lease.model.name)
+        got = await bounded(fn, lease.model.name, abort)
     except RunnerStalled:
         lease.evict("stalled: no output within TRIOSHED_STREAM_IDLE_TIMEOUT")
         raise
@@ -131,7 +132,7 @@ async def _bounded_pieces(
             if reads >= EAGER_READS and not answer.complete and (hold := batching.hold()):
                 await trio.sleep_until(read_at + hold)
             try:
-                piece = await step(lease, pieces.__anext__)
+                piece = await step(lease, pieces.__anext__, answer.abort)
             except StopAsyncIteration:
                 return
             read_at = trio.current_time()
@@ -175,7 +176,7 @@ async def open_upstream_bytes(lease: LeaseView, path: str, body: dict[str, Any] 
                         raw = await step(lease, response.read)
                         raise upstream_error(raw, response.status)
                     pieces = await stack.enter_async_context(aclosing(response.batches()))
-                    first = await _first_piece(lease, pieces)
+                    first = await _first_piece(lease, pieces, response)
                 handed_on = True
                 async with aclosing(_bounded_pieces(lease, pieces, first, response)) as bounded_pieces:
                     yield bounded_pieces
@@ -191,10 +192,10 @@ async def open_upstream_bytes(lease: LeaseView, path: str, body: dict[str, Any] 
         await run_again_or_raise(lease, error)
 
 
-async def _first_piece(lease: LeaseView, pieces: AsyncIterator[bytes]) -> bytes | None:
+async def _first_piece(lease: LeaseView, pieces: AsyncIterator[bytes], answer: UpstreamAnswer) -> bytes | None:
     """The answer's first piece of body (None: the body is empty), bounded like every wait."""
     try:
-        piece: bytes = await step(lease, pieces.__anext__)
+        piece: bytes = await step(lease, pieces.__anext__, answer.abort)
     except StopAsyncIteration:
         return None
     return piece

@@ -148,6 +148,11 @@ class UpstreamResponse:
                 self._tail = (self._tail[1], body)
                 yield body
 
+    def abort(self) -> None:
+        """Close the connection now: a read under way, and every later one, fails
+        (:class:`ConnectionFailed`); the pool does not take it back."""
+        self._connection.close()
+
     def tail(self) -> bytes:
         """The last two pieces of the body read so far (the final event and ``[DONE]``)."""
         return b"".join(self._tail)

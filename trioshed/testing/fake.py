@@ -143,13 +143,26 @@ class FakeResponse:
         self._runner = runner
         self.headers = {"content-type": "application/json"}
         self.complete = False
+        self._aborted = False
+        self._reading: trio.CancelScope | None = None  # the wait for the next piece, under way
+
+    def abort(self) -> None:
+        """As a closed connection: the read under way, and every later one, fails."""
+        self._aborted = True
+        if self._reading is not None:
+            self._reading.cancel(reason="connection closed")
 
     async def batches(self) -> AsyncGenerator[bytes, None]:
         received = 0
         answer = self._runner.answer
         for i, piece in enumerate(answer):
             if i:
-                await self._runner._wait(self._runner.piece_time, received=received)
+                with trio.CancelScope() as self._reading:
+                    if not self._aborted:
+                        await self._runner._wait(self._runner.piece_time, received=received)
+                self._reading = None
+            if self._aborted:
+                raise ConnectionFailed("reading llama-server's answer failed: connection closed (fake)", received=received)
             received += len(piece)
             self.complete = i == len(answer) - 1
             yield piece
