@@ -51,7 +51,7 @@ async def restore_warm(lease: LeaseView, path: str, body: dict[str, Any] | bytes
     the saved slot its prompt continues (``trioshed.runner.slots``; a no-op once every slot has
     been used). Bounded like every wait on the runner; a failed restore is logged, not raised."""
     slots = lease.handle.slots
-    if slots is not None:
+    if slots is not None and slots.may_restore(path):
         started = trio.current_time()
         restored = await step(lease, lambda: slots.restore_for(path, body))
         if restored is not None and (trace := current_trace.get()) is not None:

@@ -158,6 +158,11 @@ class RunnerSlots:
 
     # -- restore ---------------------------------------------------------------------------
 
+    def may_restore(self, path: str) -> bool:
+        """Whether a request to ``path`` may find a slot to restore (else :meth:`restore_for` is
+        not worth a wait): a slot still unused, something saved under this runner's key."""
+        return self._open and self.warm.store.has_key(self.key_id) and not path.endswith(("/embedding", "/embeddings"))
+
     async def restore_for(self, path: str, body: dict[str, Any] | bytes) -> SavedSlot | None:
         """Before ``body`` goes to ``path``: restore the saved slot whose tokens it continues
         into an unused slot. Returns the restored file's entry, or None.
@@ -165,7 +170,7 @@ class RunnerSlots:
         Cheap once every slot has been used (an attribute check). Never raises for llama-server
         or disk trouble: a failed restore is logged, counted, and the request proceeds.
         """
-        if not self._open or not self.warm.store.has_key(self.key_id) or path.endswith(("/embedding", "/embeddings")):
+        if not self.may_restore(path):
             return None
         async with self._lock:
             if not self._open:
