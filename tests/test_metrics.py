@@ -17,7 +17,14 @@ import trio.testing
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.test_scheduler import running
-from trioshed.api.metrics import CAUSES, SNAPSHOT_COUNTERS, SNAPSHOT_GAUGES, Metrics, reason_label
+from trioshed.api.metrics import (
+    CAUSES,
+    FINISHED_BATCH,
+    SNAPSHOT_COUNTERS,
+    SNAPSHOT_GAUGES,
+    Metrics,
+    reason_label,
+)
 from trioshed.core.model import RunnerOptions
 from trioshed.runner.binary import find_llama_server
 from trioshed.scheduler.scheduler import SchedulerStatistics
@@ -106,11 +113,33 @@ async def test_the_fast_renderer_writes_what_prometheus_client_writes(autojump_c
         Gauge("extra_gauge", "A gauge with a \\ and\na newline in its help.", ["k"], registry=metrics.registry).labels('v"1').set(1e21)
         Info("extra", "An info metric.", registry=metrics.registry).info({"version": "1"})
         metrics._count_events()
+        metrics._count_finished()
         text = render_text(metrics.registry)
         assert b'model="we\\"ird' in text
         # the process collector's figures move between two scrapes: compare without them
         strip = lambda b: b"\n".join(line for line in b.split(b"\n") if b"process_" not in line)  # noqa: E731
         assert strip(text) == strip(generate_latest(metrics.registry))
+
+
+async def test_ended_requests_are_counted_in_batches_and_at_every_scrape(autojump_clock: trio.testing.MockClock) -> None:
+    from trioshed.trace import RequestTrace
+
+    async with running({"a": 1}) as h:
+        metrics = Metrics(h.sched)
+        trace = RequestTrace(method="POST", path="/api/chat", client="t", started=0.0, route="/api/chat", status=200,
+                             model="a:latest", queue_wait=0.5, key="alice")  # fmt: skip
+        labels = {"route": "/api/chat", "method": "POST", "status": "200"}
+        for _ in range(FINISHED_BATCH - 1):
+            metrics.request_finished(trace, 0.25)
+        assert metrics.registry.get_sample_value("trioshed_http_requests_total", labels) is None  # noted, not counted
+        metrics.request_finished(trace, 0.25)  # a whole batch: counted now, so what waits stays bounded
+        assert metrics.registry.get_sample_value("trioshed_http_requests_total", labels) == FINISHED_BATCH
+        metrics.request_finished(trace, 0.25)
+        s = parse(metrics.render().decode())  # a scrape counts what waits
+        assert value(s, "trioshed_http_requests_total", **labels) == FINISHED_BATCH + 1
+        assert value(s, "trioshed_request_duration_seconds_count", model="a:latest", route="/api/chat") == FINISHED_BATCH + 1
+        assert value(s, "trioshed_queue_wait_seconds_sum", model="a:latest", route="/api/chat") == 0.5 * (FINISHED_BATCH + 1)
+        assert value(s, "trioshed_key_requests_total", key="alice", status="200") == FINISHED_BATCH + 1
 
 
 async def test_reloads_and_keep_alive_0_are_labelled_as_such(autojump_clock: trio.testing.MockClock) -> None:
