@@ -66,6 +66,11 @@ class _Runner:
     def complete(self) -> bool:
         return self.done and self.taken == len(self.arrived)
 
+    def abort(self) -> None:
+        """As a closed connection (``UpstreamAnswer.abort``): no more arrives. Nothing stalls here."""
+        self.done = True
+        self.wake.set()
+
     async def pieces(self) -> AsyncIterator[bytes]:
         while True:
             while self.taken == len(self.arrived) and not self.done:
