@@ -23,6 +23,7 @@ an h11 buffer each. The limits, and why these values:
 from __future__ import annotations
 
 import logging
+import os
 from functools import partial
 from typing import Any
 
@@ -31,7 +32,7 @@ from hypercorn.config import Config
 from hypercorn.events import Closed, Event, RawData
 from hypercorn.trio.lifespan import Lifespan
 from hypercorn.trio.statsd import StatsdLogger
-from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ConnectionState
 from hypercorn.utils import ShutdownError, raise_shutdown, repr_socket_addr, wrap_app
@@ -39,6 +40,8 @@ from hypercorn.utils import ShutdownError, raise_shutdown, repr_socket_addr, wra
 from trioshed.config import Settings
 
 MAX_HEADER_BYTES = 32 * 1024
+#: Writes taken whole by the socket between two yields of the writing task (:meth:`_Connection._write`).
+WRITES_PER_YIELD = 16
 GRACEFUL_TIMEOUT = 3.0  # seconds for connections to finish once the listener stopped
 
 
@@ -86,7 +89,7 @@ class Departure:
 
 
 class _Connection(TCPServer):
-    """hypercorn's connection, with three changes:
+    """hypercorn's connection, with these changes:
 
     - once the client has closed it no longer waits out its keep-alive timer (it did: every
       closed connection held its slot for up to 30 s, so clients opening a connection per
@@ -95,10 +98,13 @@ class _Connection(TCPServer):
       as Go's server (Ollama's) does: hypercorn wrote it alone, and each write is a packet and a
       wake-up of the client. Every response ends with a write of its own (its last chunk, or an
       empty one), so a held head always goes out; ``100 Continue`` is never held;
-    - each request's scope carries the connection's :class:`Departure` (``extensions``).
+    - each request's scope carries the connection's :class:`Departure` (``extensions``);
+    - a write the socket takes whole is made at once, and a read costs no cancel scope
+      (:meth:`_write`, :meth:`_read_data`).
     """
 
     _head: bytes | None = None
+    _writes = 0  # taken at once, for the yield every WRITES_PER_YIELD
 
     def __init__(self, app: Any, config: Config, context: WorkerContext, state: Any, stream: Any) -> None:
         departure = self.departure = Departure()
@@ -117,17 +123,57 @@ class _Connection(TCPServer):
             elif data.startswith(b"HTTP/1.1 ") and not data.startswith(b"HTTP/1.1 1"):
                 self._head = data
                 return
-            await super().protocol_send(RawData(data=data, address=event.address))
+            await self._write(data)
             return
         if isinstance(event, Closed):
             self.departure.closing = True
         if self._head is not None:
             head, self._head = self._head, None
-            await super().protocol_send(RawData(data=head))
+            await self._write(head)
         await super().protocol_send(event)
 
+    async def _write(self, data: bytes) -> None:
+        """``data`` to the client. Written at once when the socket takes all of it (a response's
+        parts are far smaller than its buffer) and no other write is under way, without
+        hypercorn's lock and shielded scope and Trio's two checkpoints (a task switch) per write:
+        several writes a response, most of the cost of writing. Else (a full buffer, a write
+        under way) hypercorn's own write, which waits. Every :data:`WRITES_PER_YIELD` writes
+        taken at once the task yields, so a long answer cannot hold the event loop."""
+        if not self.send_lock.locked():
+            try:
+                sent = self._write_now(data)
+            except BlockingIOError:
+                sent = 0
+            except OSError:  # reset, broken, closed: as hypercorn handles a write that fails
+                await self.protocol.handle(Closed())
+                return
+            if sent == len(data):
+                self._writes += 1
+                if self._writes % WRITES_PER_YIELD == 0:
+                    await trio.lowlevel.checkpoint()
+                return
+            data = data[sent:]
+        await super().protocol_send(RawData(data=data))
+
+    def _write_now(self, data: bytes) -> int:
+        """The bytes of ``data`` that the socket takes now (BlockingIOError: none)."""
+        return os.write(self.stream.socket.fileno(), data)
+
     async def _read_data(self) -> None:
-        await super()._read_data()
+        """hypercorn's read loop, less a cancel scope per read for ``read_timeout`` (which
+        trioshed leaves unset: :func:`hypercorn_config`); then the client's departure."""
+        if self.config.read_timeout is not None:
+            await super()._read_data()
+        else:
+            while True:
+                try:
+                    data = await self.stream.receive_some(MAX_RECV)
+                except (trio.ClosedResourceError, trio.BrokenResourceError):
+                    break
+                await self.protocol.handle(RawData(bytes(data)))
+                if not data:
+                    break
+            await self.protocol.handle(Closed())
         self.departure.left()
         await self.idle_task.stop()
 
