@@ -45,6 +45,7 @@ class Runner:
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     timer: trio.CancelScope = field(default_factory=lambda: trio.CancelScope(deadline=math.inf))
     served: int = 0
+    stop_called: bool = False  # stop() was called
     came_back: bool = False  # views.RunnerView.came_back
     _usage: tuple[tuple[str, int], ...] | None = None
     handle: RunnerHandle | None = None  # set once the child is ready
@@ -133,7 +134,10 @@ class Runner:
 
     @property
     def stopping(self) -> bool:
-        return self.scope.cancel_called or self.timer.cancel_called
+        """:meth:`stop` was called, or the keep-alive expired (as its scopes' ``cancel_called``,
+        without reading the clock while the runner is leased: asked several times a request)."""
+        deadline = self.timer.deadline
+        return self.stop_called or (deadline != math.inf and trio.current_time() >= deadline)
 
     @property
     def free_slot(self) -> bool:
@@ -148,6 +152,7 @@ class Runner:
 
     def stop(self, reason: str) -> None:
         """Unload: cancel the serving phase (or the load itself, if still loading)."""
+        self.stop_called = True
         self.timer.cancel(reason=reason)
         if self.state is RunnerState.LOADING:
             self.scope.cancel(reason=reason)
