@@ -19,7 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.test_scheduler import running
 from trioshed.api.metrics import (
     CAUSES,
-    FINISHED_BATCH,
+    FINISHED_DELAY,
+    FINISHED_MAX,
     SNAPSHOT_COUNTERS,
     SNAPSHOT_GAUGES,
     Metrics,
@@ -121,7 +122,7 @@ async def test_the_fast_renderer_writes_what_prometheus_client_writes(autojump_c
         assert strip(text) == strip(generate_latest(metrics.registry))
 
 
-async def test_ended_requests_are_counted_in_batches_and_at_every_scrape(autojump_clock: trio.testing.MockClock) -> None:
+async def test_ended_requests_are_counted_off_their_path_and_at_every_scrape(autojump_clock: trio.testing.MockClock) -> None:
     from trioshed.trace import RequestTrace
 
     async with running({"a": 1}) as h:
@@ -129,17 +130,24 @@ async def test_ended_requests_are_counted_in_batches_and_at_every_scrape(autojum
         trace = RequestTrace(method="POST", path="/api/chat", client="t", started=0.0, route="/api/chat", status=200,
                              model="a:latest", queue_wait=0.5, key="alice")  # fmt: skip
         labels = {"route": "/api/chat", "method": "POST", "status": "200"}
-        for _ in range(FINISHED_BATCH - 1):
+        count = lambda: metrics.registry.get_sample_value("trioshed_http_requests_total", labels)  # noqa: E731
+        await h.nursery.start(metrics.run)
+        for _ in range(10):
             metrics.request_finished(trace, 0.25)
-        assert metrics.registry.get_sample_value("trioshed_http_requests_total", labels) is None  # noted, not counted
-        metrics.request_finished(trace, 0.25)  # a whole batch: counted now, so what waits stays bounded
-        assert metrics.registry.get_sample_value("trioshed_http_requests_total", labels) == FINISHED_BATCH
+        assert count() is None  # noted, not counted on the request's own path
+        await trio.sleep(FINISHED_DELAY)
+        assert count() == 10  # counted by the metrics' task, once, a moment later
         metrics.request_finished(trace, 0.25)
-        s = parse(metrics.render().decode())  # a scrape counts what waits
-        assert value(s, "trioshed_http_requests_total", **labels) == FINISHED_BATCH + 1
-        assert value(s, "trioshed_request_duration_seconds_count", model="a:latest", route="/api/chat") == FINISHED_BATCH + 1
-        assert value(s, "trioshed_queue_wait_seconds_sum", model="a:latest", route="/api/chat") == 0.5 * (FINISHED_BATCH + 1)
-        assert value(s, "trioshed_key_requests_total", key="alice", status="200") == FINISHED_BATCH + 1
+        s = parse(metrics.render().decode())  # a scrape counts what waits, at once
+        assert value(s, "trioshed_http_requests_total", **labels) == 11
+        assert value(s, "trioshed_request_duration_seconds_count", model="a:latest", route="/api/chat") == 11
+        assert value(s, "trioshed_queue_wait_seconds_sum", model="a:latest", route="/api/chat") == 0.5 * 11
+        assert value(s, "trioshed_key_requests_total", key="alice", status="200") == 11
+        await trio.sleep(10 * FINISHED_DELAY)
+        assert count() == 11  # nothing counted twice
+        for _ in range(FINISHED_MAX):  # a flood between two counts: what waits stays bounded
+            metrics.request_finished(trace, 0.25)
+        assert count() == 11 + FINISHED_MAX and not metrics._finished
 
 
 async def test_reloads_and_keep_alive_0_are_labelled_as_such(autojump_clock: trio.testing.MockClock) -> None:

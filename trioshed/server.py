@@ -232,6 +232,7 @@ async def serve(
                 await nursery.start(state.key_sync.run)  # the store's keys in force before listening, then polled
                 await nursery.start(scheduler.run)
                 await nursery.start(app.watch)  # ends upstream reads that stall (TRIOSHED_STREAM_IDLE_TIMEOUT)
+                await nursery.start(quart_app.config["TRIOSHED_METRICS"].run)  # counts ended requests, off their path
                 if state.fleet is not None:
                     await nursery.start(state.fleet.run)
                 nursery.start_soon(run_timeline, scheduler, state.timeline)  # the status page's last hour
