@@ -21,9 +21,10 @@ each, once per streamed read before the watchdog.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import trio
 from trio_util import RepeatedEvent
@@ -35,6 +36,19 @@ from trioshed.errors import RunnerStalled, ShuttingDown, TrioshedError
 T = TypeVar("T")
 ASGIApp = Callable[[dict[str, Any], Callable[[], Awaitable[dict[str, Any]]], Callable[[dict[str, Any]], Awaitable[None]]], Awaitable[None]]
 
+class FastApp(Protocol):
+    """The fast path (:class:`trioshed.api.fast.FastPath`): what it serves runs in scopes it
+    takes from the request's guard itself (:meth:`RequestGuard.new_scope`)."""
+
+    def wants(self, scope: dict[str, Any]) -> bool: ...
+    async def __call__(
+        self,
+        scope: dict[str, Any],
+        receive: Callable[[], Awaitable[dict[str, Any]]],
+        send: Callable[[dict[str, Any]], Awaitable[None]],
+    ) -> None: ...
+
+
 _current: ContextVar[RequestGuard | None] = ContextVar("trioshed_request_guard", default=None)
 CUT_GRACE = 2.0  # seconds for cut requests to write their final line before they are cancelled
 
@@ -45,7 +59,9 @@ class RequestGuard:
     def __init__(self, idle_timeout: float, draining: trio.Event | None = None, *, watched: bool = False) -> None:
         self.idle_timeout = idle_timeout
         self.draining = trio.Event() if draining is None else draining  # set when the server drains
-        self.scope = trio.CancelScope()
+        #: the scope the request runs in (:meth:`new_scope`; the fast path enters its own)
+        self.scope: trio.CancelScope | None = None
+        self._cancelled = False
         #: a watchdog (:meth:`Drain.watch`) ends this request's abortable waits that stall
         self.watched = watched
         self._stop: TrioshedError | None = None
@@ -96,6 +112,20 @@ class RequestGuard:
             self._stalled = False
             raise RunnerStalled(what, self.idle_timeout) from None
 
+    def new_scope(self, deadline: float = math.inf) -> trio.CancelScope:
+        """The scope for the request's work from here (a scope is entered once: a part that runs
+        after another gets its own), cancelled at once if the request was cancelled already."""
+        self.scope = trio.CancelScope(deadline=deadline)
+        if self._cancelled:
+            self.scope.cancel(reason="shutdown: drain timeout")
+        return self.scope
+
+    def cancel(self) -> None:
+        """Cancel what the request runs now, and any part it runs later."""
+        self._cancelled = True
+        if self.scope is not None:
+            self.scope.cancel(reason="shutdown: drain timeout")
+
     def stall(self) -> None:
         """The abortable wait under way stalled (the watchdog's call): abort it."""
         if self._abort is not None:
@@ -109,6 +139,11 @@ class RequestGuard:
             self._waiting.cancel(reason="request cut")
         if self._abort is not None:
             self._abort()
+
+
+def current_guard() -> RequestGuard | None:
+    """The current request's guard (None outside a drained app)."""
+    return _current.get()
 
 
 def drain_started() -> trio.Event | None:
@@ -129,7 +164,7 @@ async def bounded(step: Callable[[], Awaitable[T]], what: str, abort: Callable[[
 class Drain:
     """The ASGI wrapper counting requests in flight; see the module docstring for the sequence."""
 
-    def __init__(self, app: ASGIApp, *, idle_timeout: float, retry_after: int = 5, fast: ASGIApp | None = None) -> None:
+    def __init__(self, app: ASGIApp, *, idle_timeout: float, retry_after: int = 5, fast: FastApp | None = None) -> None:
         self.app = app
         #: serves each request in place of ``run_with_pump(app)`` (trioshed.api.fast), if given
         self.fast = fast
@@ -163,11 +198,14 @@ class Drain:
         token = _current.set(guard)
         self._inflight.add(guard)
         try:
-            with guard.scope:
-                if self.fast is not None:
-                    await self.fast(scope, receive, send)
-                else:
+            if self.fast is None:
+                with guard.new_scope():
                     await run_with_pump(self.app, scope, receive, send)
+            elif self.fast.wants(scope):
+                await self.fast(scope, receive, send)  # in the guard's scopes (FastPath._serve)
+            else:
+                with guard.new_scope():
+                    await self.fast(scope, receive, send)
         finally:
             self._inflight.discard(guard)
             _current.reset(token)
@@ -240,4 +278,4 @@ class Drain:
             while self._inflight:
                 await self._changed.wait()
         for guard in list(self._inflight):
-            guard.scope.cancel(reason="shutdown: drain timeout")
+            guard.cancel()

@@ -39,6 +39,7 @@ from quart.wrappers.response import DataBody
 
 from trioshed.api import upload
 from trioshed.api.bodypump import run_with_pump
+from trioshed.api.drain import RequestGuard, current_guard
 from trioshed.api.http import DEPARTURE, Departure
 from trioshed.api.preamble import fast_request
 from trioshed.api.state import AppState
@@ -126,16 +127,18 @@ class FastPath:
 
     async def _serve(self, scope: Message, receive: Receive, send: Send) -> None:
         path, method = scope["path"], scope["method"]
+        guard = current_guard()
         entered = self._enter(scope, path)
         if entered is None:
-            await self.delegate(scope, receive, send)  # the same checks there, and their answer
+            with _new_scope(guard):
+                await self.delegate(scope, receive, send)  # the same checks there, and their answer
             return
         entry, get, _ = entered
         read: list[Message] = []
         body = bytearray()
         answering = False
         # One scope for the request: first the body's deadline, then the client's departure.
-        with trio.CancelScope(deadline=trio.current_time() + self.body_timeout) as scope_of_request:
+        with _new_scope(guard, trio.current_time() + self.body_timeout) as scope_of_request:
             while True:
                 message = await receive()
                 read.append(message)
@@ -158,7 +161,8 @@ class FastPath:
                     return
         if answering:
             return  # the client left while its answer was being written
-        await self.delegate(scope, _replay(read, receive), send)  # too large, or too slow
+        with _new_scope(guard):
+            await self.delegate(scope, _replay(read, receive), send)  # too large, or too slow
 
     async def _answer(self, method: str, path: str, get: Headers, send: Send, entry: Entry) -> None:
         try:
@@ -197,6 +201,12 @@ class FastPath:
     def _finish(self, get: Headers, status: int) -> list[tuple[bytes, bytes]]:
         """The wrapper's :meth:`~trioshed.api.wrapper.RequestWrapper.finish`, as ASGI headers."""
         return [(name.lower().encode(), value.encode()) for name, value in self.wrapper.finish(get, status)]
+
+
+def _new_scope(guard: RequestGuard | None, deadline: float = math.inf) -> trio.CancelScope:
+    """The scope for the request's next part: the drain's (which cancels it at the end of a
+    shutdown), or a plain one outside a drained app."""
+    return trio.CancelScope(deadline=deadline) if guard is None else guard.new_scope(deadline)
 
 
 def _replay(read: list[Message], receive: Receive) -> Receive:
