@@ -145,8 +145,12 @@ async def test_a_stream_stalled_before_its_first_piece_runs_again_on_a_new_runne
         first = h.factory.runner("a")
         first.head_time = 10 * IDLE  # it answers its checks, and nothing else
         got: list[bytes] = []
+        started = trio.current_time()
         async with idle_timeout(IDLE):
             lease = await _stream(h, got)
+        # the head's wait ended by the watchdog at the bound (closing its connection), then a new
+        # runner loaded (1 s) and answered (0.5 s)
+        assert started + IDLE <= trio.current_time() <= started + IDLE + 1.5 + 0.01
         assert got == [b'{"content":"ok"}'] and lease.handle is not first
         assert isinstance(lease.rerun_after, RunnerStalled)
         assert h.factory.started == 2 and ("unloaded", "a") in h.record and first not in h.factory.live

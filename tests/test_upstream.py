@@ -26,7 +26,7 @@ from trioshed.api.upstream import open_upstream, post_upstream
 from trioshed.core.context import Shrunk
 from trioshed.core.model import MeasuredMemory, ModelSpec, RunnerOptions
 from trioshed.errors import RunnerCrashed, RunnerError, UpstreamError
-from trioshed.runner.client import KEEP_IDLE, UpstreamPool
+from trioshed.runner.client import KEEP_IDLE, UpstreamPool, Watched, watched
 from trioshed.runner.process import OutputTail
 from trioshed.runner.slots import RunnerSlots
 from trioshed.runner.wire import ProtocolError, ResponseReader, request_head
@@ -363,3 +363,25 @@ async def test_a_consumer_that_leaves_mid_answer_closes_the_connection() -> None
             assert upstream.ended == 1
             await pool.aclose()
     assert (stats.active, stats.idle, stats.opened) == (0, 0, 1)
+
+
+async def test_a_watched_steps_connection_is_forgotten_when_its_request_ends() -> None:
+    # A step on a runner that stalls is ended by closing the connection the pool uses for it;
+    # once that request ends, the connection may go back to the pool and to another request.
+    with trio.fail_after(10):
+        async with ClosingUpstream(answer=100).serving() as upstream:
+            pool = UpstreamPool(upstream.port)
+            watch = Watched()
+            token = watched.set(watch)
+            try:
+                async with pool.request("POST", "/health", b"{}") as response:
+                    assert watch.connection is not None  # noted while its request is under way
+                    await response.read()
+            finally:
+                watched.reset(token)
+            assert watch.connection is None
+            watch.abort()  # closes nothing now
+            status, _ = await pool.post("/health", b"{}")
+            stats = pool.statistics()
+            await pool.aclose()
+    assert status == 200 and stats.reused == 1 and stats.opened == 1

@@ -23,7 +23,7 @@ from trioshed.api.protocols.errors import context_error
 from trioshed.core.model import ModelSpec, RunnerOptions
 from trioshed.errors import RunnerCrashed, RunnerStalled, TrioshedError, UpstreamError
 from trioshed.keys import ANONYMOUS, ApiKey
-from trioshed.runner.client import ConnectionFailed
+from trioshed.runner.client import ConnectionFailed, Watched, watched
 from trioshed.scheduler.contracts import (
     LeaseView,
     PromptFit,
@@ -64,15 +64,24 @@ async def truncated(lease: LeaseView) -> TrioshedError:
 
 
 async def step(lease: LeaseView, fn: Callable[[], Any], abort: Callable[[], None] | None = None) -> Any:
-    """One wait on the runner, bounded (:func:`trioshed.api.drain.bounded`; ``abort`` ends it
-    from outside: a read of an answer): a runner that sends nothing for
-    TRIOSHED_STREAM_IDLE_TIMEOUT is hung, so it is replaced once its leases end. What it sends is
-    a sign of life for its health monitor (:meth:`LeaseView.produced`)."""
+    """One wait on the runner, bounded (:func:`trioshed.api.drain.bounded`): a runner that sends
+    nothing for TRIOSHED_STREAM_IDLE_TIMEOUT is hung, so it is replaced once its leases end. What
+    it sends is a sign of life for its health monitor (:meth:`LeaseView.produced`).
+
+    A stall is ended by closing the connection the wait is on: ``abort`` (a read of an answer),
+    else the connection the pool uses for ``fn``'s requests (:class:`Watched`)."""
+    token = None
+    if abort is None:
+        watch = Watched()
+        token, abort = watched.set(watch), watch.abort
     try:
         got = await bounded(fn, lease.model.name, abort)
     except RunnerStalled:
         lease.evict("stalled: no output within TRIOSHED_STREAM_IDLE_TIMEOUT")
         raise
+    finally:
+        if token is not None:
+            watched.reset(token)
     lease.produced()
     return got
 

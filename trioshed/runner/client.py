@@ -36,20 +36,46 @@ import errno
 import socket
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import Protocol
 
 import trio
 
 from trioshed.core.speculation import drafted_accepted
 from trioshed.runner.wire import ProtocolError, ResponseReader, request_head
 
-__all__ = ["KEEP_IDLE", "MAX_REQUESTS", "ConnectionFailed", "PoolStats", "UpstreamPool", "UpstreamResponse"]
+__all__ = ["KEEP_IDLE", "MAX_REQUESTS", "ConnectionFailed", "PoolStats", "UpstreamPool", "UpstreamResponse", "Watched", "watched"]
 
 #: Seconds an idle connection is kept for reuse (llama-server closes it after 5 s idle).
 KEEP_IDLE = 2.0
 #: Requests per connection before it is retired (llama-server closes it after 100).
 MAX_REQUESTS = 90
 _READ = 65536
+
+
+class Closable(Protocol):
+    def close(self) -> None: ...
+
+
+class Watched:
+    """Where the waits of one step of a request can be ended from outside: the connection the
+    pool is using for it, noted by :meth:`UpstreamPool.request` while :data:`watched` holds this
+    (``trioshed.api.upstream``: a step on a runner that stalls is ended by closing it)."""
+
+    __slots__ = ("connection",)
+
+    def __init__(self) -> None:
+        self.connection: Closable | None = None
+
+    def abort(self) -> None:
+        """Close the connection in use (none yet: nothing to close, the step runs on)."""
+        if self.connection is not None:
+            self.connection.close()
+
+
+#: The :class:`Watched` of the step under way in this task (None: its waits are not watched).
+watched: ContextVar[Watched | None] = ContextVar("trioshed_watched_connection", default=None)
 
 
 class ConnectionFailed(Exception):
@@ -212,6 +238,9 @@ class UpstreamPool:
         reused = connection is not None
         if connection is None:
             connection = await self._connect()
+        watch = watched.get()
+        if watch is not None:
+            watch.connection = connection
         self._active += 1
         try:
             try:
@@ -222,6 +251,8 @@ class UpstreamPool:
                     raise
                 self._retried += 1  # the upstream closed it as we wrote: it never saw the request
                 connection = await self._connect()
+                if watch is not None:
+                    watch.connection = connection
                 response = await self._send(connection, data, method)
             yield response
         except BaseException:
@@ -229,6 +260,8 @@ class UpstreamPool:
             raise
         finally:
             self._active -= 1
+            if watch is not None and watch.connection is connection:
+                watch.connection = None  # it may go back to the pool: not this step's to close
         if response.complete:
             counts = drafted_accepted(response.tail())
             if counts is not None:

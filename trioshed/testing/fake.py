@@ -30,7 +30,7 @@ from trioshed.core.model import (
     RunnerOptions,
 )
 from trioshed.errors import LoadFailed
-from trioshed.runner.client import ConnectionFailed
+from trioshed.runner.client import ConnectionFailed, watched
 from trioshed.runner.output import OutputTail
 from trioshed.runner.slots import RunnerSlots
 from trioshed.scheduler.contracts import RunnerHandle, Upstream, UpstreamAnswer
@@ -124,7 +124,18 @@ class FakeUpstream:
             raise ConnectionFailed("cannot connect to llama-server: ECONNREFUSED (fake)")
         runner.requests.append(path)
         runner.sent.set()
-        await runner._wait(runner.head_time, received=0)
+        connection = _FakeConnection()
+        watch = watched.get()
+        if watch is not None:
+            watch.connection = connection  # as the real pool notes its connection
+        try:
+            with connection.waiting:
+                await runner._wait(runner.head_time, received=0)
+            if connection.closed:
+                raise ConnectionFailed("connection to llama-server failed: closed (fake)")
+        finally:
+            if watch is not None and watch.connection is connection:
+                watch.connection = None
         yield FakeResponse(runner)
 
     async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
@@ -134,6 +145,18 @@ class FakeUpstream:
     async def get(self, path: str) -> tuple[int, bytes]:
         async with self.request("GET", path) as response:
             return response.status, await response.read()
+
+
+class _FakeConnection:
+    """What a stalled request's head wait is ended by: closing it (``Watched.abort``)."""
+
+    def __init__(self) -> None:
+        self.waiting = trio.CancelScope()
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+        self.waiting.cancel(reason="connection closed")
 
 
 class FakeResponse:
