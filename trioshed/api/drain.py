@@ -82,7 +82,16 @@ class RequestGuard:
         if self._stop is not None:
             raise self._stop
         if abort is not None and self.watched:
-            return await self._abortable(step, what, abort)
+            self.since, self._abort = trio.current_time(), abort
+            try:
+                got = await step()
+            except Exception:
+                self._raise_ended(what)
+                raise
+            finally:
+                self.since = self._abort = None
+            self._raise_ended(what)  # aborted as its answer came: the connection is closed, no more follows
+            return got
         with trio.CancelScope(deadline=trio.current_time() + self.idle_timeout) as scope:
             self._waiting = scope
             try:
@@ -92,18 +101,6 @@ class RequestGuard:
         if self._stop is not None:
             raise self._stop
         raise RunnerStalled(what, self.idle_timeout)
-
-    async def _abortable(self, step: Callable[[], Awaitable[T]], what: str, abort: Callable[[], None]) -> T:
-        self.since, self._abort = trio.current_time(), abort
-        try:
-            got = await step()
-        except Exception:
-            self._raise_ended(what)
-            raise
-        finally:
-            self.since = self._abort = None
-        self._raise_ended(what)  # aborted as its answer came: the connection is closed, no more follows
-        return got
 
     def _raise_ended(self, what: str) -> None:
         if self._stop is not None:

@@ -18,7 +18,7 @@ import trio
 import trio.lowlevel
 from quart import Response
 
-from trioshed.api.drain import bounded
+from trioshed.api.drain import current_guard
 from trioshed.api.protocols.errors import context_error
 from trioshed.core.model import ModelSpec, RunnerOptions
 from trioshed.errors import RunnerCrashed, RunnerStalled, TrioshedError, UpstreamError
@@ -64,7 +64,7 @@ async def truncated(lease: LeaseView) -> TrioshedError:
 
 
 async def step(lease: LeaseView, fn: Callable[[], Any], abort: Callable[[], None] | None = None) -> Any:
-    """One wait on the runner, bounded (:func:`trioshed.api.drain.bounded`): a runner that sends
+    """One wait on the runner, bounded (:meth:`trioshed.api.drain.RequestGuard.bounded`): a runner that sends
     nothing for TRIOSHED_STREAM_IDLE_TIMEOUT is hung, so it is replaced once its leases end. What
     it sends is a sign of life for its health monitor (:meth:`LeaseView.produced`).
 
@@ -74,8 +74,9 @@ async def step(lease: LeaseView, fn: Callable[[], Any], abort: Callable[[], None
     if abort is None:
         watch = Watched()
         token, abort = watched.set(watch), watch.abort
+    guard = current_guard()  # (the request's; None outside a drained app: unbounded)
     try:
-        got = await bounded(fn, lease.model.name, abort)
+        got = await (fn() if guard is None else guard.bounded(fn, lease.model.name, abort))
     except RunnerStalled:
         lease.evict("stalled: no output within TRIOSHED_STREAM_IDLE_TIMEOUT")
         raise
