@@ -64,9 +64,9 @@ async def truncated(lease: LeaseView) -> TrioshedError:
 
 
 async def step(lease: LeaseView, fn: Callable[[], Any], abort: Callable[[], None] | None = None) -> Any:
-    """One wait on the runner, bounded (:meth:`trioshed.api.drain.RequestGuard.bounded`): a runner that sends
-    nothing for TRIOSHED_STREAM_IDLE_TIMEOUT is hung, so it is replaced once its leases end. What
-    it sends is a sign of life for its health monitor (:meth:`LeaseView.produced`).
+    """One wait on the runner, bounded (:meth:`trioshed.api.drain.RequestGuard.bounded`): a
+    runner that sends nothing for TRIOSHED_STREAM_IDLE_TIMEOUT is hung, so it is replaced once its
+    leases end. What it sends is a sign of life for its health monitor (:meth:`LeaseView.produced`).
 
     A stall is ended by closing the connection the wait is on: ``abort`` (a read of an answer),
     else the connection the pool uses for ``fn``'s requests (:class:`Watched`)."""
