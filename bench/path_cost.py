@@ -17,7 +17,8 @@ which is what trioshed sends upstream for it):
 
 Calls are exact and repeatable where CPU time on a shared 2-core machine is not: the difference
 between the two proxies' calls, by owner, is where trioshed's own per-request CPU goes.
-``--json PATH`` keeps everything; the markdown table goes to stdout.
+``--json PATH`` keeps everything; the markdown table goes to stdout. ``--leaf`` counts each call
+for the function called (and its caller) instead, for both proxies: where the calls of a part go.
 """
 
 from __future__ import annotations
@@ -89,8 +90,8 @@ PARTS: tuple[tuple[str, str], ...] = (
     ("bench/bare_forward.py:app", "shared: the answer's way through hypercorn and h11"),
     ("trioshed/cli/", "the event loop (its iterations and task switches)"),
     ("bench/bare_forward.py:main", "the event loop (its iterations and task switches)"),
-    ("trioshed/api/drain.py", "the request wrapper: drain guard, a bounded wait per upstream read"),
-    ("trioshed/api/fast.py", "the request wrapper: body, disconnect watch, answer"),
+    ("trioshed/api/drain.py", "the request wrapper: drain guard, bounded waits on the runner"),
+    ("trioshed/api/fast.py", "the request wrapper: body, the client's departure, answer"),
     ("trioshed/api/wrapper.py", "the request wrapper: trace, gate, CORS"),
     ("trioshed/api/observe.py", "the end of the request: metrics, activity, usage"),
     ("trioshed/api/metrics.py", "the end of the request: metrics, activity, usage"),
