@@ -176,3 +176,119 @@ async def test_a_client_that_resets_mid_answer_ends_the_connection_quietly(caplo
                 await trio.sleep(0.01)
     assert sum(map(len, server.writes)) < BIG
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.records
+
+
+# ---------------------------------------------------------------- the keep-alive timer
+# Over a Unix socket pair (what one end writes is readable at the other at once) and Trio's
+# MockClock, which jumps only while every task waits: the timings below are exact.
+
+IDLE = 30.0  # the keep-alive timeout in these tests (virtual seconds)
+
+
+async def paced(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """:func:`app`, and ``/slow``: an answer that takes ``2 * IDLE`` between its two parts."""
+    if scope["type"] == "http" and scope["path"] == "/slow":
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": b"slow", "more_body": True})
+        await trio.sleep(2 * IDLE)
+        await send({"type": "http.response.body", "body": b" answer", "more_body": False})
+        return
+    await app(scope, receive, send)
+
+
+@asynccontextmanager
+async def paired(context: WorkerContext | None = None) -> AsyncIterator[trio.SocketStream]:
+    """A client stream to a listener connection serving :func:`paced`, keep-alive ``IDLE``."""
+    ours, theirs = trio.socket.socketpair()
+    config = hypercorn_config(Settings.from_env({"TRIOSHED_MODELS": "/nonexistent"}))
+    config.keep_alive_timeout = IDLE
+    served = _Connection(
+        wrap_app(paced, config.wsgi_max_body_size, "asgi"), config, context or WorkerContext(None), ConnectionState({}),
+        trio.SocketStream(theirs),  # type: ignore[arg-type]
+    )  # fmt: skip
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(served.run)
+        async with trio.SocketStream(ours) as stream:
+            yield stream
+        # the client closed: the connection's task ends by itself (its timer with it)
+
+
+async def ask(stream: trio.SocketStream, path: str = "/whole") -> bytes:
+    await stream.send_all(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nhi".encode())
+    return await read_until(stream, b"ok hi" if path == "/whole" else b"0\r\n\r\n")
+
+
+async def closed_after(stream: trio.SocketStream) -> float:
+    """Seconds until the server closes the connection (nothing else may arrive)."""
+    started = trio.current_time()
+    assert await stream.receive_some(65536) == b""
+    return trio.current_time() - started
+
+
+async def test_an_idle_connection_closes_at_its_keep_alive_deadline(autojump_clock: trio.testing.MockClock) -> None:
+    async with paired() as client:
+        await ask(client)
+        assert await closed_after(client) == pytest.approx(IDLE)
+
+
+async def test_each_answer_starts_the_keep_alive_timer_again(autojump_clock: trio.testing.MockClock) -> None:
+    async with paired() as client:
+        for _ in range(4):  # 4 * 0.75 * IDLE on one connection: more than IDLE in all
+            assert (await ask(client)).startswith(b"HTTP/1.1 200 ")
+            await trio.sleep(0.75 * IDLE)
+        await ask(client)
+        assert await closed_after(client) == pytest.approx(IDLE)
+
+
+async def test_headers_that_do_not_arrive_in_time_close_the_connection(autojump_clock: trio.testing.MockClock) -> None:
+    async with paired() as client:
+        await client.send_all(b"POST /whole HTTP/1.1\r\nHost: x\r\n")  # and no more
+        assert await closed_after(client) == pytest.approx(IDLE)
+
+
+async def test_an_answer_longer_than_the_keep_alive_timeout_is_not_cut(autojump_clock: trio.testing.MockClock) -> None:
+    async with paired() as client:
+        answer = await ask(client, "/slow")
+        assert b"slow" in answer and b" answer" in answer
+        assert await closed_after(client) == pytest.approx(IDLE)
+
+
+async def test_a_shutdown_closes_an_idle_connection_at_once(autojump_clock: trio.testing.MockClock) -> None:
+    context = WorkerContext(None)
+    async with paired(context) as client:
+        await ask(client)
+        await trio.sleep(1)
+        await context.terminated.set()
+        assert await closed_after(client) == 0
+
+
+async def test_a_shutdown_lets_the_answer_under_way_end_then_closes(autojump_clock: trio.testing.MockClock) -> None:
+    context = WorkerContext(None)
+    async with paired(context) as client:
+        await client.send_all(b"POST /slow HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nhi")
+        await read_until(client, b"slow\r\n")
+        await context.terminated.set()
+        assert (await read_until(client, b"0\r\n\r\n")).endswith(b" answer\r\n0\r\n\r\n")
+        assert await closed_after(client) == 0
+
+
+class Spawns(trio.abc.Instrument):
+    def __init__(self) -> None:
+        self.spawned = 0
+
+    def task_spawned(self, task: trio.lowlevel.Task) -> None:
+        self.spawned += 1
+
+
+async def test_the_keep_alive_timer_costs_no_task_per_request(autojump_clock: trio.testing.MockClock) -> None:
+    spawns = Spawns()
+    async with paired() as client:
+        await ask(client)  # the connection's tasks have started
+        trio.lowlevel.add_instrument(spawns)
+        try:
+            for _ in range(10):
+                await ask(client)
+        finally:
+            trio.lowlevel.remove_instrument(spawns)
+    assert spawns.spawned == 10  # one for each request's app (hypercorn's), none for the timer

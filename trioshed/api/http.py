@@ -23,7 +23,9 @@ an h11 buffer each. The limits, and why these values:
 from __future__ import annotations
 
 import logging
+import math
 import os
+from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
 
@@ -33,7 +35,7 @@ from hypercorn.events import Closed, Event, RawData
 from hypercorn.trio.lifespan import Lifespan
 from hypercorn.trio.statsd import StatsdLogger
 from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
-from hypercorn.trio.worker_context import WorkerContext
+from hypercorn.trio.worker_context import TrioSingleTask, WorkerContext
 from hypercorn.typing import ConnectionState
 from hypercorn.utils import ShutdownError, raise_shutdown, repr_socket_addr, wrap_app
 
@@ -88,6 +90,58 @@ class Departure:
             self.scope.cancel(reason="client disconnected")
 
 
+class IdleTimer(TrioSingleTask):
+    """hypercorn's keep-alive timer, without a task per request.
+
+    hypercorn runs its idle timer as a task started each time the connection becomes idle (its
+    answer ended) and cancelled each time a request's headers are complete: a task spawned, a
+    lock taken twice and a scope per request. This one task per connection waits the whole
+    connection long, in a scope whose deadline the connection moves: ``timeout`` from each time
+    it becomes idle, none while a request is being answered. The same closes follow: an idle
+    connection at its deadline (so also one whose request line and headers do not arrive in
+    time), and an idle one at once when the server shuts down (one busy then closes itself once
+    its answer ended, as in hypercorn). :meth:`end` stops it when the connection closes.
+    """
+
+    def __init__(self, timeout: float, terminated: Any, close: Callable[[], Awaitable[None]]) -> None:
+        super().__init__()
+        self._timeout = timeout
+        self._terminated = terminated
+        self._close = close
+        self._scope: trio.CancelScope | None = None
+        self._ended = False
+
+    async def restart(self, task_group: Any, action: Callable[[], Awaitable[None]]) -> None:
+        """The connection is idle from now."""
+        deadline = trio.current_time() + self._timeout
+        if self._scope is None:
+            self._scope = trio.CancelScope(deadline=deadline)
+            task_group.spawn(self._watch)
+        elif not self._ended:
+            self._scope.deadline = deadline
+
+    async def stop(self) -> None:
+        """A request is being answered: no deadline until it is idle again."""
+        if self._scope is not None:
+            self._scope.deadline = math.inf
+
+    def end(self) -> None:
+        """The connection closed: the task ends."""
+        self._ended = True
+        if self._scope is not None:
+            self._scope.cancel()
+
+    async def _watch(self) -> None:
+        assert self._scope is not None
+        with self._scope:
+            await self._terminated.wait()
+        if self._ended or (self._scope.deadline == math.inf and not self._scope.cancelled_caught):
+            return  # closed, or the server shuts down while an answer is under way
+        self._ended = True
+        with trio.CancelScope(shield=True):
+            await self._close()
+
+
 class _Connection(TCPServer):
     """hypercorn's connection, with these changes:
 
@@ -100,7 +154,10 @@ class _Connection(TCPServer):
       empty one), so a held head always goes out; ``100 Continue`` is never held;
     - each request's scope carries the connection's :class:`Departure` (``extensions``);
     - a write the socket takes whole is made at once, and a read costs no cancel scope
-      (:meth:`_write`, :meth:`_read_data`).
+      (:meth:`_write`, :meth:`_read_data`);
+    - its keep-alive timer is one task for the connection (:class:`IdleTimer`), not one per
+      request;
+    - a request's messages are handed to the app without a yield each (:meth:`_put_at_once`).
     """
 
     _head: bytes | None = None
@@ -114,6 +171,7 @@ class _Connection(TCPServer):
             await app(scope, receive, send, sync_spawn, call_soon)
 
         super().__init__(with_departure, config, context, state, stream)
+        self.idle_task = self.idle_timer = IdleTimer(config.keep_alive_timeout, context.terminated, self._initiate_server_close)
 
     async def protocol_send(self, event: Event) -> None:
         if isinstance(event, RawData):
@@ -139,6 +197,9 @@ class _Connection(TCPServer):
         several writes a response, most of the cost of writing. Else (a full buffer, a write
         under way) hypercorn's own write, which waits. Every :data:`WRITES_PER_YIELD` writes
         taken at once the task yields, so a long answer cannot hold the event loop."""
+        if self._writes >= WRITES_PER_YIELD:
+            self._writes = 0
+            await trio.lowlevel.checkpoint()  # before a write, not after: an answer's end goes out last
         if not self.send_lock.locked():
             try:
                 sent = self._write_now(data)
@@ -149,8 +210,6 @@ class _Connection(TCPServer):
                 return
             if sent == len(data):
                 self._writes += 1
-                if self._writes % WRITES_PER_YIELD == 0:
-                    await trio.lowlevel.checkpoint()
                 return
             data = data[sent:]
         await super().protocol_send(RawData(data=data))
@@ -159,9 +218,34 @@ class _Connection(TCPServer):
         """The bytes of ``data`` that the socket takes now (BlockingIOError: none)."""
         return os.write(self.stream.socket.fileno(), data)
 
+    def _put_at_once(self) -> None:
+        """hypercorn hands a request's messages (its body, its end, then ``http.disconnect``) to
+        the app through a memory channel whose ``send`` yields every time, also inside an
+        answer's last send, after its last write: the client could then act on a whole answer
+        before the request's clean-up ran (a stream's lease given back after its end went out:
+        :class:`~trioshed.api.upstream.Last`). Put at once when the channel has room instead (a
+        yield fewer per message); a full channel waits as before."""
+        group = self._task_group
+        spawn_app = group.spawn_app
+
+        async def spawn(*args: Any) -> Callable[[Any], Awaitable[None]]:
+            put = await spawn_app(*args)
+            channel = put.__self__  # type: ignore[attr-defined]  # the channel's bound send
+
+            async def put_at_once(message: Any) -> None:
+                try:
+                    channel.send_nowait(message)
+                except trio.WouldBlock:
+                    await put(message)
+
+            return put_at_once
+
+        group.spawn_app = spawn  # type: ignore[method-assign,assignment]
+
     async def _read_data(self) -> None:
         """hypercorn's read loop, less a cancel scope per read for ``read_timeout`` (which
         trioshed leaves unset: :func:`hypercorn_config`); then the client's departure."""
+        self._put_at_once()
         if self.config.read_timeout is not None:
             await super()._read_data()
         else:
@@ -175,7 +259,7 @@ class _Connection(TCPServer):
                     break
             await self.protocol.handle(Closed())
         self.departure.left()
-        await self.idle_task.stop()
+        self.idle_timer.end()
 
 
 class ConnectionStats:
