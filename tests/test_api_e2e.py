@@ -7,6 +7,7 @@ guards (simulated time would time out the children's start-up).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import httpx
@@ -128,6 +129,30 @@ async def test_client_disconnect_mid_stream_releases_the_lease(model_store: Path
             r = await http.post("/api/generate", json={"model": "tiny", "prompt": "again", "stream": False, "options": FAST})
             assert r.status_code == 200 and r.json()["done"] is True
             assert server.scheduler.statistics().loads == 1  # the same runner, still usable
+
+
+SHORT_STREAMS = {
+    "/api/generate": {"model": "tiny", "prompt": "hello", "options": FAST},
+    "/api/chat": {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "options": FAST},
+    "/v1/chat/completions": {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": True},
+    "/v1/completions": {"model": "tiny", "prompt": "hello", "max_tokens": 8, "stream": True},
+    "/v1/messages": {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": True},
+    "/v1/responses": {"model": "tiny", "input": "hi", "max_output_tokens": 8, "stream": True},
+}  # fmt: skip
+
+
+async def test_a_streamed_answer_ends_with_its_lease_given_back(model_store: Path) -> None:
+    """A stream's end goes out before its body's clean-up (the lease, the runner's connection),
+    which runs before the server does anything else: whoever saw the end sees the lease back."""
+    with trio.fail_after(120):
+        async with open_test_server(model_store) as server, httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
+            for path, body in SHORT_STREAMS.items():
+                for _ in range(3):
+                    async with http.stream("POST", path, json=body) as response:
+                        assert response.status_code == 200
+                        text = b"".join([piece async for piece in response.aiter_bytes()])
+                        assert server.scheduler.statistics().leased == 0, path
+                    assert re.search(rb'"done": ?true|\[DONE\]|message_stop|response\.(?:completed|incomplete)', text), (path, text[-200:])
 
 
 async def test_empty_prompt_loads_and_keep_alive_zero_unloads(model_store: Path) -> None:

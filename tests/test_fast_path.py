@@ -16,13 +16,19 @@ import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
+import pytest
 import trio
+from quart import Response
 
 from bench import procs
 from bench.relay import one_request
 from bench.standin import write_wrapper
+from trioshed.api.fast import FastPath
+from trioshed.api.upstream import Last
+from trioshed.api.wrapper import Entry
 from trioshed.testing.tiny import write_tiny_model
 
 KEYS = """
@@ -170,3 +176,52 @@ async def test_a_connection_close_request_gets_its_answer_and_the_close(tmp_path
                 with trio.fail_after(10):  # the close, not just the answer: the client reads to EOF
                     complete, tokens = await one_request(port, path, body, b"0\r\n\r\n", b"tok")
                 assert complete and tokens >= 3, (path, complete, tokens)
+
+
+class _Wrapper:
+    """The request wrapper's part that :meth:`FastPath._answer` calls: admits all, adds no header."""
+
+    def admit(self, entry: Entry, path: str) -> None:
+        pass
+
+    def finish(self, headers: object, status: int) -> list[tuple[str, str]]:
+        return []
+
+
+async def _answered(pieces: list[bytes]) -> list[object]:
+    """What the fast path sends for a streamed body of ``pieces``, and when the body's clean-up
+    (after its last piece) ran among the sends."""
+    happened: list[object] = []
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            for piece in pieces:
+                yield piece
+        finally:
+            happened.append("clean-up")
+
+    async def handler() -> Response:
+        return Response(body(), content_type="text/plain")
+
+    async def send(message: dict[str, object]) -> None:
+        if message["type"] == "http.response.body":
+            happened.append((message["body"], message["more_body"]))
+
+    state = SimpleNamespace(settings=SimpleNamespace(max_body=1 << 20))
+    fast = FastPath(None, state, _Wrapper(), {"/x": handler}, body_timeout=1)  # type: ignore[arg-type]
+    await fast._answer("POST", "/x", lambda name: None, send, Entry(None))
+    return happened
+
+
+async def test_a_streams_last_piece_goes_out_as_its_end_before_the_clean_up() -> None:
+    # The client has the whole answer (the chunked terminator with the last piece) before the
+    # body gives back its lease and the runner's connection.
+    assert await _answered([b"a", Last(b"b")]) == [(b"a", True), (b"b", False), "clean-up"]
+    assert await _answered([b"a", Last()]) == [(b"a", True), (b"", False), "clean-up"]
+    # without a Last piece, the end follows the clean-up, as before
+    assert await _answered([b"a", b"b"]) == [(b"a", True), (b"b", True), "clean-up", (b"", False)]
+
+
+async def test_a_piece_after_the_last_is_not_sent(caplog: pytest.LogCaptureFixture) -> None:
+    assert await _answered([Last(b"a"), b"b"]) == [(b"a", False), "clean-up"]
+    assert "after its last piece" in caplog.text

@@ -45,6 +45,7 @@ from trioshed.api.protocols.anthropic_stream import MessageStream, encode_events
 from trioshed.api.protocols.errors import message_for
 from trioshed.api.protocols.options import split_options
 from trioshed.api.upstream import (
+    Last,
     leased_stream,
     open_upstream,
     post_upstream,
@@ -140,20 +141,26 @@ async def _whole(lease: Lease, up: MessagesUpstream, name: str) -> MessageStream
 async def _relay(lease: Lease, up: MessagesUpstream, name: str) -> AsyncIterator[bytes]:
     """llama-server's stream as Anthropic's events, one write per batch of upstream lines."""
     translator = _translator(up, name)
+    trace = current_trace.get()
     try:
         async with open_upstream(lease, up.upstream.path, up.upstream.body) as batches:
             async for lines in batches:
                 if events := translator.feed_lines(lines):
                     yield encode_events(events)
                 if translator.cut:
-                    break  # a stop sequence: leaving ends the generation upstream
+                    break  # a stop sequence: the runner's connection is closed right after the end
+            if translator.finished:
+                last = encode_events(translator.finish())
+                if trace is not None:
+                    trace.counted_anthropic(translator.usage())
+                    trace = None
+                yield Last(last)  # the answer's end, before the runner's connection goes back
         if not translator.finished:
             raise await truncated(lease)
-        yield encode_events(translator.finish())
     except TrioshedError as exc:
         yield error_event(exc.status, message_for("/v1/messages", exc))
     finally:  # a stream the client left is counted too: what was generated so far
-        if (trace := current_trace.get()) is not None:
+        if trace is not None:
             trace.counted_anthropic(translator.usage())
 
 

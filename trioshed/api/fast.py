@@ -15,7 +15,9 @@ written out: :mod:`trioshed.api.upload`):
 3. the route's own function runs, unchanged: :func:`trioshed.api.preamble.state` and
    :func:`~trioshed.api.preamble.read_body_raw` read :data:`~trioshed.api.preamble.fast_request`
    instead of Quart's context;
-4. its response is sent as Quart would send it, with the wrapper's CORS headers.
+4. its response is sent as Quart would send it, with the wrapper's CORS headers; a stream's
+   :class:`~trioshed.api.upstream.Last` piece goes out with the answer's end, before the body's
+   clean-up (the lease, the runner's connection), which then runs without the client waiting.
 
 Whatever is not the plain case goes to the Quart app instead (its own ASGI callable, inside the
 trace already started here), which answers it as before and in the same words: a request the
@@ -29,6 +31,7 @@ client that leaves cancels the request, as in Quart: the connection tells it
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
@@ -43,6 +46,7 @@ from trioshed.api.drain import RequestGuard, current_guard
 from trioshed.api.http import DEPARTURE, Departure
 from trioshed.api.preamble import fast_request
 from trioshed.api.state import AppState
+from trioshed.api.upstream import Last
 from trioshed.api.wrapper import Entry, Headers, RequestWrapper
 from trioshed.errors import TrioshedError
 
@@ -50,6 +54,8 @@ Message = dict[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 Handler = Callable[[], Awaitable[Any]]
+
+log = logging.getLogger(__name__)
 
 
 class FastPath:
@@ -192,11 +198,18 @@ class FastPath:
         if isinstance(body, DataBody):  # a whole answer: one message, so one write
             await send({"type": "http.response.body", "body": body.data[body.begin : body.end], "more_body": False})
             return
+        ended = False
         async with body as chunks:
             async for data in chunks:
-                if data:
+                if ended:  # nothing may follow the last piece: a defect, not the client's to see
+                    log.error("%s yielded %d bytes after its last piece", path, len(data))
+                elif type(data) is Last:  # the end goes out now; the body's clean-up follows
+                    ended = True
+                    await send({"type": "http.response.body", "body": data, "more_body": False})
+                elif data:
                     await send({"type": "http.response.body", "body": data, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        if not ended:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     def _finish(self, get: Headers, status: int) -> list[tuple[bytes, bytes]]:
         """The wrapper's :meth:`~trioshed.api.wrapper.RequestWrapper.finish`, as ASGI headers."""

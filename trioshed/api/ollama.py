@@ -22,7 +22,7 @@ from trioshed.api.protocols import ollama
 from trioshed.api.protocols.llama import Upstream
 from trioshed.api.protocols.ollama_stream import OllamaStream, ndjson
 from trioshed.api.protocols.options import split_options
-from trioshed.api.upstream import leased_stream, open_upstream, post_upstream, truncated
+from trioshed.api.upstream import Last, leased_stream, open_upstream, post_upstream, truncated
 from trioshed.errors import TrioshedError
 from trioshed.models.ollama_store import OllamaManifest
 from trioshed.scheduler import Lease
@@ -36,7 +36,8 @@ NDJSON = "application/x-ndjson"
 
 async def _ollama_stream(lease: Lease, upstream: Upstream, stream: OllamaStream, started: float) -> AsyncIterator[bytes]:
     # Once upstream reported the end, only its usage/timings and the close follow (microseconds
-    # later): what is left goes out in one write with the done chunk (one send fewer per answer).
+    # later): what is left goes out in one write with the done chunk (one send fewer per answer),
+    # the answer's Last piece, before the runner's connection is given back and the lease released.
     held = b""
     try:
         async with open_upstream(lease, upstream.path, upstream.body) as batches:
@@ -46,14 +47,15 @@ async def _ollama_stream(lease: Lease, upstream: Upstream, stream: OllamaStream,
                     held += out
                 elif out:
                     yield out
+            if stream.finished:
+                last = stream.finish(load_duration_ns=_ns(lease.load_duration), total_duration_ns=_ns(time.monotonic() - started))
+                if stream.kind == "generate":
+                    last["context"] = ollama.NO_CONTEXT
+                if (trace := current_trace.get()) is not None:
+                    trace.counted(last, stream.timings)
+                yield Last(held + ndjson(last))
         if not stream.finished:
             raise await truncated(lease)
-        last = stream.finish(load_duration_ns=_ns(lease.load_duration), total_duration_ns=_ns(time.monotonic() - started))
-        if stream.kind == "generate":
-            last["context"] = ollama.NO_CONTEXT
-        if (trace := current_trace.get()) is not None:
-            trace.counted(last, stream.timings)
-        yield held + ndjson(last)
     except TrioshedError as exc:
         log.warning("stream for %s ended with an error: %s", lease.model.name, exc.message)
         yield held + ndjson(exc.to_json())

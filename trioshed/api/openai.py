@@ -41,6 +41,7 @@ from trioshed.api.protocols.openai_chat import (
     with_response_format,
 )
 from trioshed.api.upstream import (
+    Last,
     client_status,
     leased_stream,
     open_upstream,
@@ -77,13 +78,12 @@ async def _relay(
                     held += out
                 elif out:
                     yield out
-        rest = renamer.finish()
-        if fields is not None and rest:
-            rest = fields(rest)
-        if out := held + rest:
-            yield out
-        if held and (trace := current_trace.get()) is not None:
-            trace.counted_sse(held)  # the last events: usage (when asked) and llama-server's timings
+            rest = renamer.finish()
+            if fields is not None and rest:
+                rest = fields(rest)
+            if held and (trace := current_trace.get()) is not None:
+                trace.counted_sse(held)  # the last events: usage (when asked) and llama-server's timings
+            yield Last(held + rest)  # the answer's end, before the runner's connection goes back
     except TrioshedError as exc:
         yield held + openai_error_event(exc.status, message_for("/v1/chat/completions", exc))
 
@@ -187,6 +187,7 @@ async def _relay_as_chat(lease: Lease, body: dict[str, Any], model: str) -> Asyn
         async with open_upstream(lease, "/v1/completions", body) as batches:
             async for lines in batches:
                 yield translator.feed_lines(lines)
+            yield Last()  # the answer's end, before the runner's connection goes back
     except TrioshedError as exc:
         yield openai_error_event(exc.status, message_for("/v1/chat/completions", exc))
 

@@ -22,6 +22,7 @@ from trioshed.api.protocols.openai_chat import chat_needs, transcript_completion
 from trioshed.api.protocols.openai_responses import Response as Frame
 from trioshed.api.protocols.openai_responses import ResponsesStream, chat_request, response_of
 from trioshed.api.upstream import (
+    Last,
     client_status,
     leased_stream,
     open_upstream,
@@ -92,8 +93,9 @@ async def _relay(lease: Lease, path: str, body: dict[str, Any], stream: Response
                     out += stream.feed(event) if event is not None else b""
                 if out:
                     yield out
+            if stream.finished:  # the answer's end, before the runner's connection goes back
+                yield Last(stream.finish(int(time.time())))
         if not stream.finished:
             raise await truncated(lease)
-        yield stream.finish(int(time.time()))
     except TrioshedError as exc:
         yield stream.failed("server_error", message_for("/v1/responses", exc))

@@ -87,6 +87,15 @@ async def step(lease: LeaseView, fn: Callable[[], Any], abort: Callable[[], None
     return got
 
 
+class Last(bytes):
+    """A streamed answer's last piece: nothing follows it. The fast path sends it as the answer's
+    end (the chunked terminator in the same message), so the client has the whole answer before
+    the body's clean-up runs (the runner's connection given back, the lease released: yielded
+    inside the upstream's context, that clean-up comes after it). Elsewhere it is plain bytes."""
+
+    __slots__ = ()
+
+
 #: Under load, the reads of all streamed answers together, a second (see StreamBatching).
 READS_PER_SECOND = 1000
 #: The reads of each answer relayed as they come before it may be held: a short answer is
