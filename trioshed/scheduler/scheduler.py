@@ -247,10 +247,10 @@ class Scheduler:
         runner = queue.free_runner(req, self._runners.values()) if self._nothing_ahead(req) else None
         if runner is not None:
             # Fast path, FIFO-safe because nothing for this model waits ahead of it: a ready
-            # runner has a free slot (the planner would dispatch it at once too).
+            # runner has a free slot (the planner would dispatch it at once too). Not a yield:
+            # the request's next step, its send to the runner, is one.
             await trio.lowlevel.checkpoint_if_cancelled()
             self._dispatch(req, runner)
-            await trio.lowlevel.cancel_shielded_checkpoint()
             if trace is not None:
                 trace.leased(req.model.name, 0.0, req.load_duration)
             tenant.leased += 1
