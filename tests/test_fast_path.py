@@ -29,6 +29,7 @@ from bench.standin import write_wrapper
 from trioshed.api.fast import FastPath
 from trioshed.api.upstream import Last
 from trioshed.api.wrapper import Entry
+from trioshed.runner.client import after_send
 from trioshed.testing.tiny import write_tiny_model
 
 KEYS = """
@@ -195,6 +196,11 @@ async def _answered(pieces: list[bytes]) -> list[object]:
 
     async def body() -> AsyncIterator[bytes]:
         try:
+            then = after_send.get()  # what the runner's client runs once the request is sent
+            assert then is not None
+            happened.append("sent to the runner")
+            after_send.set(None)
+            await then()
             for piece in pieces:
                 yield piece
         finally:
@@ -206,6 +212,8 @@ async def _answered(pieces: list[bytes]) -> list[object]:
     async def send(message: dict[str, object]) -> None:
         if message["type"] == "http.response.body":
             happened.append((message["body"], message["more_body"]))
+        else:
+            happened.append(message["type"])
 
     state = SimpleNamespace(settings=SimpleNamespace(max_body=1 << 20))
     fast = FastPath(None, state, _Wrapper(), {"/x": handler}, body_timeout=1)  # type: ignore[arg-type]
@@ -216,12 +224,14 @@ async def _answered(pieces: list[bytes]) -> list[object]:
 async def test_a_streams_last_piece_goes_out_as_its_end_before_the_clean_up() -> None:
     # The client has the whole answer (the chunked terminator with the last piece) before the
     # body gives back its lease and the runner's connection.
-    assert await _answered([b"a", Last(b"b")]) == [(b"a", True), (b"b", False), "clean-up"]
-    assert await _answered([b"a", Last()]) == [(b"a", True), (b"", False), "clean-up"]
+    # The head is made once the request is on its way to the runner (which works meanwhile).
+    sent, head = "sent to the runner", "http.response.start"
+    assert await _answered([b"a", Last(b"b")]) == [sent, head, (b"a", True), (b"b", False), "clean-up"]
+    assert await _answered([b"a", Last()]) == [sent, head, (b"a", True), (b"", False), "clean-up"]
     # without a Last piece, the end follows the clean-up, as before
-    assert await _answered([b"a", b"b"]) == [(b"a", True), (b"b", True), "clean-up", (b"", False)]
+    assert await _answered([b"a", b"b"]) == [sent, head, (b"a", True), (b"b", True), "clean-up", (b"", False)]
 
 
 async def test_a_piece_after_the_last_is_not_sent(caplog: pytest.LogCaptureFixture) -> None:
-    assert await _answered([Last(b"a"), b"b"]) == [(b"a", False), "clean-up"]
+    assert await _answered([Last(b"a"), b"b"]) == ["sent to the runner", "http.response.start", (b"a", False), "clean-up"]
     assert "after its last piece" in caplog.text

@@ -49,6 +49,7 @@ from trioshed.api.state import AppState
 from trioshed.api.upstream import Last
 from trioshed.api.wrapper import Entry, Headers, RequestWrapper
 from trioshed.errors import TrioshedError
+from trioshed.runner.client import after_send
 
 Message = dict[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -187,27 +188,40 @@ class FastPath:
         if not isinstance(response, Response):  # the generating routes answer with a Response
             raise TypeError(f"{path} answered {type(response).__name__}, not a Response")
         headers = [(k.lower().encode(), v.encode()) for k, v in response.headers.items()]
-        await send(
-            {
-                "type": "http.response.start",
-                "status": response.status_code,
-                "headers": headers + self._finish(get, response.status_code),
-            }
-        )
+        start = {"type": "http.response.start", "status": response.status_code, "headers": headers + self._finish(get, response.status_code)}
         body = response.response
         if isinstance(body, DataBody):  # a whole answer: one message, so one write
+            await send(start)
             await send({"type": "http.response.body", "body": body.data[body.begin : body.end], "more_body": False})
             return
+        started = False
+
+        async def head() -> None:
+            nonlocal started
+            if not started:
+                started = True
+                await send(start)
+
+        # A stream's head is made once its request is on its way to the runner, which works
+        # meanwhile (it is written with the first piece anyway: trioshed.api.http).
+        token = after_send.set(head)
         ended = False
-        async with body as chunks:
-            async for data in chunks:
-                if ended:  # nothing may follow the last piece: a defect, not the client's to see
-                    log.error("%s yielded %d bytes after its last piece", path, len(data))
-                elif type(data) is Last:  # the end goes out now; the body's clean-up follows
-                    ended = True
-                    await send({"type": "http.response.body", "body": data, "more_body": False})
-                elif data:
-                    await send({"type": "http.response.body", "body": data, "more_body": True})
+        try:
+            async with body as chunks:
+                async for data in chunks:
+                    if ended:  # nothing may follow the last piece: a defect, not the client's to see
+                        log.error("%s yielded %d bytes after its last piece", path, len(data))
+                        continue
+                    if not started:
+                        await head()
+                    if type(data) is Last:  # the end goes out now; the body's clean-up follows
+                        ended = True
+                        await send({"type": "http.response.body", "body": data, "more_body": False})
+                    elif data:
+                        await send({"type": "http.response.body", "body": data, "more_body": True})
+        finally:
+            after_send.reset(token)
+        await head()
         if not ended:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 

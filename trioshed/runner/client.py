@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import errno
 import socket
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -45,7 +45,10 @@ import trio
 from trioshed.core.speculation import drafted_accepted
 from trioshed.runner.wire import ProtocolError, ResponseReader, request_head
 
-__all__ = ["KEEP_IDLE", "MAX_REQUESTS", "ConnectionFailed", "PoolStats", "UpstreamPool", "UpstreamResponse", "Watched", "watched"]
+__all__ = [
+    "KEEP_IDLE", "MAX_REQUESTS", "ConnectionFailed", "PoolStats", "UpstreamPool", "UpstreamResponse", "Watched", "after_send",
+    "watched",
+]  # fmt: skip
 
 #: Seconds an idle connection is kept for reuse (llama-server closes it after 5 s idle).
 KEEP_IDLE = 2.0
@@ -76,6 +79,10 @@ class Watched:
 
 #: The :class:`Watched` of the step under way in this task (None: its waits are not watched).
 watched: ContextVar[Watched | None] = ContextVar("trioshed_watched_connection", default=None)
+
+#: Work of this task's that can wait until its next request is on its way to the runner, and is
+#: done then, once, while the runner works (the answer's head: :mod:`trioshed.api.fast`).
+after_send: ContextVar[Callable[[], Awaitable[None]] | None] = ContextVar("trioshed_after_send", default=None)
 
 
 class ConnectionFailed(Exception):
@@ -283,6 +290,12 @@ class UpstreamPool:
         connection.requests += 1
         try:
             await stream.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            raise ConnectionFailed(f"connection to llama-server failed: {_describe(exc)}", received=0) from None
+        if (then := after_send.get()) is not None:
+            after_send.set(None)
+            await then()
+        try:
             first = b""
             while reader.status is None:
                 chunk = await stream.receive_some(_READ)
