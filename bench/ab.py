@@ -3,7 +3,7 @@
 ``python -m bench.ab --base PATH`` starts a direct ``llama-server`` and two trioshed servers over
 the same tiny model and binary (this checkout, and the ``trioshed`` package of the checkout at
 ``PATH``, e.g. a ``git worktree`` of the commit before a change), warms each up, then sends
-``--requests`` small requests per target at c=1, the targets taking turns request by request so
+``--requests`` small requests (whole; streamed with ``--stream``) per target at c=1, the targets taking turns request by request so
 that noise falls on all of them alike. It reports, per target and per request family (Ollama's
 raw generate, OpenAI chat): the p50 and p90 latency, the paired overhead over direct (p50 of the
 per-round differences), and the server process's own CPU time per request (psutil: user +
@@ -34,13 +34,13 @@ FLAGS = RunnerFlags(parallel=1)
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 4
 
 
-def _bodies(target: str, n_predict: int) -> dict[str, tuple[str, dict[str, object]]]:
+def _bodies(target: str, n_predict: int, stream: bool = False) -> dict[str, tuple[str, dict[str, object]]]:
     chat = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}],
-            "max_tokens": n_predict, "temperature": 0, "seed": 1}  # fmt: skip
+            "max_tokens": n_predict, "temperature": 0, "seed": 1, "stream": stream}  # fmt: skip
     if target == "direct":
-        generate = ("/completion", {"prompt": PROMPT, "n_predict": n_predict, "temperature": 0, "seed": 1})
+        generate = ("/completion", {"prompt": PROMPT, "n_predict": n_predict, "temperature": 0, "seed": 1, "stream": stream})
     else:
-        generate = ("/api/generate", {"model": MODEL, "prompt": PROMPT, "raw": True, "stream": False,
+        generate = ("/api/generate", {"model": MODEL, "prompt": PROMPT, "raw": True, "stream": stream,
                                       "options": {"num_predict": n_predict, "temperature": 0, "seed": 1}})  # fmt: skip
     return {"generate": generate, "chat": ("/v1/chat/completions", chat)}
 
@@ -50,7 +50,7 @@ def _cpu(pid: int) -> float:
     return t.user + t.system
 
 
-async def run(base: Path, requests: int, n_predict: int) -> dict[str, dict[str, dict[str, float]]]:
+async def run(base: Path, requests: int, n_predict: int, stream: bool = False) -> dict[str, dict[str, dict[str, float]]]:
     work = Path(tempfile.mkdtemp(prefix="trioshed-ab-"))
     models = prepare_models(work / "models", tiny=[MODEL])
     async with AsyncExitStack() as stack:
@@ -63,7 +63,7 @@ async def run(base: Path, requests: int, n_predict: int) -> dict[str, dict[str, 
         }  # fmt: skip
         client = await stack.enter_async_context(httpx.AsyncClient(timeout=60))
         names = list(servers)
-        bodies = {n: _bodies(n, n_predict) for n in names}
+        bodies = {n: _bodies(n, n_predict, stream) for n in names}
         results: dict[str, dict[str, dict[str, float]]] = {}
         for family in ("generate", "chat"):
             for n in names:  # warm: the model loaded, connections open
@@ -98,10 +98,11 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=300, help="per target and family")
     p.add_argument("--n-predict", type=int, default=8)
     p.add_argument("--repeat", type=int, default=1, help="whole runs, to show the spread")
+    p.add_argument("--stream", action="store_true", help="streamed answers (each read to its end), as make bench's overhead")
     args = p.parse_args()
     for i in range(args.repeat):
-        res = trio.run(run, args.base.resolve(), args.requests, args.n_predict)
-        print(f"run {i + 1}: {args.requests} requests per target and family, n_predict {args.n_predict}")
+        res = trio.run(run, args.base.resolve(), args.requests, args.n_predict, args.stream)
+        print(f"run {i + 1}: {args.requests} {'streamed ' if args.stream else ''}requests per target and family, n_predict {args.n_predict}")
         print("| family | target | p50 ms | p90 ms | overhead p50 ms | server CPU ms/request | CPU ratio this/base |")
         print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
         for family in ("generate", "chat"):
