@@ -185,30 +185,29 @@ def runner_options(
     trace lines cost 8 % of an indexing run's CPU, measured).
     Raises BadRequest for an option out of bounds or of the wrong kind.
     """
-    options = RunnerOptions(
-        num_ctx=settings.context_length or FLOOR,
-        num_parallel=spec.num_parallel or settings.num_parallel,
-        num_thread=settings.num_thread,
-        kv_cache_type=settings.kv_cache_type,
-        flash_attention=flash_attention(settings.flash_attention, batch_invariant=settings.batch_invariant, backends=backends),
-        cache_ram_mib=(0 if embedding else settings.cache_ram // MiB) if args.cache_ram_mib is None else args.cache_ram_mib,
-        embedding=embedding,
-        swa_full=settings.kv_cache_budget > 0,
-        extra_args=args.passed,
-        speculation=speculation(settings, spec, writes_text=writes_text),
-        draft=draft,
-        batch_invariant=settings.batch_invariant,
-    )
     merged: dict[str, Any] = {k: v for k, v in spec.defaults if k in RUNNER_FIELDS}
     merged.update({k: v for k, v in overrides.items() if k in RUNNER_FIELDS and v is not None})
     check_runner_options(merged)
+    trained = trained_context(header, args)
+    automatic = not settings.context_length and "num_ctx" not in merged
+    fields: dict[str, Any] = {
+        "num_ctx": automatic_context(need, trained, settings.context_max) if automatic else settings.context_length or FLOOR,
+        "num_parallel": spec.num_parallel or settings.num_parallel,
+        "num_thread": settings.num_thread,
+        "kv_cache_type": settings.kv_cache_type,
+        "flash_attention": flash_attention(settings.flash_attention, batch_invariant=settings.batch_invariant, backends=backends),
+        "cache_ram_mib": (0 if embedding else settings.cache_ram // MiB) if args.cache_ram_mib is None else args.cache_ram_mib,
+        "embedding": embedding,
+        "swa_full": settings.kv_cache_budget > 0,
+        "extra_args": args.passed,
+        "speculation": speculation(settings, spec, writes_text=writes_text),
+        "draft": draft,
+        "batch_invariant": settings.batch_invariant,
+    }
     try:
-        options = replace(options, **merged)
+        options = RunnerOptions(**{**fields, **merged})  # built once: the request's options over the rest
     except TypeError as exc:
         raise BadRequest(f"invalid runner option: {exc}") from None
-    trained = trained_context(header, args)
-    if not settings.context_length and "num_ctx" not in merged:
-        options = replace(options, num_ctx=automatic_context(need, trained, settings.context_max))
     if options.num_ctx < 4:
         options = replace(options, num_ctx=4)
     return clamp(options, trained)
