@@ -217,7 +217,10 @@ async def _answered(pieces: list[bytes]) -> list[object]:
 
     state = SimpleNamespace(settings=SimpleNamespace(max_body=1 << 20))
     fast = FastPath(None, state, _Wrapper(), {"/x": handler}, body_timeout=1)  # type: ignore[arg-type]
-    await fast._answer("POST", "/x", lambda name: None, send, Entry(None))
+    async def write(data: bytes) -> None:  # the listener's body writer: as a body message
+        happened.append((data, True))
+
+    await fast._answer("POST", "/x", lambda name: None, send, Entry(None), write)
     return happened
 
 

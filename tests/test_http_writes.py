@@ -6,6 +6,7 @@ whole is made at once; one it cannot take waits (hypercorn's own write), in orde
 from __future__ import annotations
 
 import logging
+import re
 import socket
 import struct
 from collections.abc import AsyncIterator
@@ -18,7 +19,7 @@ from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ConnectionState
 from hypercorn.utils import wrap_app
 
-from trioshed.api.http import _Connection, hypercorn_config
+from trioshed.api.http import BODY, _Connection, hypercorn_config
 from trioshed.config import Settings
 
 
@@ -81,6 +82,15 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     if scope["path"] == "/stream":
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
         await send({"type": "http.response.body", "body": b"hello", "more_body": True})
+        await send({"type": "http.response.body", "body": b" world", "more_body": False})
+        return
+    if scope["path"] in ("/parts", "/parts-as-messages"):  # the same answer, its parts written two ways
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        for part in (b"hello", b"", b" wide", b" " + b"w" * 300):
+            if scope["path"] == "/parts":
+                await scope["extensions"][BODY](part)
+            else:
+                await send({"type": "http.response.body", "body": part, "more_body": True})
         await send({"type": "http.response.body", "body": b" world", "more_body": False})
         return
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", str(len(body) + 3).encode())]})
@@ -176,6 +186,30 @@ async def test_a_client_that_resets_mid_answer_ends_the_connection_quietly(caplo
                 await trio.sleep(0.01)
     assert sum(map(len, server.writes)) < BIG
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.records
+
+
+def _without_date(answer: bytes) -> bytes:
+    return re.sub(rb"\r\ndate: [^\r]*", b"", answer)
+
+
+@pytest.mark.parametrize("version", ["1.1", "1.0"])
+async def test_parts_written_by_the_body_writer_are_the_bytes_of_body_messages(version: str) -> None:
+    # chunked for HTTP/1.1; as they are (the end is the close) for HTTP/1.0, as h11 frames them
+    answers = []
+    for path in ("/parts", "/parts-as-messages"):
+        with trio.fail_after(10):
+            async with connection() as (client, server):
+                await client.send_all(f"GET {path} HTTP/{version}\r\nHost: x\r\n\r\n".encode())
+                answer = b""
+                while not answer.endswith(b"0\r\n\r\n" if version == "1.1" else b" world"):
+                    answer += await client.receive_some(65536)
+                answers.append((_without_date(answer), len(server.writes)))
+    assert answers[0] == answers[1]
+    body = answers[0][0].partition(b"\r\n\r\n")[2]
+    if version == "1.1":
+        assert body == b"5\r\nhello\r\n5\r\n wide\r\n12d\r\n " + b"w" * 300 + b"\r\n6\r\n world\r\n0\r\n\r\n"
+    else:
+        assert body == b"hello wide " + b"w" * 300 + b" world"
 
 
 # ---------------------------------------------------------------- the keep-alive timer

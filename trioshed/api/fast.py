@@ -15,7 +15,9 @@ written out: :mod:`trioshed.api.upload`):
 3. the route's own function runs, unchanged: :func:`trioshed.api.preamble.state` and
    :func:`~trioshed.api.preamble.read_body_raw` read :data:`~trioshed.api.preamble.fast_request`
    instead of Quart's context;
-4. its response is sent as Quart would send it, with the wrapper's CORS headers; a stream's
+4. its response is sent as Quart would send it, with the wrapper's CORS headers (a stream's
+   parts through the listener's body writer, :meth:`trioshed.api.http._Connection.write_body`:
+   the same bytes, without hypercorn's layers for each part); a stream's
    :class:`~trioshed.api.upstream.Last` piece goes out with the answer's end, before the body's
    clean-up (the lease, the runner's connection), which then runs without the client waiting.
 
@@ -43,7 +45,7 @@ from quart.wrappers.response import DataBody
 from trioshed.api import upload
 from trioshed.api.bodypump import run_with_pump
 from trioshed.api.drain import RequestGuard, current_guard
-from trioshed.api.http import DEPARTURE, Departure
+from trioshed.api.http import BODY, DEPARTURE, Departure
 from trioshed.api.preamble import fast_request
 from trioshed.api.state import AppState
 from trioshed.api.upstream import Last
@@ -55,6 +57,7 @@ Message = dict[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 Handler = Callable[[], Awaitable[Any]]
+Write = Callable[[bytes], Awaitable[None]]
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +164,7 @@ class FastPath:
                     token = fast_request.set((self.state, bytes(body), scope))
                     departure.watch(scope_of_request)
                     try:
-                        await self._answer(method, path, get, send, entry)
+                        await self._answer(method, path, get, send, entry, scope["extensions"][BODY])
                     finally:
                         departure.watch(None)
                         fast_request.reset(token)
@@ -171,7 +174,7 @@ class FastPath:
         with _new_scope(guard):
             await self.delegate(scope, _replay(read, receive), send)  # too large, or too slow
 
-    async def _answer(self, method: str, path: str, get: Headers, send: Send, entry: Entry) -> None:
+    async def _answer(self, method: str, path: str, get: Headers, send: Send, entry: Entry, write: Write) -> None:
         try:
             self.wrapper.admit(entry, path)
             response = await self.handlers[path]()
@@ -217,8 +220,8 @@ class FastPath:
                     if type(data) is Last:  # the end goes out now; the body's clean-up follows
                         ended = True
                         await send({"type": "http.response.body", "body": data, "more_body": False})
-                    elif data:
-                        await send({"type": "http.response.body", "body": data, "more_body": True})
+                    else:
+                        await write(data)  # (the listener's: as a body message, less its layers)
         finally:
             after_send.reset(token)
         await head()

@@ -62,6 +62,9 @@ def hypercorn_config(settings: Settings) -> Config:
 
 #: The key of a request's :class:`Departure` in its ASGI scope's ``extensions``.
 DEPARTURE = "trioshed.departure"
+#: The key of a request's body writer in its ASGI scope's ``extensions``: ``await write(data)``
+#: sends a part of the answer's body, after its head and before its end (:meth:`_Connection.write_body`).
+BODY = "trioshed.body"
 
 
 class Departure:
@@ -161,13 +164,17 @@ class _Connection(TCPServer):
     """
 
     _head: bytes | None = None
+    _chunked = False  # the answer under way is chunked (:meth:`write_body`)
     _writes = 0  # taken at once, for the yield every WRITES_PER_YIELD
 
     def __init__(self, app: Any, config: Config, context: WorkerContext, state: Any, stream: Any) -> None:
         departure = self.departure = Departure()
 
+        write_body = self.write_body
+
         async def with_departure(scope: Any, receive: Any, send: Any, sync_spawn: Any, call_soon: Any) -> None:
-            scope.setdefault("extensions", {})[DEPARTURE] = departure
+            extensions = scope.setdefault("extensions", {})
+            extensions[DEPARTURE], extensions[BODY] = departure, write_body
             await app(scope, receive, send, sync_spawn, call_soon)
 
         super().__init__(with_departure, config, context, state, stream)
@@ -180,6 +187,7 @@ class _Connection(TCPServer):
                 data, self._head = self._head + data, None
             elif data.startswith(b"HTTP/1.1 ") and not data.startswith(b"HTTP/1.1 1"):
                 self._head = data
+                self._chunked = b"\r\ntransfer-encoding: chunked\r\n" in data.lower()  # as h11 frames the body
                 return
             await self._write(data)
             return
@@ -189,6 +197,21 @@ class _Connection(TCPServer):
             head, self._head = self._head, None
             await self._write(head)
         await super().protocol_send(event)
+
+    async def write_body(self, data: bytes) -> None:
+        """A part of the answer's body (not its last; an answer without ``Content-Length``), framed
+        as h11 frames it (a chunk, or the bytes as they are for an HTTP/1.0 client), written as
+        :meth:`protocol_send` writes: the
+        same bytes as an ASGI ``http.response.body`` message, without hypercorn's and h11's
+        layers for each part (a stream sends one per token). The answer's end still goes through
+        them, which keeps their state (h11 counts no bytes of a chunked body)."""
+        if not data:
+            return
+        if self._chunked:
+            data = b"%x\r\n%s\r\n" % (len(data), data)
+        if self._head is not None:
+            data, self._head = self._head + data, None
+        await self._write(data)
 
     async def _write(self, data: bytes) -> None:
         """``data`` to the client. Written at once when the socket takes all of it (a response's
