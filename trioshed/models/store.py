@@ -46,6 +46,7 @@ from trioshed.models.projectors import (
     is_projector_name,
     pair_folder,
 )
+from trioshed.models.resolved import settled
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +144,16 @@ class ModelStore:
             draft=entry.draft,
         )
 
+    def is_plain(self, spec: ModelSpec) -> bool:
+        """Whether ``spec`` is a plain model file of this folder (``NAME.gguf`` as ``NAME:latest``,
+        not a ``models.toml`` entry nor a sub-folder's model): what its spec follows is the file,
+        the folder and ``models.toml`` (:mod:`trioshed.models.resolved`)."""
+        folder, file = os.path.split(spec.path)
+        return (
+            folder == self._root and file.endswith(".gguf") and spec.name == f"{file[:-5]}:latest"
+            and self.catalogue().lookup(spec.name) is None
+        )  # fmt: skip
+
     def resolve(self, name: str) -> ModelSpec:
         base, tag = split_name(name)
         full = f"{base}:{tag}"
@@ -237,7 +248,8 @@ class ModelStore:
         pairing = pair_folder(names, projectors=by_header)
         for model, why in sorted(pairing.ambiguous.items()):
             log.warning("no projector for %s: %s; name it in models.toml (projector = \"...\")", os.path.join(folder, model), why)
-        self._pairings[folder] = (identity, pairing)
+        if settled(st.st_mtime_ns):  # a change in the same clock tick would leave this stamp
+            self._pairings[folder] = (identity, pairing)
         return pairing
 
     def links_out(self) -> list[Path]:

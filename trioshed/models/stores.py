@@ -31,6 +31,7 @@ from trioshed.models.catalogue import Catalogue, parse_catalogue
 from trioshed.models.names import full_name, split_name
 from trioshed.models.ollama_store import OllamaManifest, OllamaStore, is_ollama_store, parse_name
 from trioshed.models.pull_plan import PULLED, manifest_path_parts
+from trioshed.models.resolved import Resolved
 from trioshed.models.store import ModelStore
 
 Backend = ModelStore | OllamaStore
@@ -52,6 +53,8 @@ class Stores:
         self._folder_stores = {folder: ModelStore(folder, allow_symlinks=allow_symlinks) for folder in self.folders}
         self._pulled = {folder: folder / PULLED for folder in self.folders}
         self._lock = threading.Lock()  # copy/delete edit models.toml: one at a time
+        covered = [p for f in self.folders for p in (str(f), str(self._pulled[f]), str(self._folder_stores[f].toml_path))]
+        self._resolved = Resolved(lambda: covered)
 
     def backends(self) -> list[Backend]:
         """A store per folder; a folder is an Ollama store when it has manifests/ and blobs/
@@ -89,7 +92,14 @@ class Stores:
         return next((b for b in self.backends() if isinstance(b, ModelStore)), None)
 
     def resolve(self, name: str) -> ModelSpec:
-        return self._find(name)[1]
+        """The spec ``name`` names: kept from an earlier lookup while nothing it follows has
+        changed (:mod:`trioshed.models.resolved`), else looked up in the folders."""
+        if isinstance(name, str) and (spec := self._resolved.get(name)) is not None:
+            return spec
+        backend, spec = self._find(name)
+        if isinstance(backend, ModelStore) and backend.is_plain(spec) and all(isinstance(b, ModelStore) for b in self.backends()):
+            self._resolved.keep(name, spec)
+        return spec
 
     def catalogue(self) -> Catalogue:
         """The ``models.toml`` entries of every folder store, in folder order (the first folder
