@@ -79,14 +79,15 @@ class Runner:
         self.leases += 1
         self.last_used = now
         self.keep_alive = keep_alive
-        self.timer.deadline = math.inf
+        if self.timer.deadline != math.inf:  # (a scope's deadline moved costs a dozen calls)
+            self.timer.deadline = math.inf
         self.served += 1
 
     def waiting_for_answer(self) -> None:
         """A request was sent and waits for its answer's first byte (undone by ``answered``)."""
         self.awaiting += 1
-        if self.watch is not None:
-            self.watch.deadline = min(self.watch.deadline, trio.current_time() + self.answer_check)
+        if self.watch is not None and (check := trio.current_time() + self.answer_check) < self.watch.deadline:
+            self.watch.deadline = check
 
     def answered(self) -> None:
         self.awaiting -= 1
