@@ -200,11 +200,11 @@ class _Connection(TCPServer):
 
     async def write_body(self, data: bytes) -> None:
         """A part of the answer's body (not its last; an answer without ``Content-Length``), framed
-        as h11 frames it (a chunk, or the bytes as they are for an HTTP/1.0 client), written as
-        :meth:`protocol_send` writes: the
-        same bytes as an ASGI ``http.response.body`` message, without hypercorn's and h11's
-        layers for each part (a stream sends one per token). The answer's end still goes through
-        them, which keeps their state (h11 counts no bytes of a chunked body)."""
+        as h11 frames it (a chunk, or the bytes as they are for an HTTP/1.0 client) and written as
+        :meth:`protocol_send` writes: the same bytes as an ASGI ``http.response.body`` message,
+        without hypercorn's and h11's layers for each part (a stream sends one per token). The
+        answer's end still goes through them, which keeps their state (h11 counts no bytes of a
+        chunked body)."""
         if not data:
             return
         if self._chunked:
