@@ -153,7 +153,7 @@ async def _relay(lease: Lease, up: MessagesUpstream, name: str) -> AsyncIterator
                 last = encode_events(translator.finish())
                 if trace is not None:
                     trace.counted_anthropic(translator.usage())
-                    trace = None
+                    trace = None  # counted: not again below
                 yield Last(last)  # the answer's end, before the runner's connection goes back
         if not translator.finished:
             raise await truncated(lease)

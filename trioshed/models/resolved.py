@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from trioshed.core.model import ModelSpec
 
@@ -50,12 +50,12 @@ class Resolved:
     ``paths``: the folders and files every version covers (the store folders, their ``pulled/``
     and ``models.toml``), besides each spec's own file."""
 
-    def __init__(self, paths: Callable[[], Sequence[str]]) -> None:
-        self._paths = paths
+    def __init__(self, paths: Sequence[str]) -> None:
+        self._paths = tuple(paths)
         self._kept: dict[str, tuple[Version, ModelSpec]] = {}
 
     def version(self, spec: ModelSpec) -> Version:
-        return (*(_stamp(p) for p in self._paths()), _stamp(spec.path))
+        return (*(_stamp(p) for p in self._paths), _stamp(spec.path))
 
     def get(self, name: str) -> ModelSpec | None:
         """The spec kept for ``name`` if nothing it follows has changed, else None."""

@@ -53,8 +53,7 @@ class Stores:
         self._folder_stores = {folder: ModelStore(folder, allow_symlinks=allow_symlinks) for folder in self.folders}
         self._pulled = {folder: folder / PULLED for folder in self.folders}
         self._lock = threading.Lock()  # copy/delete edit models.toml: one at a time
-        covered = [p for f in self.folders for p in (str(f), str(self._pulled[f]), str(self._folder_stores[f].toml_path))]
-        self._resolved = Resolved(lambda: covered)
+        self._resolved = Resolved([p for f in self.folders for p in (str(f), str(self._pulled[f]), str(self._folder_stores[f].toml_path))])
 
     def backends(self) -> list[Backend]:
         """A store per folder; a folder is an Ollama store when it has manifests/ and blobs/
