@@ -1,6 +1,7 @@
 """The scheduler's event history: what readers (/metrics, a status page) follow instead of a
 callback. MockClock with fake runners; events in order with their reasons; refusals folded; a
-reader waiting for the next event wakes on it; the history is bounded."""
+reader waiting for the next event wakes on it; a waiter for a state wakes on a load begun and a
+lease; the history is bounded."""
 
 from __future__ import annotations
 
@@ -85,6 +86,28 @@ async def test_a_reader_waiting_for_the_next_event_wakes_on_it(autojump_clock: t
             assert seen == []
             await h.once("a")
         assert seen == ["load", "ready"]
+
+
+async def test_a_waiter_for_the_state_wakes_on_a_load_begun_and_on_a_lease(autojump_clock: trio.testing.MockClock) -> None:
+    # The waiter and the planner wake on the same change (the request queued), in an order Trio
+    # varies from run to run: whichever runs first, the load the planner begins, and a lease
+    # granted, wake the waiter again. Twenty rounds make an ordering that misses it all but sure.
+    for _ in range(20):
+        async with running({"a": 1}, load_time=1000) as h:
+            got: list[str] = []
+            start = trio.current_time()
+            h.want("a", got)
+            with trio.fail_after(10):
+                stats = await h.sched.wait_statistics(lambda s: s.loading == 1 and s.queued == 1)
+            assert stats.loaded == 0 and trio.current_time() - start < 10
+            await trio.sleep(1000)
+            release = trio.Event()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(h.hold, "a", release)
+                with trio.fail_after(10):
+                    await h.sched.wait_statistics(lambda s: s.leased == 1)
+                release.set()
+            assert got == ["a"]
 
 
 def test_the_history_is_bounded_and_readers_get_the_oldest_held() -> None:

@@ -386,9 +386,7 @@ class Scheduler:
         runner.leases -= 1
         runner.last_used = trio.current_time()
         if self._hand_over(runner):
-            self.changed_at = runner.last_used
-            self._changes.set()  # waiters look again; the planner has nothing new to decide
-            return
+            return  # the dispatch told the waiters; nothing new for the planner
         self._runners.released(runner)
         self._wake()
 
@@ -441,6 +439,7 @@ class Scheduler:
         self._hold_timer.deadline = actions.wake_at
         provisional: dict[int, Runner] = {}
         for action in actions:
+            self._changes.set()  # a load or an eviction begun is a change a waiter may look for
             match action:
                 case Dispatch(request=rid, runner=runner_id):
                     runner = self._runners.get(runner_id) or provisional[runner_id]
@@ -477,6 +476,8 @@ class Scheduler:
         self._fair.dispatched(req.share)
         self._note("dispatch", req.model)
         self._queue.finish(req, runner=runner)
+        self.changed_at = now
+        self._changes.set()  # leased: waiters look again
 
     def _start_load(self, req: Request, placement: Placement) -> Runner:
         assert self._nursery is not None
