@@ -6,7 +6,8 @@ a model of its own), starts the real scheduler with the in-process fake runner f
 :mod:`trioshed.testing.fake` (no processes) and the real app (in-process, Quart's test client:
 no sockets), loads ``runners`` models, then times:
 
-- ``GET /api/ps``, ``GET /metrics`` (after each loaded model served a request on two routes),
+- ``GET /api/ps``, ``GET /metrics`` (after each loaded model served a request on two routes;
+  each scrape reads every runner's ``/slots``, which the fake runners answer at once),
   ``GET /api/tags`` (the first ``/api/tags`` reads every GGUF
   header: reported apart as ``cold``), the median of ``calls`` calls;
 - one scheduling pass of the loop (``Scheduler._schedule``: views of every runner and
@@ -36,6 +37,9 @@ import trio
 GiB = 1024**3
 POINTS = ((100, 20), (300, 60), (1000, 200))
 TARGET_MS = 50.0
+#: What each runner (one slot of 1,024) answers to ``GET /slots``, at once: a task of 256 tokens
+#: (llama-server's fields, trimmed), so a scrape that read every runner says a quarter in use.
+SLOTS = json.dumps([{"id": 0, "n_ctx": 1024, "is_processing": True, "n_prompt_tokens": 256, "next_token": [{"n_decoded": 0}]}]).encode()
 
 
 async def measure_point(models: int, runners: int, *, queued: int = 512, calls: int = 15, work: Path) -> dict[str, Any]:
@@ -59,8 +63,9 @@ async def measure_point(models: int, runners: int, *, queued: int = 512, calls: 
             os.link(first, path)
     settings = Settings(host="127.0.0.1", port=0, models=store_dir, num_thread=1, max_loaded_models=runners, keep_alive=-1)
     cpu = Device("cpu", "cpu", 0, 1024 * GiB, 1024 * GiB)
+    factory = FakeFactory(load_time=0.0)
     scheduler = Scheduler(
-        devices=DeviceSource((), "cpu", fixed_system=cpu), factory=FakeFactory(load_time=0.0),
+        devices=DeviceSource((), "cpu", fixed_system=cpu), factory=factory,
         estimator=fixed_estimator({f"m{i:04d}": 10**6 for i in range(models)}), place=simple_place,
         max_queue=queued + runners, max_loaded_models=runners, default_keep_alive=math.inf,
     )  # fmt: skip
@@ -93,6 +98,8 @@ async def measure_point(models: int, runners: int, *, queued: int = 512, calls: 
             async with scheduler.acquire(spec, opts):
                 pass
         assert scheduler.statistics().loaded == runners
+        for runner in factory.live:  # a scrape reads every runner's slots: answered at once
+            runner.head_time, runner.answer = 0.0, (SLOTS,)
         # as if each loaded model had served requests on two routes (what /metrics then lists)
         metrics = app.config["TRIOSHED_METRICS"]
         for spec in specs:
@@ -106,6 +113,8 @@ async def measure_point(models: int, runners: int, *, queued: int = 512, calls: 
         assert len(tags["models"]) == models, len(tags["models"])
         for name, path in (("ps", "/api/ps"), ("metrics", "/metrics"), ("tags", "/api/tags")):
             result[f"{name}_ms"] = round(statistics.median(await timed(path)), 2)
+        scraped = (await (await client.get("/metrics")).get_data()).decode()
+        assert "\ntrioshed:kv_cache_usage_perc 0.25\n" in scraped, "a scrape read every runner's slots"
         ps = json.loads(await (await client.get("/api/ps")).get_data())
         assert len(ps["models"]) == runners, len(ps["models"])
         # every slot leased, ``queued`` more waiting: one pass looks at all of it and decides nothing
