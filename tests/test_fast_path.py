@@ -238,3 +238,28 @@ async def test_a_streams_last_piece_goes_out_as_its_end_before_the_clean_up() ->
 async def test_a_piece_after_the_last_is_not_sent(caplog: pytest.LogCaptureFixture) -> None:
     assert await _answered([Last(b"a"), b"b"]) == ["sent to the runner", "http.response.start", (b"a", False), "clean-up"]
     assert "after its last piece" in caplog.text
+
+
+async def test_a_request_message_already_there_is_taken_without_a_turn_of_the_event_loop() -> None:
+    from trioshed.api.fast import _next_message, _taker
+
+    send, receive = trio.open_memory_channel[dict[str, object]](10)
+    take = _taker(receive.receive)
+    assert take is not None
+    body, end = {"type": "http.request", "body": b"{}", "more_body": True}, {"type": "http.request", "body": b""}
+    send.send_nowait(body)
+    send.send_nowait(end)
+    with trio.CancelScope() as cancelled:
+        cancelled.cancel()  # any checkpoint would raise Cancelled here
+        assert await _next_message(receive.receive, take) == body
+        assert await _next_message(receive.receive, take) == end
+    assert not cancelled.cancelled_caught
+    # Not there yet: waited for, as the channel's receive does.
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(send.send, end)
+        assert await _next_message(receive.receive, take) == end
+    # Another receive (not a memory channel's) is awaited as it is.
+    async def other() -> dict[str, object]:
+        return end
+
+    assert _taker(other) is None and await _next_message(other, None) == end

@@ -147,10 +147,11 @@ class FastPath:
         read: list[Message] = []
         body = bytearray()
         answering = False
+        take = _taker(receive)
         # One scope for the request: first the body's deadline, then the client's departure.
         with _new_scope(guard, trio.current_time() + self.body_timeout) as scope_of_request:
             while True:
-                message = await receive()
+                message = await _next_message(receive, take)
                 read.append(message)
                 if message["type"] != "http.request":
                     return  # the client left before its body was complete: nobody to answer
@@ -237,6 +238,26 @@ def _new_scope(guard: RequestGuard | None, deadline: float = math.inf) -> trio.C
     """The scope for the request's next part: the drain's (which cancels it at the end of a
     shutdown), or a plain one outside a drained app."""
     return trio.CancelScope(deadline=deadline) if guard is None else guard.new_scope(deadline)
+
+
+def _taker(receive: Receive) -> Callable[[], Message] | None:
+    """``receive``'s at-once form where it is a memory channel's (hypercorn's), else None."""
+    channel = getattr(receive, "__self__", None)
+    return channel.receive_nowait if isinstance(channel, trio.MemoryReceiveChannel) else None
+
+
+async def _next_message(receive: Receive, take: Callable[[], Message] | None) -> Message:
+    """The request's next message: taken at once when it is there already (hypercorn puts a
+    small request's body and its end before the app first runs), else waited for. A channel's
+    ``receive`` yields even then: a turn of the event loop per message before the request could
+    go on to its runner. Not a checkpoint when taken at once: the request's send to the runner
+    is its next one."""
+    if take is not None:
+        try:
+            return take()
+        except trio.WouldBlock:
+            pass
+    return await receive()
 
 
 def _replay(read: list[Message], receive: Receive) -> Receive:
