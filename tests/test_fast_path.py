@@ -26,7 +26,7 @@ from quart import Response
 from bench import procs
 from bench.relay import one_request
 from bench.standin import write_wrapper
-from trioshed.api.fast import FastPath
+from trioshed.api.fast import FastPath, _next_message, _taker
 from trioshed.api.upstream import Last
 from trioshed.api.wrapper import Entry
 from trioshed.runner.client import after_send
@@ -241,8 +241,6 @@ async def test_a_piece_after_the_last_is_not_sent(caplog: pytest.LogCaptureFixtu
 
 
 async def test_a_request_message_already_there_is_taken_without_a_turn_of_the_event_loop() -> None:
-    from trioshed.api.fast import _next_message, _taker
-
     send, receive = trio.open_memory_channel[dict[str, object]](10)
     take = _taker(receive.receive)
     assert take is not None

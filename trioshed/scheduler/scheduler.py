@@ -186,7 +186,7 @@ class Scheduler:
         self, model: ModelSpec, options: RunnerOptions, floor: int, *, keep_alive: float | None, key: ApiKey
     ) -> Lease:
         req = self._admit(model, options, keep_alive, key)
-        self._set_floor(req, floor)
+        self._resizer.set_floor(req, floor)
         req, runner = await self._pinged(req)
         return Lease(self, runner, req.load_duration, req.key.name, req)
 
@@ -439,7 +439,6 @@ class Scheduler:
         self._hold_timer.deadline = actions.wake_at
         provisional: dict[int, Runner] = {}
         for action in actions:
-            self._changes.set()  # a load or an eviction begun is a change a waiter may look for
             match action:
                 case Dispatch(request=rid, runner=runner_id):
                     runner = self._runners.get(runner_id) or provisional[runner_id]
@@ -454,6 +453,8 @@ class Scheduler:
                         self._queue.fail(requests[rid], error)
         for wait in actions.waits:
             self._note_room_wait(requests[wait.request], wait)
+        if actions:
+            self._changes.set()  # a load, an eviction or a refusal begun: waiters look again
 
     def _note_room_wait(self, req: Request, wait: sched.RoomWait) -> None:
         """Count a request's first wait for memory and log it with its numbers (INFO; a later
@@ -490,9 +491,6 @@ class Scheduler:
             req.options.num_ctx, req.options.num_parallel, req.options.num_batch,
         )  # fmt: skip
         return runner
-
-    def _set_floor(self, req: Request, floor: int) -> None:
-        self._resizer.set_floor(req, floor)
 
     async def wait_resized(self, req: Request, num_ctx: int) -> tuple[Request, Runner]:
         """``req`` was served by a runner made smaller than it asked (``Lease.regrow``): wait for
