@@ -37,8 +37,8 @@ test: $(STAMP)
 # schemathesis against /openapi.json of a real server (100 examples per operation; make test
 # runs 3 with seed 1) and the hypothesis property tests (make test: derandomized).
 fuzz: $(STAMP)
-	TRIOSHED_FUZZ_EXAMPLES=100 $(PY) -m pytest -q -s tests/test_fuzz.py
-	$(PY) -m pytest -q -p no:cacheprovider --hypothesis-profile=fuzz --hypothesis-show-statistics tests/test_sched_property.py tests/test_placement.py
+	TRIOSHED_FUZZ_EXAMPLES=100 $(PY) -m pytest -q -s tests/e2e/test_fuzz.py
+	$(PY) -m pytest -q -p no:cacheprovider --hypothesis-profile=fuzz --hypothesis-show-statistics tests/core/test_sched_property.py tests/core/test_placement.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check trioshed tests bench

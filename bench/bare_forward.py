@@ -2,7 +2,7 @@
 
 ``python -m bench.bare_forward --port P --upstream http://127.0.0.1:Q`` serves every request by
 sending it on to the upstream and its answer back, under the same HTTP layer as trioshed
-(:func:`trioshed.api.http.serve_http`: hypercorn's trio worker with trioshed's connection) and
+(:func:`trioshed.api.pipeline.listener.serve_http`: hypercorn's trio worker with trioshed's connection) and
 with the same client (:class:`trioshed.runner.client.UpstreamPool`). It has no gate, no model
 lookup, no routing decision, no trace and no log: what a hop through it adds is what hypercorn,
 the client and the two extra loopback writes cost, which no forwarding node on this stack can
@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 import trio
 
 from bench.floor import lifespan
-from trioshed.api.http import ConnectionStats, serve_http
+from trioshed.api.pipeline.listener import ConnectionStats, serve_http
 from trioshed.runner.client import UpstreamPool
 
 STREAMS = ("application/x-ndjson", "text/event-stream")
@@ -58,7 +58,7 @@ def app_for(pool: UpstreamPool) -> Any:
 
 
 async def serve(port: int, upstream: str, streams_keep_alive: bool = True) -> None:
-    from trioshed.api.http import hypercorn_config
+    from trioshed.api.pipeline.listener import hypercorn_config
     from trioshed.config import Settings
 
     parts = urlsplit(upstream)

@@ -138,7 +138,7 @@ def micro_batch_memory(bench_model: Path, flags: RunnerFlags) -> dict[str, Any]:
                  for i, (name, shape) in enumerate(SIZES.items())}  # fmt: skip
         try:
             from bench.models import GEMMA  # noqa: F401  (gemma3-270m geometry when installed)
-            from tests.fixtures_models import gemma_model_path
+            from tests.support.models import gemma_model_path
 
             gemma = gemma_model_path()
             if gemma is not None:

@@ -9,7 +9,7 @@ which is what trioshed sends upstream for it):
 
 1. **CPU per request** of each proxy process (user + system, psutil), in rounds that alternate;
 2. **Python calls per request**, each attributed to the nearest frame of the repository's own
-   code on its stack (a library call made from ``trioshed/api/fast.py:_serve`` counts for
+   code on its stack (a library call made from ``trioshed/api/pipeline/fast_path.py:_serve`` counts for
    ``_serve``; the event loop's own calls count for the function that runs it), by a profile
    hook that a ``sitecustomize`` installs in both proxies and that is switched on only for the
    counted block (``SIGUSR1`` on, ``SIGUSR2`` off and written out). The hook slows the process
@@ -83,25 +83,25 @@ signal.signal(signal.SIGUSR2, _off)
 
 #: owner (a prefix of ``path:function``) -> the part of a request it is, for the summary
 PARTS: tuple[tuple[str, str], ...] = (
-    ("trioshed/api/http.py", "shared: hypercorn reading the request and writing to the socket"),
+    ("trioshed/api/pipeline/listener.py", "shared: hypercorn reading the request and writing to the socket"),
     ("trioshed/runner/process.py", "other (background tasks, the runner's log reader)"),
     ("trioshed/runner/", "shared: the upstream client (connect, send, read, de-chunk)"),
-    ("trioshed/api/wrapper.py:send_and_end", "shared: the answer's way through hypercorn and h11"),
+    ("trioshed/api/pipeline/wrapper.py:send_and_end", "shared: the answer's way through hypercorn and h11"),
     ("bench/bare_forward.py:app", "shared: the answer's way through hypercorn and h11"),
     ("trioshed/cli/", "the event loop (its iterations and task switches)"),
     ("bench/bare_forward.py:main", "the event loop (its iterations and task switches)"),
-    ("trioshed/api/drain.py", "the request wrapper: drain guard, bounded waits on the runner"),
-    ("trioshed/api/fast.py", "the request wrapper: body, the client's departure, answer"),
-    ("trioshed/api/wrapper.py", "the request wrapper: trace, gate, CORS"),
-    ("trioshed/api/observe.py", "the end of the request: metrics, activity, usage"),
-    ("trioshed/api/metrics.py", "the end of the request: metrics, activity, usage"),
+    ("trioshed/api/pipeline/drain.py", "the request wrapper: drain guard, bounded waits on the runner"),
+    ("trioshed/api/pipeline/fast_path.py", "the request wrapper: body, the client's departure, answer"),
+    ("trioshed/api/pipeline/wrapper.py", "the request wrapper: trace, gate, CORS"),
+    ("trioshed/api/observe/request_log.py", "the end of the request: metrics, activity, usage"),
+    ("trioshed/api/observe/metrics.py", "the end of the request: metrics, activity, usage"),
     ("trioshed/activity.py", "the end of the request: metrics, activity, usage"),
     ("trioshed/usage/", "the end of the request: metrics, activity, usage"),
     ("trioshed/api/state.py", "the end of the request: metrics, activity, usage"),
-    ("trioshed/api/upstream.py", "the upstream stream: lease, bounded reads, batching"),
+    ("trioshed/api/pipeline/upstream.py", "the upstream stream: lease, bounded reads, batching"),
     ("trioshed/api/protocols/", "the translation (Ollama's chunks)"),
-    ("trioshed/api/ollama.py", "the route (Ollama generate)"),
-    ("trioshed/api/preamble.py", "the route's preamble: options, need, capabilities"),
+    ("trioshed/api/routes/ollama.py", "the route (Ollama generate)"),
+    ("trioshed/api/pipeline/preamble.py", "the route's preamble: options, need, capabilities"),
     ("trioshed/core/", "the route's preamble: options, need, capabilities"),
     ("trioshed/models/", "model resolution (the store's folders)"),
     ("trioshed/scheduler/", "the scheduler: lease, wake-ups, release"),

@@ -12,14 +12,14 @@ import psutil
 import pytest
 from hypothesis import settings as hypothesis_settings
 
-from tests.fixtures_models import (  # noqa: F401
+from tests.support.models import (  # noqa: F401
     gemma_model,
     gemma_model_path,
     tiny_model,
     tiny_models,
     tiny_shapes,
 )
-from tests.fixtures_vulkan import vulkan_device, vulkan_shader_cache  # noqa: F401
+from tests.support.vulkan import vulkan_device, vulkan_shader_cache  # noqa: F401
 from trioshed.testing.tiny import write_tiny_model
 
 # Property tests are the same on every run of `make test`: derandomized (examples drawn from a

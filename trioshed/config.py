@@ -236,7 +236,7 @@ class Settings:
     #: system-memory estimate; 0 turns that cache off.
     cache_ram: int = 1024**3
     vulkan_software: bool = False  # use software Vulkan devices (lavapipe): tests, CI
-    #: Serve the generating routes as plain ASGI (trioshed.api.fast); off: through Quart, as
+    #: Serve the generating routes as plain ASGI (trioshed.api.pipeline.fast_path); off: through Quart, as
     #: every other route (same answers, more CPU per request; for comparing the two).
     fast_routes: bool = True
     #: Speculative decoding for every runner unless models.toml says otherwise

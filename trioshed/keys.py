@@ -21,7 +21,7 @@ the keys file ``TRIOSHED_KEYS_FILE`` (TOML)::
 
 ``TRIOSHED_API_KEY`` is an admin key. With no key configured every request is one tenant (``ANONYMOUS``), as before. A key is found
 by comparing the presented token's SHA-256 digest with *every* key's in constant time (no early
-exit). Keys made over the API (:mod:`trioshed.api.keys`) live in the store as digests only: the
+exit). Keys made over the API (:mod:`trioshed.api.routes.keys`) live in the store as digests only: the
 ring in force is the file's keys merged with the store's (:func:`merge`).
 """
 

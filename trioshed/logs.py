@@ -2,7 +2,7 @@
 
 In JSON mode every record is a line ``{"time", "level", "logger", "message", ...}``; a record
 logged with ``extra={"fields": {...}}`` carries those fields at the top level (the per-request
-line of :mod:`trioshed.api.observe` does).
+line of :mod:`trioshed.api.observe.request_log` does).
 """
 
 from __future__ import annotations

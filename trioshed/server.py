@@ -1,7 +1,7 @@
 """``serve()``: the root nursery holding the scheduler and hypercorn; signals; systemd notify.
 
 The scheduler owns the runners and is started first (``nursery.start``); hypercorn serves the
-Quart-Trio app (wrapped in the :class:`~trioshed.api.drain.Drain`) until cancelled or a shutdown
+Quart-Trio app (wrapped in the :class:`~trioshed.api.pipeline.drain.Drain`) until cancelled or a shutdown
 is requested (SIGINT/SIGTERM). Shutdown drains: new requests get 503 + Retry-After, requests in
 flight get up to ``TRIOSHED_SHUTDOWN_TIMEOUT`` (a second signal ends the wait), then queued ones
 get 503 and the rest are cut (streams end with an error line); then hypercorn stops, and the
@@ -23,8 +23,8 @@ import trio
 from trioshed import systemd
 from trioshed.access import is_loopback
 from trioshed.api.app import create_app
-from trioshed.api.drain import Drain
-from trioshed.api.http import ConnectionStats, hypercorn_config, serve_http
+from trioshed.api.pipeline.drain import Drain
+from trioshed.api.pipeline.listener import ConnectionStats, hypercorn_config, serve_http
 from trioshed.api.state import AppState
 from trioshed.config import Settings
 from trioshed.core import placement

@@ -1,6 +1,6 @@
 """The record of one HTTP request, filled in by the layers it passes through.
 
-The HTTP edge (:mod:`trioshed.api.observe`) creates a :class:`RequestTrace` for each request
+The HTTP edge (:mod:`trioshed.api.observe.request_log`) creates a :class:`RequestTrace` for each request
 and sets it in :data:`current` for the request's task (child tasks inherit it); the scheduler
 writes the model and the waits when it grants a lease, the routes write token counts where
 they know them. At the end the edge turns it into metrics and, when asked, one log line.

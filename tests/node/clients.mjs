@@ -1,7 +1,7 @@
 // Drive trioshed with the `ollama` npm library and the Vercel AI SDK's ollama-ai-provider-v2.
 // Usage: node clients.mjs BASE_URL MODEL OLLAMA_STORE_MODEL  (MODEL should stop by itself: num_predict)
 // Prints one JSON object of what each call returned (or the error it raised); the Python test
-// (tests/test_node_clients.py) asserts on it. Every call is made, whatever the others did.
+// (tests/e2e/test_node_clients.py) asserts on it. Every call is made, whatever the others did.
 import { Ollama } from "ollama";
 import { createOllama } from "ollama-ai-provider-v2";
 import { generateText, streamText } from "ai";

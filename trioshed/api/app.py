@@ -1,6 +1,6 @@
-"""The Quart-Trio application: its routes, and the request wrapper (:mod:`trioshed.api.wrapper`:
+"""The Quart-Trio application: its routes, and the request wrapper (:mod:`trioshed.api.pipeline.wrapper`:
 trace, gate, errors, CORS) attached through Quart's hooks; the generating routes' fast path
-(:mod:`trioshed.api.fast`) is built here too and calls the same wrapper. Every TrioshedError
+(:mod:`trioshed.api.pipeline.fast_path`) is built here too and calls the same wrapper. Every TrioshedError
 becomes its status and headers with the error body of the protocol serving the path
 (:mod:`trioshed.api.protocols.errors`: Ollama's ``{"error": message}``, on ``/v1/`` OpenAI's
 ``{"error": {"message", "type", "param", "code"}}``); anything unexpected becomes a 500 with a
@@ -12,32 +12,28 @@ from __future__ import annotations
 from quart import Response, request
 from quart_trio import QuartTrio
 
-from trioshed.api import (
+from trioshed.api.observe import events, metrics, ui
+from trioshed.api.openapi import document as openapi
+from trioshed.api.pipeline import fast_path, fleet, upstream
+from trioshed.api.pipeline.gate import Gate
+from trioshed.api.pipeline.wrapper import ASGIApp, RequestWrapper
+from trioshed.api.routes import (
     anthropic,
     embed,
-    events,
-    fast,
-    fleet,
     keys,
+    llama,
     manage,
-    metrics,
     ollama,
     ollama_models,
     openai,
-    openapi,
     pin,
     pull,
     rerank,
     responses,
-    tools,
     transcriptions,
-    ui,
-    upstream,
     usage,
 )
-from trioshed.api.gate import Gate
 from trioshed.api.state import AppState
-from trioshed.api.wrapper import ASGIApp, RequestWrapper
 
 BODY_TIMEOUT = 120  # seconds for a whole request body (408 after): 32 MiB at >= 0.27 MB/s
 
@@ -63,7 +59,7 @@ def create_app(state: AppState) -> QuartTrio:
     app.register_blueprint(ui.bp)
     app.register_blueprint(events.bp)
     app.register_blueprint(pin.bp)
-    app.register_blueprint(tools.bp)
+    app.register_blueprint(llama.bp)
     app.register_blueprint(usage.bp)
     app.register_blueprint(transcriptions.bp)
     app.register_blueprint(keys.bp)  # the shared store's API keys (admin)
@@ -92,7 +88,7 @@ def create_app(state: AppState) -> QuartTrio:
         "/v1/messages": anthropic.messages,
         "/v1/responses": responses.responses,
     }
-    app.config["TRIOSHED_FAST"] = fast.FastPath(
+    app.config["TRIOSHED_FAST"] = fast_path.FastPath(
         quart_asgi,
         state,
         wrapper,

@@ -1,5 +1,5 @@
 """``trioshed keys create|list|update|revoke|rotate``: the shared store's API keys, over
-``/api/keys`` of a running trioshed (:mod:`trioshed.api.keys`), asked with an admin key
+``/api/keys`` of a running trioshed (:mod:`trioshed.api.routes.keys`), asked with an admin key
 (``TRIOSHED_API_KEY``). ``create`` and ``rotate`` print the secret once: the store keeps only its
 digest. A refusal (no such key, a name taken, not an admin, the store unreachable) is the
 server's message as one ``Error: ...`` line, exit status 1.

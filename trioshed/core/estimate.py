@@ -3,7 +3,7 @@
 Pure: takes the parsed GGUF header (:class:`~trioshed.models.gguf_meta.GGUFMetadata`, or anything
 with the same attributes) and :class:`~trioshed.core.model.RunnerOptions`, returns a
 :class:`~trioshed.core.model.MemoryEstimate`. Each term follows what llama.cpp does (read in its
-source, build 11434), and ``tests/test_estimate.py`` checks them against llama-server's verbose
+source, build 11434), and ``tests/core/test_estimate.py`` checks them against llama-server's verbose
 log on real CPU runs (``bench/results/estimate-vs-llamacpp.md``: within 1 % for weights and KV,
 within 4 % overall). With layers on a GPU the compute buffers split between the GPU and system
 memory (:func:`gpu_compute_buffers`, measured on Vulkan devices: the same table's Vulkan rows);

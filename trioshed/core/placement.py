@@ -9,7 +9,7 @@ layer counts as layer ``n_layer``, so ``n_gpu_layers = n_layer + 1`` offloads ev
 ``n_gpu_layers = k <= n_layer`` puts the output layer and the last ``k - 1`` repeating layers on
 the GPUs (the rule of the pinned build, b10068: ``-ngl 1`` logs "offloading output layer to GPU,
 offloading 0 repeating layers"; checked per device against the real build over RPC servers in
-``tests/test_rpc_e2e.py``). The input layer (``token_embd``) is always in system memory.
+``tests/e2e/test_rpc_e2e.py``). The input layer (``token_embd``) is always in system memory.
 
 With several GPUs llama.cpp assigns offloaded layer r (0-based among the offloaded ones, the
 output layer last) to the first device whose cumulative ``tensor_split`` fraction exceeds

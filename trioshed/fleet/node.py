@@ -1,7 +1,7 @@
 """This node's part in a fleet: where each request goes, and sending it there.
 
 :class:`Fleet` is built by ``serve()`` when ``TRIOSHED_FLEET_SECRET`` is set. For each generating
-or embedding request, the request preamble (:func:`trioshed.api.preamble.prepare`, where the model
+or embedding request, the request preamble (:func:`trioshed.api.pipeline.preamble.prepare`, where the model
 is resolved) asks :meth:`Fleet.route`, which gathers this node's state and the peers' and asks the
 pure decision (:func:`trioshed.core.route.choose`); a request better served elsewhere raises
 :class:`Forward`, which the HTTP edge turns into a relay (:meth:`Fleet.relay`). A request that

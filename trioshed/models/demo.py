@@ -99,7 +99,7 @@ def assemble_demo(store: Path, say: Callable[[str], None] = lambda line: None) -
         raise DemoUnavailable(f"the demo model package is incomplete ({exc}); reinstall: make clean serve") from None
     # No second SHA-256 of 250 MB here (0.45 s of every first start): the installer checked the
     # package's files against the lock's hashes (uv sync --locked; pip --require-hashes), and the
-    # size is checked below. tests/test_demo_model.py checks the assembly against the package's hash.
+    # size is checked below. tests/models/test_demo_model.py checks the assembly against the package's hash.
     concatenate(parts, target, None)
     say(f"demo model ready: {target}")
     return target

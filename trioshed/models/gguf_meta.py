@@ -8,7 +8,7 @@ per-layer head counts) are decoded; bigger arrays are stepped over (fixed-size o
 arithmetic, string ones by their length prefixes, found with numpy for long vocabularies) and
 recorded as :class:`ArrayInfo`. Type sizes come from the ``gguf`` package's constants.
 gemma3-270m's header takes 35-55 ms on a busy 2-core machine (load 6; printed by
-``tests/test_gguf_meta.py::test_gemma3_fields``).
+``tests/models/test_gguf_meta.py::test_gemma3_fields``).
 
 Format (GGUF v2/v3, little-endian): ``"GGUF"``, u32 version, u64 tensor count, u64 key-value count,
 the key-values (u64-length string key, u32 value type, value), the tensor infos (name, u32 n_dims,

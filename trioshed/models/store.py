@@ -24,7 +24,7 @@ A lookup, the listing and hashing work on paths as strings (``os.path``), not ``
 CPython 3.11 ``pathlib`` interns every part of a path it parses (``sys.intern``), and a model's
 file name interned for one request and freed after it leaves a dead entry in the interpreter's
 table of interned strings. One per request doubled that table (0.94 MB to 1.88 MB, for good)
-after ~6,000 requests of a soak (``tests/test_interned.py``).
+after ~6,000 requests of a soak (``tests/api/test_interned.py``).
 """
 
 from __future__ import annotations

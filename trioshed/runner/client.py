@@ -64,7 +64,7 @@ class Closable(Protocol):
 class Watched:
     """Where the waits of one step of a request can be ended from outside: the connection the
     pool is using for it, noted by :meth:`UpstreamPool.request` while :data:`watched` holds this
-    (``trioshed.api.upstream``: a step on a runner that stalls is ended by closing it)."""
+    (``trioshed.api.pipeline.upstream``: a step on a runner that stalls is ended by closing it)."""
 
     __slots__ = ("connection",)
 
@@ -81,7 +81,7 @@ class Watched:
 watched: ContextVar[Watched | None] = ContextVar("trioshed_watched_connection", default=None)
 
 #: Work of this task's that can wait until its next request is on its way to the runner, and is
-#: done then, once, while the runner works (the answer's head: :mod:`trioshed.api.fast`).
+#: done then, once, while the runner works (the answer's head: :mod:`trioshed.api.pipeline.fast_path`).
 after_send: ContextVar[Callable[[], Awaitable[None]] | None] = ContextVar("trioshed_after_send", default=None)
 
 

@@ -1,6 +1,6 @@
 """How much of a runner's KV cache its running requests hold: read from llama-server's ``GET /slots``.
 
-llama-server (b10068, checked against the binary in ``tests/test_gateway_metrics.py``) answers
+llama-server (b10068, checked against the binary in ``tests/api/observe/test_gateway_metrics.py``) answers
 ``GET /slots`` with one object per slot: ``n_ctx`` (the slot's context), ``is_processing``
 while a task runs in it, and once a task has run there ``n_prompt_tokens`` (its whole prompt,
 the part reused from the cache included) and ``next_token[0].n_decoded`` (tokens generated so

@@ -2,7 +2,7 @@
 
 :class:`WarmReturns` is process-wide (the store, the save bound, the counters); each ready
 runner gets a :class:`RunnerSlots` (``LlamaServer.slots``) holding its cache key. The calls to
-llama-server, as b10068 answers them (checked against the binary, ``tests/test_warm_returns.py``):
+llama-server, as b10068 answers them (checked against the binary, ``tests/e2e/test_warm_returns.py``):
 
 - ``GET /slots``: one object per slot; ``id_task`` appears once a task has run in it,
   ``is_processing`` while one runs.
@@ -24,7 +24,7 @@ shield=True)``: an unload never waits longer. A save cut by the bound leaves a `
 deleted at once (and by the store's next ``open`` if trioshed dies first).
 
 Restore: :meth:`RunnerSlots.restore_for`, called by the HTTP edge just before it sends a
-generation to the runner (``trioshed.api.upstream``), while the runner still has a slot that no
+generation to the runner (``trioshed.api.pipeline.upstream``), while the runner still has a slot that no
 task has used (a runner just loaded; with one slot, its first request). A restore that fails is
 logged and counted; the request proceeds.
 """

@@ -3,7 +3,7 @@
 No request is lost to a runner's death. When the runner of a lease dies, hangs, is killed for
 hanging, or sends nothing for TRIOSHED_STREAM_IDLE_TIMEOUT before it produced any of the
 request's answer, the request is queued again and served by a new runner (:meth:`Lease.rerun`,
-driven by :mod:`trioshed.api.upstream` for every route, and by the count of a prompt,
+driven by :mod:`trioshed.api.pipeline.upstream` for every route, and by the count of a prompt,
 :mod:`trioshed.scheduler.fit`): once; a runner of the same model that fails again on the same
 request ends it with an error that names both failures.
 

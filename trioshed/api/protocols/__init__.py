@@ -2,7 +2,7 @@
 
 Each turns its client's request into the llama-server request to make
 (:class:`~trioshed.api.protocols.llama.Upstream` or a body) and llama-server's answer back into its
-client's shape. The routes (``trioshed.api.ollama``, ``.openai``, ``.anthropic``, ``.embed``) do the I/O.
+client's shape. The routes (``trioshed.api.routes.ollama``, ``.openai``, ``.anthropic``, ``.embed``) do the I/O.
 
 * :mod:`.options`: Ollama ``options`` -> llama-server sampling and runner overrides; validators.
 * :mod:`.llama`: what llama-server speaks (``Upstream``, SSE lines, format/think/logprob params).

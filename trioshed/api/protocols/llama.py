@@ -2,7 +2,7 @@
 errors, and the parameters for structured output, thinking and log-probabilities.
 
 Pure (no I/O). Upstream facts this relies on (recorded from a real llama-server, see
-``tests/recorded_llama.py``):
+``tests/api/protocols/recorded_llama.py``):
 
 * Streams are SSE ``data: {...}`` lines separated by blank lines; ``/v1/chat/completions`` ends
   with ``data: [DONE]``, ``/completion`` just closes. A keep-alive ping is a ``:`` comment. An

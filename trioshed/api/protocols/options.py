@@ -14,7 +14,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from trioshed.api.limits import check_num_predict
+from trioshed.api.pipeline.limits import check_num_predict
 from trioshed.errors import BadRequest
 
 logger = logging.getLogger(__name__)

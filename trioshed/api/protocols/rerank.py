@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from trioshed.api.limits import json_type
+from trioshed.api.pipeline.limits import json_type
 from trioshed.core.context import tokens_upper_bound
 from trioshed.errors import BadRequest, UpstreamError
 

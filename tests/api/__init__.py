@@ -1,0 +1,1 @@
+"""The HTTP edge (trioshed.api): the request's path, the gate, limits, uploads."""

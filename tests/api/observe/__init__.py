@@ -1,0 +1,1 @@
+"""What observes the API (trioshed.api.observe): metrics, the gateway's protocol, the status page."""

@@ -1,0 +1,1 @@
+"""Each protocol's translation (trioshed.api.protocols), without I/O, and its routes."""

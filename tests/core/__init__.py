@@ -1,0 +1,1 @@
+"""The decisions without I/O (trioshed.core, trioshed.access): plain def tests."""

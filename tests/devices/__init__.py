@@ -1,0 +1,1 @@
+"""Device discovery (trioshed.devices): Vulkan and RPC servers."""

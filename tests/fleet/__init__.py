@@ -1,0 +1,1 @@
+"""The fleet's peers (trioshed.fleet) without a database."""

@@ -1,0 +1,1 @@
+"""What packaging/ ships: the Kubernetes manifests and the balancer's configuration."""

@@ -1,0 +1,1 @@
+"""The repository's own rules: layout, documents, the lock."""

@@ -1,0 +1,1 @@
+"""The llama-server child (trioshed.runner): its life, output, memory log, provisioning."""

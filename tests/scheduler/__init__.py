@@ -1,0 +1,1 @@
+"""The scheduler loop (trioshed.scheduler) with fake runners under MockClock."""

@@ -1,0 +1,1 @@
+"""The server's own modules: keys, settings, systemd, reload, drain of a real process."""

@@ -1,0 +1,1 @@
+"""Shared test helpers: model fixtures, a served process, HAProxy, a Vulkan device."""

@@ -1,0 +1,1 @@
+"""The test helpers themselves (trioshed.testing): tiny models, llama-server alone."""

@@ -1,0 +1,1 @@
+"""Usage and the shared store (trioshed.usage): SQLite and a real PostgreSQL."""

@@ -1,0 +1,107 @@
+"""OpenAI's Responses API: ``POST /v1/responses`` (stateless: nothing is stored).
+
+The request becomes a chat completion (:mod:`trioshed.api.protocols.openai_responses`) on the
+model's chat template, or a plain transcript for a model without one, as ``/v1/chat/completions``
+does; the answer comes back as a Response object or as Responses events.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from quart import Blueprint, Response
+
+from trioshed.api.pipeline.preamble import (
+    has_chat_template,
+    prepare,
+    read_body,
+    require_capabilities,
+    state,
+)
+from trioshed.api.pipeline.prompt_count import prompt_fit
+from trioshed.api.pipeline.upstream import (
+    Last,
+    client_status,
+    leased_stream,
+    open_upstream,
+    post_upstream_raw,
+    truncated,
+    upstream_message,
+)
+from trioshed.api.protocols.errors import context_error, message_for, openai_error
+from trioshed.api.protocols.llama import parse_sse_line, upstream_error_message
+from trioshed.api.protocols.openai_chat import chat_needs, transcript_completion_body
+from trioshed.api.protocols.openai_responses import Response as Frame
+from trioshed.api.protocols.openai_responses import ResponsesStream, chat_request, response_of
+from trioshed.errors import BadRequest, TrioshedError, UpstreamError
+from trioshed.scheduler import Lease
+from trioshed.trace import current as current_trace
+
+bp = Blueprint("responses", __name__)
+
+
+@bp.post("/v1/responses")
+async def responses() -> Response:
+    body = await read_body()
+    name = body.get("model")
+    if not isinstance(name, str) or not name:
+        raise BadRequest("model is required")
+    chat = chat_request(body)  # before the model: previous_response_id is refused for any model
+    req = prepare(body, name)
+    await require_capabilities(req.model, name, chat_needs(chat), action="chat")
+    path = "/v1/chat/completions"
+    if not await has_chat_template(req.model):
+        path, chat = "/v1/completions", transcript_completion_body(chat)
+    st = state()
+    frame = Frame(body, name, int(time.time()))
+    fit = prompt_fit(req, path, chat)
+    if body.get("stream") is not True:
+        whole = {**chat, "model": req.model.name, "stream": False}
+        async with st.scheduler.acquire(req.model, req.options, req.keep_alive, key=req.key, fit=fit) as lease:
+            status, raw = await post_upstream_raw(lease, path, whole)
+        if status == 400 and (too_long := context_error(raw)) is not None:
+            raise too_long
+        if status != 200:
+            code = client_status(status, raw)
+            return _json(openai_error(code, upstream_message(raw, status)), code)
+        answer = json.loads(raw)
+        if (trace := current_trace.get()) is not None:
+            trace.counted(answer)
+        return _json(response_of(frame, answer, int(time.time())))
+    upstream = {**chat, "model": req.model.name, "stream": True, "stream_options": {"include_usage": True}}
+    stream = ResponsesStream(frame)
+    return await leased_stream(
+        st.scheduler, req.model, req.options, req.keep_alive,
+        lambda lease: _relay(lease, path, upstream, stream), "text/event-stream", key=req.key, fit=fit,
+    )  # fmt: skip
+
+
+def _json(data: dict[str, Any], status: int = 200) -> Response:
+    return Response(json.dumps(data, ensure_ascii=False), status=status, content_type="application/json")
+
+
+async def _relay(lease: Lease, path: str, body: dict[str, Any], stream: ResponsesStream) -> AsyncIterator[bytes]:
+    yield stream.start()
+    trace = current_trace.get()
+    try:
+        async with open_upstream(lease, path, body) as batches:
+            async for lines in batches:
+                out = b""
+                for line in lines:
+                    event = parse_sse_line(line)
+                    if event is not None and "error" in event:
+                        raise UpstreamError(f"llama-server error: {upstream_error_message(event)}")
+                    if trace is not None and event is not None and ("usage" in event or "timings" in event):
+                        trace.counted(event)  # the usage chunk and llama-server's timings, at the end
+                    out += stream.feed(event) if event is not None else b""
+                if out:
+                    yield out
+            if stream.finished:  # the answer's end, before the runner's connection goes back
+                yield Last(stream.finish(int(time.time())))
+        if not stream.finished:
+            raise await truncated(lease)
+    except TrioshedError as exc:
+        yield stream.failed("server_error", message_for("/v1/responses", exc))
