@@ -126,7 +126,8 @@ def direct_argv(model: Path, flags: RunnerFlags, port: int) -> list[str]:
 def micro_batch_memory(bench_model: Path, flags: RunnerFlags) -> dict[str, Any]:
     """The compute buffer of an embedding runner (micro-batch = context) against a generating
     one's (512), estimated per model size and context; and llama.cpp's report for the bench model."""
-    from trioshed.core.estimate import batch_sizes, compute_buffer
+    from trioshed.core.estimate_compute import compute_buffer
+    from trioshed.core.estimate_kv import batch_sizes
     from trioshed.core.model import RunnerOptions
     from trioshed.models.gguf_meta import read_metadata
     from trioshed.testing.llama import measure_load

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from trioshed.core.estimate import batch_sizes, compute_buffer
+from trioshed.core.estimate_compute import compute_buffer
+from trioshed.core.estimate_kv import batch_sizes
 from trioshed.core.model import ModelSpec, Placement, RunnerOptions
 from trioshed.models.capabilities import capabilities, is_reranker, pooling_type
 from trioshed.models.gguf_meta import read_metadata

@@ -28,14 +28,9 @@ from pathlib import Path
 import pytest
 
 from tests.support.paths import REPO
-from trioshed.core.estimate import (
-    attention_on_host,
-    batch_sizes,
-    effective_kv_type,
-    estimate,
-    kv_cells,
-    swa_layers,
-)
+from trioshed.core.estimate import estimate
+from trioshed.core.estimate_compute import attention_on_host
+from trioshed.core.estimate_kv import batch_sizes, effective_kv_type, kv_cells, swa_layers
 from trioshed.core.model import Device, GiB, MiB, RunnerOptions
 from trioshed.models.gguf_meta import GGUFMetadata, read_metadata
 from trioshed.runner.binary import LlamaBinary, describe_build

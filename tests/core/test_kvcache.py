@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import trio
 
-from trioshed.core.estimate import estimate, kv_cells
+from trioshed.core.estimate import estimate
+from trioshed.core.estimate_kv import kv_cells
 from trioshed.core.kvcache import (
     BLOCK,
     HASH_BYTES,

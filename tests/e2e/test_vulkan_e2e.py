@@ -33,7 +33,8 @@ import pytest
 import trio
 
 from tests.conftest import add_tiny
-from trioshed.core.estimate import effective_kv_type, estimate, kv_layer_bytes
+from trioshed.core.estimate import estimate
+from trioshed.core.estimate_kv import effective_kv_type, kv_layer_bytes
 from trioshed.core.model import Device, MemoryEstimate, MiB, RunnerOptions
 from trioshed.models.gguf_meta import read_metadata
 from trioshed.scheduler import RunnerStats

@@ -43,7 +43,7 @@ class Device:
     #: The largest tensor the device takes (0: no limit known). llama.cpp's Vulkan backend refuses
     #: an op with a tensor bigger than the device's ``maxStorageBufferRange``, so such a weight
     #: stays in system memory (lavapipe: 128 MiB, so gemma3's 170 MiB tied output stays on the
-    #: CPU) and such an attention runs on the CPU (``core.estimate.attention_on_host``).
+    #: CPU) and such an attention runs on the CPU (``core.estimate_compute.attention_on_host``).
     max_tensor: int = 0
 
     @property
@@ -81,7 +81,7 @@ class RunnerOptions:
     kv_cache_type: str = "f16"
     flash_attention: bool = False
     #: ``--embeddings`` (or ``--rerank`` for a reranker) with the model's own pooling, and a
-    #: micro-batch of the whole context (``core.estimate.batch_sizes``); generates as well.
+    #: micro-batch of the whole context (``core.estimate_kv.batch_sizes``); generates as well.
     embedding: bool = False
     #: ``--cache-ram``: llama-server's host-memory prompt cache, MiB (0 = off). It always sits in
     #: system memory and the estimate counts all of it (a positive limit binds in bytes).

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from trioshed.core.estimate import MetadataLike, batch_sizes
+from trioshed.core.estimate_kv import MetadataLike, batch_sizes
 from trioshed.core.model import ModelSpec, Placement, RunnerOptions, rpc_endpoint
 from trioshed.core.runner_options import ModelArgs
 from trioshed.core.speculation import ngram_drafting
@@ -54,7 +54,7 @@ DEFAULT_POOLING = "mean"
 
 def embedding_flags(options: RunnerOptions, meta: MetadataLike | None) -> list[str]:
     """The flags of an embedding or rerank runner: the model's own pooling, a micro-batch that
-    holds one whole input (:func:`trioshed.core.estimate.batch_sizes`, counted in the estimate).
+    holds one whole input (:func:`trioshed.core.estimate_kv.batch_sizes`, counted in the estimate).
 
     - a reranker (rank pooling or a classifier head): ``--rerank`` (rank pooling);
     - a GGUF that sets its pooling (mean, CLS, last): nothing, llama-server reads it;
@@ -182,7 +182,7 @@ def build_command(
 
     ``accounting_only`` (a declared inventory, no real GPU): the scheduler accounts memory as if
     the runner sat on ``placement.devices`` while the child itself runs on the CPU.
-    ``kv_cache_type`` is the type the model really supports (``core.estimate.effective_kv_type``);
+    ``kv_cache_type`` is the type the model really supports (``core.estimate_kv.effective_kv_type``);
     it defaults to the requested one. ``meta`` (the GGUF header) decides an embedding runner's
     pooling (:func:`embedding_flags`).
 

@@ -37,7 +37,7 @@ from contextlib import asynccontextmanager
 import trio
 
 from trioshed._util import single_error
-from trioshed.core.estimate import effective_kv_type, kv_layer_bytes
+from trioshed.core.estimate_kv import effective_kv_type, kv_layer_bytes
 from trioshed.core.model import MeasuredMemory, ModelSpec, Placement, RunnerOptions
 from trioshed.errors import LoadFailed
 from trioshed.models.gguf_meta import unreadable

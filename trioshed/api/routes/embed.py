@@ -2,7 +2,7 @@
 
 They need a runner started with ``--embeddings`` (``RunnerOptions.embedding``); such a runner
 generates too, so chat after embed does not reload, while embed after chat reloads once. Its
-micro-batch is its whole context (``core.estimate.batch_sizes``), so one input up to the
+micro-batch is its whole context (``core.estimate_kv.batch_sizes``), so one input up to the
 context is embedded as llama-server alone would; a longer one is cut (Ollama's ``truncate``,
 the default) or refused with a 400 (``truncate: false``, and OpenAI's route), never passed on
 as llama-server's own 500.
@@ -29,7 +29,7 @@ from trioshed.api.protocols import embeddings as protocol
 from trioshed.api.protocols.ollama import is_load_only
 from trioshed.api.protocols.openai_chat import ModelRenamer
 from trioshed.api.routes.openai import openai_request
-from trioshed.core.estimate import batch_sizes
+from trioshed.core.estimate_kv import batch_sizes
 from trioshed.core.model import RunnerOptions
 from trioshed.errors import BadRequest, UpstreamError
 from trioshed.scheduler import Lease
@@ -43,7 +43,7 @@ def _json(data: dict[str, Any]) -> Response:
 
 def input_limit(options: RunnerOptions) -> int:
     """The most tokens one input may have on a runner of ``options``: its slot's context, which
-    its micro-batch holds (:func:`trioshed.core.estimate.batch_sizes`)."""
+    its micro-batch holds (:func:`trioshed.core.estimate_kv.batch_sizes`)."""
     return min(options.num_ctx, batch_sizes(options)[1])
 
 

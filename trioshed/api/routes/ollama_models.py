@@ -13,7 +13,8 @@ from quart import Blueprint, Response, request
 from trioshed import __version__
 from trioshed.api.pipeline.preamble import model_capabilities, read_body, resolve, state
 from trioshed.api.state import AppState
-from trioshed.core.estimate import effective_kv_type, estimate
+from trioshed.core.estimate import estimate
+from trioshed.core.estimate_kv import effective_kv_type
 from trioshed.core.model import ModelSpec, RunnerOptions
 from trioshed.core.projector import projector_info, projector_memory
 from trioshed.fleet import view as fleet_view
