@@ -10,7 +10,7 @@ Here: the loop, the way in (admit, wait, ping a runner idle a while) and the way
 hand a freed slot over). The decisions are pure, in ``core/``: the plan, admission and keep-alive
 (:mod:`~trioshed.core.admission`), the waiting list and its fast paths (:mod:`~trioshed.core.queue`),
 the context-shrink policy (:mod:`~trioshed.core.shrink`, performed by :mod:`.resize`). Beside it:
-a request as held here (:mod:`.request`), the runners and their lives (:mod:`.lifetime`: load,
+a planning pass, the plan's actions performed (:mod:`.planning`), a request as held here (:mod:`.request`), the runners and their lives (:mod:`.lifetime`: load,
 health, crash, VRAM recovery; they tell back through a few callbacks), the lease the edge holds
 (:mod:`.lease`), the snapshot (:mod:`.stats`), the history of events (:mod:`.events`).
 
@@ -23,7 +23,6 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-import math
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
@@ -36,7 +35,6 @@ from trioshed.core import admission, queue, sched
 from trioshed.core.admission import Tenant
 from trioshed.core.fairshare import FairShare
 from trioshed.core.model import ModelSpec, Placement, RunnerOptions
-from trioshed.core.sched import Dispatch, Evict, Fail, Load, Machine
 from trioshed.devices import DeviceSource
 from trioshed.devices.rpc import RemoteDevices
 from trioshed.errors import ShuttingDown, TrioshedError
@@ -53,6 +51,7 @@ from trioshed.scheduler.lifetime import (
     Owner,
     Runners,
 )
+from trioshed.scheduler.planning import Limits, Planning
 from trioshed.scheduler.queue import RequestQueue
 from trioshed.scheduler.request import Request
 from trioshed.scheduler.resize import Resizer
@@ -90,14 +89,10 @@ class Scheduler:
         self._devices = devices
         self._remote = remote
         self._estimator = estimator
-        self._place = place
         self.max_queue = max_queue  # the queue's bound (TRIOSHED_MAX_QUEUE)
         self.max_extra_wait = max_extra_wait  # TRIOSHED_MAX_EXTRA_WAIT (0: arrival order)
-        self._hold_timer = trio.CancelScope()  # its deadline: when a held request becomes due
         self.max_loaded = sched.default_max_loaded(max_loaded_models, len(devices.gpus))
         self.default_keep_alive = default_keep_alive
-        self._overhead = gpu_overhead
-        self._spread = spread
         self.record = record  # (event, model) in order: for tests and debugging
         # Loads, evictions, unloads, crashes and refusals as they happened, for readers to follow
         # (/metrics counts them by reason and times loads; a snapshot cannot hold every load).
@@ -110,6 +105,12 @@ class Scheduler:
         # The runners and their lives; they tell this scheduler what happened through Owner.
         owner = Owner(note=self._note, wake=self._wake, out_of_memory=self._resizer.after_out_of_memory, fail_waiters=self._queue.fail_waiters)
         self._runners = Runners(owner, factory=factory, devices=devices, remote=remote)
+        # A planning pass: the planner's actions performed on the parts above.
+        self._planning = Planning(
+            waiting=self._waiting, runners=self._runners, devices=devices, remote=remote, place=place,
+            limits=Limits(self.max_loaded, gpu_overhead, spread, max_extra_wait), queue=self._queue,
+            resizer=self._resizer, dispatch=self._dispatch, start_load=self._start_load, record=record,
+        )  # fmt: skip
         self._changes = RepeatedEvent()  # set on every change a waiter cares about
         self._plan = RepeatedEvent()  # set on a change the planner has something to decide on
         self.changed_at = 0.0  # when the state last changed (Trio's clock; 0 before any change)
@@ -119,7 +120,6 @@ class Scheduler:
         self._closing = False
         self._tenants: dict[str, Tenant] = {}  # by API key name ("" = no keys configured)
         self._fair = FairShare()  # the weighted fair order between them
-        self._counters = dict(room_waits=0, passes=0)  # the runners and the queue count the rest
 
     # -- the public surface -------------------------------------------------------------------
 
@@ -351,7 +351,7 @@ class Scheduler:
     def statistics(self) -> SchedulerStatistics:
         return snapshot(
             self._runners.values(), self._waiting, queued=len(self._queue), tenants=self._tenants,
-            counters={**self._counters, **self._runners.counters, "rejected": self._queue.rejected}, remote=self._remote,
+            counters={**self._planning.counters, **self._runners.counters, "rejected": self._queue.rejected}, remote=self._remote,
             now=trio.current_time(), wall=time.time(),
         )  # fmt: skip
 
@@ -362,7 +362,7 @@ class Scheduler:
         self._dirty = True
         self.changed_at = trio.current_time()
         self._changes.set()
-        if self._waiting or self._hold_timer.deadline != math.inf or self._queue.in_channel() or self._runners.any_closed():
+        if self._waiting or self._planning.holding() or self._queue.in_channel() or self._runners.any_closed():
             self._plan.set()
 
     def _note(self, event: str, model: ModelSpec, reason: str = "", seconds: float = 0.0) -> None:
@@ -375,9 +375,9 @@ class Scheduler:
     async def _wake_when_due(self) -> None:
         """Plan again when a held request becomes due (nothing else may change meanwhile)."""
         while True:
-            with self._hold_timer:
+            with self._planning.hold_timer:
                 await trio.sleep_forever()
-            self._hold_timer = trio.CancelScope()
+            self._planning.hold_timer = trio.CancelScope()
             self._wake()
 
     def release_slot(self, runner: Runner, tenant: str | None = None) -> None:
@@ -402,72 +402,10 @@ class Scheduler:
         self._dispatch(oldest, runner)
         return True
 
-    def _machine(self) -> Machine:
-        remote = self._remote
-        return Machine(
-            gpus=self._devices.poll() + (remote.devices() if remote is not None else ()),
-            system=self._devices.system(),
-            max_loaded=self.max_loaded,
-            overhead=self._overhead,
-            spread=self._spread,
-            remote_down=remote.down() if remote is not None else (),
-        )
-
     def _schedule(self) -> None:
-        now = trio.current_time()
-        if not self._waiting:
-            self._hold_timer.deadline = math.inf
-            for r in self._runners.values():
-                r.closed_from = math.inf
-            return
-        self._counters["passes"] += 1
-        requests = self._waiting.by_id.copy()
-        actions = sched.plan(
-            [r.view for r in self._waiting],
-            [r.view() for r in self._runners.values()],
-            self._machine(),
-            place=self._place,
-            now=now,
-            cooldowns=self._runners.cooldowns,
-            next_runner_id=-1,
-            max_extra_wait=self.max_extra_wait,
-        )
-        for rid in actions.held:
-            requests[rid].held(now)
-        for r in self._runners.values():
-            r.closed_from = actions.closed.get(r.id, math.inf)
-        self._hold_timer.deadline = actions.wake_at
-        provisional: dict[int, Runner] = {}
-        for action in actions:
-            match action:
-                case Dispatch(request=rid, runner=runner_id):
-                    runner = self._runners.get(runner_id) or provisional[runner_id]
-                    self._dispatch(requests[rid], runner)
-                case Load(request=rid, placement=placement):
-                    runner = self._start_load(requests[rid], placement)
-                    provisional[-(len(provisional) + 1)] = runner
-                case Evict(runner=runner_id, reason=reason):
-                    self._runners.evict(self._runners[runner_id], reason)
-                case Fail(request=rid, error=error):
-                    if not self._resizer.after_refusal(requests[rid], error):  # tried smaller
-                        self._queue.fail(requests[rid], error)
-        for wait in actions.waits:
-            self._note_room_wait(requests[wait.request], wait)
-        if actions:
+        """One planning pass (:mod:`.planning`)."""
+        if self._planning.run():
             self._changes.set()  # a load, an eviction or a refusal begun: waiters look again
-
-    def _note_room_wait(self, req: Request, wait: sched.RoomWait) -> None:
-        """Count a request's first wait for memory and log it with its numbers (INFO; a later
-        change of reason at DEBUG: every pass re-decides, and the first says what matters)."""
-        if wait.reason == req.room_wait:
-            return
-        first = not req.room_wait
-        req.room_wait = wait.reason
-        if first:
-            self._counters["room_waits"] += 1
-            if self.record is not None:
-                self.record.append(("wait for room", req.model.short_name))
-        log.log(logging.INFO if first else logging.DEBUG, "%s %s", req.model.name, wait.describe())
 
     def _dispatch(self, req: Request, runner: Runner) -> None:
         now = trio.current_time()
