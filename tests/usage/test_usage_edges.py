@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -13,6 +15,8 @@ import trio
 
 from trioshed.testing.server import open_test_server
 from trioshed.usage.db import UsageDB
+from trioshed.usage.ledger import Spend
+from trioshed.usage.recorder import UsageRecorder
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_leaked_runner")]
 
@@ -75,3 +79,40 @@ async def test_a_sqlite_error_reading_usage_is_503_in_ollamas_shape(model_store:
             error = json.loads(answer.content)["error"]
             assert error == "usage cannot be read now: the usage database cannot be used: no such table: usage_day"
             assert (await http.get("/api/usage")).status_code == 200
+
+
+class _SlowToFail(UsageDB):
+    """A SQLite store whose next write hangs until told, then fails as an unreachable server does
+    (a connect that waits its timeout): the rows of that batch are on their way, not written."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.writing = threading.Event()
+        self.fail = threading.Event()
+
+    def write(self, spends: list[Spend], now: float, node: str = "") -> None:
+        self.writing.set()
+        self.fail.wait(30)
+        raise OSError("connection to server failed: Connection refused")
+
+
+async def test_rows_being_written_still_count_as_waiting(tmp_path: Path) -> None:
+    """While a write is under way (to a database that has just gone away, it can take seconds to
+    fail) its rows are not in memory's list but not in the store either: the status counts them."""
+    store = _SlowToFail(tmp_path / "usage.db")
+    recorder = UsageRecorder(store, interval=3600)
+    for _ in range(5):
+        recorder.record(Spend("ann", "tiny", time.time(), prompt=1, completion=1))
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(recorder.flush)
+            try:
+                await trio.to_thread.run_sync(store.writing.wait)
+                recorder.record(Spend("ann", "tiny", time.time(), prompt=1, completion=1))
+                status = recorder.statistics()
+                assert status is not None and status.pending == 6 and len(recorder.pending) == 1
+            finally:
+                store.fail.set()
+    status = recorder.statistics()
+    assert status is not None and status.pending == 6 and status.problem == "is unreachable"
+    await trio.to_thread.run_sync(store.close)

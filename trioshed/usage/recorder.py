@@ -97,6 +97,7 @@ class UsageRecorder:
         self.node = node
         self.fail_closed = fail_closed
         self.pending: list[Spend] = []
+        self.writing = 0  # rows of the batch being written now (not in ``pending`` meanwhile)
         self.bound = bound
         self.interval = interval
         self.dropped = 0
@@ -115,7 +116,12 @@ class UsageRecorder:
         if self.db is None:
             return None
         return StoreStatus(self.db.kind, self.where, self.node, not self.problem, self.problem,
-                           len(self.pending), self.dropped, self.written)  # fmt: skip
+                           self.waiting(), self.dropped, self.written)  # fmt: skip
+
+    def waiting(self) -> int:
+        """Rows not yet in the store: those in memory and the batch being written (a write to a
+        database that just went away can take seconds to fail; its rows still wait)."""
+        return len(self.pending) + self.writing
 
     def record_trace(self, trace: RequestTrace) -> None:
         """A finished request (the HTTP edge's trace): counted when it reached a model."""
@@ -195,6 +201,7 @@ class UsageRecorder:
             if not self.pending or not await self._open():
                 return
             batch, self.pending = self.pending, []
+            self.writing = len(batch)
             try:
                 await trio.to_thread.run_sync(self.db.write, batch, time.time(), self.node)
             except StoreError as exc:
@@ -204,6 +211,8 @@ class UsageRecorder:
                     self._drop(len(self.pending) - self.bound)
                     del self.pending[self.bound :]
                 return
+            finally:
+                self.writing = 0
             self.written += len(batch)
             self._recovered(f"{len(batch)} rows written")
 

@@ -113,7 +113,7 @@ async def usage() -> Response:
         body["keys"] = [budgets_of(k, now) for k in keys]
         body["recording"] = st.usage.db is not None
         if key.admin:
-            body["pending"] = len(st.usage.pending)
+            body["pending"] = st.usage.waiting()
             body["dropped"] = st.usage.dropped
             body["problem"] = st.usage.problem or None
             if (store := st.usage.statistics()) is not None:  # which store (a URL without its password), this node's name
