@@ -262,6 +262,19 @@ class Terminal:
     def type(self, text: str) -> None:
         os.write(self.fd, text.encode())
 
+    async def interrupt(self) -> None:
+        """Ctrl-C at the prompt, once the chat waits for a key there.
+
+        CPython's readline looks for a signal only when its ``select()`` on the terminal is
+        interrupted: a SIGINT that lands after the prompt (or a key's echo) is written and before
+        that ``select()`` begins waits, unnoticed, for the next key. A person cannot type in that
+        gap; a test that answers the prompt at once can (seen under load). So wait until the chat's
+        main thread sleeps in that wait (its system call in ``/proc``) before typing."""
+        with trio.fail_after(WAIT):
+            while not _waits_for_a_key(self.process.pid):  # noqa: ASYNC110 - another process, read in /proc
+                await trio.sleep(0.01)
+        self.type("\x03")
+
     async def enter(self, line: str) -> str:
         """Type ``line`` and Enter; what the chat wrote after it, up to the next prompt."""
         self.type(line + "\n")
@@ -294,6 +307,19 @@ class Terminal:
         between = self.seen.replace(b"\r\n", b"\n")[self.mark : at].decode(errors="replace")
         self.mark = at + len(want)
         return between
+
+
+#: The system calls (x86-64 and arm64 numbers) a process blocked on its terminal sleeps in:
+#: select, pselect6, poll, ppoll, read.
+_WAITS = {"x86_64": {23, 270, 7, 271, 0}, "aarch64": {72, 73, 63}}
+
+
+def _waits_for_a_key(pid: int) -> bool:
+    try:
+        call = Path(f"/proc/{pid}/syscall").read_text().split()
+    except OSError:
+        return False
+    return bool(call) and call[0].isdigit() and int(call[0]) in _WAITS.get(os.uname().machine, set())
 
 
 def _controlling_terminal() -> None:
@@ -472,11 +498,11 @@ async def test_ctrl_c_stops_only_the_answer(model_store: Path, tmp_path: Path, s
             host = server.base_url.removeprefix("http://")
             async with terminal("long", host, tmp_path, sigint=sigint) as term:
                 await term.until(">>> ")
-                term.type("\x03")
+                await term.interrupt()
                 assert "Use Ctrl + d or /bye to exit." in await term.until(">>> ")
                 term.type("half a line")
                 await term.until("half a line")
-                term.type("\x03")  # Ctrl-C on a line being typed drops it, and says nothing
+                await term.interrupt()  # Ctrl-C on a line being typed drops it, and says nothing
                 assert "Use Ctrl + d" not in await term.until(">>> ")
                 await term.enter("/set parameter num_ctx 16384")
                 await term.enter("/set parameter num_predict 16000")
