@@ -14,7 +14,8 @@ scheduler performs these decisions (:mod:`trioshed.scheduler.fit`) at two moment
   without a load, and one between grows the context to the bucket of its exact count, not of
   the byte bound (:func:`sized_by_count`).
 - **On the lease**, for a request not counted before whose bound its runner's slot does not
-  hold (:func:`must_count`): a prompt the slot holds is served; one that it does not is a 400,
+  hold (:func:`must_count`; a ``num_ctx`` set smaller than a larger runner's that serves it
+  bounds it instead, :func:`within`): a prompt the slot holds is served; one that it does not is a 400,
   unless the automatic context was made smaller to fit the memory (the scheduler's ``floor``,
   the lease's :class:`~trioshed.core.context.Shrunk`): then it grows the runner to the bucket of
   its count where the larger size would only have split the model with system memory, and is
@@ -70,6 +71,19 @@ def sized_by_count(tokens: int, options: RunnerOptions, on_loaded: RunnerOptions
         return Sizing(on_loaded, 0, on_loaded.num_ctx)
     grown = replace(options, num_ctx=min(options.num_ctx, bucket(tokens + output + PER_MESSAGE)))
     return Sizing(grown, 0, grown.num_ctx)
+
+
+def within(runner: RunnerOptions, asked: RunnerOptions, automatic: bool) -> RunnerOptions:
+    """The options whose slot bounds a request's prompt on its lease: the runner's, or the
+    request's own where it set a smaller context (``num_ctx`` in ``models.toml``, a Modelfile or
+    the request) and a larger runner of the same file serves it without a reload
+    (:func:`~trioshed.core.views.can_serve`). The request is then held to the size it was given,
+    as it would be on a runner of that size: a longer prompt is a 400 rather than served
+    whenever a larger runner happens to be loaded. An automatic size is only a bound: the
+    runner's whole slot is the request's."""
+    if automatic or slot_context(asked) >= slot_context(runner):
+        return runner
+    return asked
 
 
 def must_count(need: int, options: RunnerOptions) -> bool:

@@ -61,7 +61,7 @@ async def fitted_lease(
             sizing = fit.sized_by_count(tokens, options, on_loaded, prompt.output)
     held = await lease(sizing.options, sizing.floor)
     try:
-        while fit.must_count(sizing.need, held.options):
+        while fit.must_count(sizing.need, limit := fit.within(held.options, sizing.options, prompt.automatic)):
             failure: RunnerError | None = None
             with held.waiting_for_answer():
                 try:
@@ -78,7 +78,7 @@ async def fitted_lease(
                 # shutdown, a 507) is the route's own error, with its status.
                 await held.rerun(failure)
                 continue  # count again, on the new runner
-            if tokens is not None and (num_ctx := fit.regrow_to(tokens, held.options, held.shrunk, prompt.output, held.model)):
+            if tokens is not None and (num_ctx := fit.regrow_to(tokens, limit, held.shrunk, prompt.output, held.model)):
                 await held.regrow(num_ctx)
             break
     except BaseException:
