@@ -239,7 +239,9 @@ def test_a_model_without_template_gets_the_transcript_on_completion() -> None:
         ({"max_tokens": "8"}, "max_tokens: Input should be a valid integer"),
         ({"messages": None}, "messages: Field required"),
         ({"messages": []}, "messages: at least one message"),
-        ({"messages": [{"role": "system", "content": "x"}]}, "messages.0.role: Input should be 'user' or 'assistant'"),
+        ({"messages": [{"role": "developer", "content": "x"}]}, "messages.0.role: Input should be 'user' or 'assistant'"),
+        ({"messages": [{"role": "system", "content": "x"}]}, "messages: at least one message"),
+        ({"messages": [{"role": "user", "content": "hi"}, {"role": "system", "content": [{"type": "image"}]}]}, "messages.1.content.0.type: the system prompt holds text blocks"),
         ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, "messages.0.content.0.type: unsupported content block type \"document\""),
         ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages.0.content.0.text: Input should be a valid string"),
         ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "https://x/y.png"}}]}]}, "only base64 images"),
@@ -262,6 +264,25 @@ def test_invalid_requests_are_400_naming_the_field(change: dict[str, Any], messa
     with pytest.raises(BadRequest) as info:
         messages_upstream({k: v for k, v in req.items() if v is not None}, thinking_capable=True)
     assert message in info.value.message
+
+
+def test_system_messages_among_the_messages_join_the_system_prompt() -> None:
+    # Claude Code puts its environment in a role "system" message after the user's first turn
+    req = {**BASE, "system": [{"type": "text", "text": "You are Claude Code."}], "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+        {"role": "system", "content": [{"type": "text", "text": "# Environment"}, {"type": "text", "text": "cwd: /w"}]},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "bye"},
+    ]}  # fmt: skip
+    assert messages_upstream(req).upstream.body["messages"] == [
+        {"role": "system", "content": "You are Claude Code.\n\n# Environment\n\ncwd: /w\n\nBe brief."},
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "bye"},
+    ]  # fmt: skip
+    assert count_tokens_upstream(req).template["messages"][0]["content"].endswith("Be brief.")  # type: ignore[index]
+    alone = {**BASE, "system": None, "messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"}]}
+    assert messages_upstream(alone).upstream.body["messages"][0] == {"role": "system", "content": "S"}
+    assert messages_upstream(alone, chat_template=False).upstream.body["prompt"] == "S\n\nUser: hi\nAssistant:"
 
 
 def test_count_tokens_renders_what_messages_would_send() -> None:

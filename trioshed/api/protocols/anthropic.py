@@ -4,12 +4,16 @@ A Messages request becomes one llama-server request (:func:`messages_upstream`):
 
 * a model with a chat template: ``POST /v1/chat/completions``, so that llama-server applies the
   model's own template and parses its tool calls and reasoning. ``system`` (a string or text
-  blocks) becomes a system message; a message's ``text`` and ``image`` blocks become content
+  blocks) becomes a system message, and so do messages with ``role: "system"`` (Claude Code
+  sends one for a model it does not know), folded after it in order: every chat template takes
+  a system prompt first, not all take one between turns. A message's ``text`` and ``image`` blocks become content
   parts, its ``tool_use`` blocks an assistant's ``tool_calls``, its ``tool_result`` blocks
   ``tool`` messages (placed first: they answer the assistant's calls just before), its
   ``thinking`` blocks ``reasoning_content``. ``tools`` (``input_schema``) become functions;
   ``tool_choice`` ``auto``/``any``/``none`` become ``auto``/``required``/``none`` and ``tool``
   (one named tool) ``required`` with that tool alone, as llama-server knows no named choice.
+  A schema's bounds that llama-server's grammar cannot hold (``maxLength`` 524,288) are dropped
+  first (:mod:`trioshed.core.grammar`): the tool is offered with the rest of its schema.
 * a model without one (a base model, like the demo's): ``POST /completion`` with the
   conversation as the plain transcript every protocol uses (``transcript.py``), cut at the next
   turn. Tools and images mean nothing there and are left out (the capability checks refuse them
@@ -46,6 +50,7 @@ from typing import Any
 from trioshed.api.protocols.llama import Upstream, has_part
 from trioshed.api.protocols.options import json_type, require_object
 from trioshed.api.protocols.transcript import TURN_STOP, transcript_prompt
+from trioshed.core.grammar import grammar_safe_schema
 from trioshed.errors import BadRequest
 
 __all__ = [
@@ -152,8 +157,8 @@ def _message(raw: object, i: int) -> list[dict[str, Any]]:
     where = f"messages.{i}"
     message: Mapping[str, Any] = _need(raw, Mapping, where, "a valid dictionary")
     role = message.get("role")
-    if role not in _ROLES:
-        raise BadRequest(f"{where}.role: Input should be 'user' or 'assistant', got {json.dumps(role)}")
+    if role not in _ROLES:  # Anthropic's own words (Claude Code recognizes them)
+        raise BadRequest(f"{where}.role: Input should be 'user' or 'assistant'")
     content = message.get("content")
     if isinstance(content, str):
         return [{"role": role, "content": content}]
@@ -202,33 +207,41 @@ def _message(raw: object, i: int) -> list[dict[str, Any]]:
 _BILLING_HEADER = "x-anthropic-billing-header:"
 
 
-def _system(system: object) -> str | None:
+def _system(system: object, where: str = "system") -> str | None:
+    """The text of a system prompt (``system``, or a system message's ``content`` at ``where``)."""
     if system is None:
         return None
     if isinstance(system, str):
         return None if system.startswith(_BILLING_HEADER) else system
-    blocks = _need(system, list, "system", "a valid string or list of text blocks")
+    blocks = _need(system, list, where, "a valid string or list of text blocks")
     texts = []
     for j, block in enumerate(blocks):
-        block = _need(block, Mapping, f"system.{j}", "a valid dictionary")
+        block = _need(block, Mapping, f"{where}.{j}", "a valid dictionary")
         if block.get("type") != "text":
-            raise BadRequest(f"system.{j}.type: the system prompt holds text blocks, got {json.dumps(block.get('type'))}")
-        text = _text(block, f"system.{j}")
+            raise BadRequest(f"{where}.{j}.type: the system prompt holds text blocks, got {json.dumps(block.get('type'))}")
+        text = _text(block, f"{where}.{j}")
         if not text.startswith(_BILLING_HEADER):
             texts.append(text)
     return "\n\n".join(texts)
 
 
 def chat_messages(req: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """``system`` and ``messages`` as OpenAI chat messages (validated)."""
+    """``system`` and ``messages`` as OpenAI chat messages (validated), the system messages among
+    ``messages`` folded into the system prompt after ``system``, in order."""
     raw = req.get("messages")
     if raw is None:
         raise BadRequest("messages: Field required")
-    messages = [m for i, message in enumerate(_need(raw, list, "messages", "a valid list")) for m in _message(message, i)]
+    system = [_system(req.get("system"))]
+    messages: list[dict[str, Any]] = []
+    for i, message in enumerate(_need(raw, list, "messages", "a valid list")):
+        if isinstance(message, Mapping) and message.get("role") == "system":
+            system.append(_system(message.get("content"), f"messages.{i}.content"))
+        else:
+            messages += _message(message, i)
     if not messages:
         raise BadRequest("messages: at least one message is required")
-    system = _system(req.get("system"))
-    return ([{"role": "system", "content": system}] if system else []) + messages
+    prompt = "\n\n".join(text for text in system if text)
+    return ([{"role": "system", "content": prompt}] if prompt else []) + messages
 
 
 def _tools(req: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -245,7 +258,7 @@ def _tools(req: Mapping[str, Any]) -> list[dict[str, Any]]:
             raise BadRequest(f"{where}.type: Input should be 'custom', got {json.dumps(kind)}")
         name = _need(tool.get("name"), str, f"{where}.name", "a valid string")
         schema = _need(tool.get("input_schema"), Mapping, f"{where}.input_schema", "a valid dictionary")
-        function: dict[str, Any] = {"name": name, "parameters": dict(schema)}
+        function: dict[str, Any] = {"name": name, "parameters": dict(grammar_safe_schema(schema))}
         if isinstance(tool.get("description"), str):
             function["description"] = tool["description"]
         out.append({"type": "function", "function": function})
