@@ -27,6 +27,7 @@ from trioshed.api.protocols.llama import (
 )
 from trioshed.api.protocols.options import field, json_type, require_object, split_options
 from trioshed.api.protocols.transcript import transcript_prompt, with_turn_stop
+from trioshed.core.grammar import grammar_safe_schema
 from trioshed.errors import BadRequest
 
 Kind = Literal["generate", "chat"]
@@ -240,7 +241,10 @@ def _tools_upstream(tools: list[Any]) -> list[dict[str, Any]]:
             raise BadRequest(
                 f'tools[{i}].type must be "function", got {json.dumps(tool.get("type"))}'
             )
-        out.append({"type": "function", "function": dict(function)})
+        function = dict(function)
+        if "parameters" in function:  # bounds llama-server's grammar cannot hold dropped first
+            function["parameters"] = grammar_safe_schema(function["parameters"])
+        out.append({"type": "function", "function": function})
     return out
 
 

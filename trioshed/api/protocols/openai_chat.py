@@ -14,6 +14,7 @@ from typing import Any
 
 from trioshed.api.protocols.llama import has_part, parse_sse_line, thinking_requested
 from trioshed.api.protocols.transcript import transcript_prompt, with_turn_stop
+from trioshed.core.grammar import grammar_safe_tools
 from trioshed.errors import BadRequest
 
 
@@ -97,6 +98,18 @@ class ModelRenamer:
 
 
 _CHAT_ONLY = ("messages", "tools", "tool_choice", "parallel_tool_calls")
+
+
+def with_grammar_safe_tools(body: Mapping[str, Any]) -> dict[str, Any] | None:
+    """``body`` with its tools' schemas cut to what llama-server's grammar holds
+    (:mod:`trioshed.core.grammar`), or None when no tool needs it (the body goes upstream as sent)."""
+    tools = body.get("tools")
+    if not isinstance(tools, list) or not tools:
+        return None
+    safe = grammar_safe_tools(tools)
+    if all(a is b for a, b in zip(safe, tools, strict=True)):
+        return None
+    return {**body, "tools": safe}
 
 
 def transcript_completion_body(body: Mapping[str, Any]) -> dict[str, Any]:

@@ -46,6 +46,7 @@ from trioshed.api.protocols.openai_chat import (
     logprobs_asked,
     openai_model_rewrite,
     transcript_completion_body,
+    with_grammar_safe_tools,
     with_response_format,
 )
 from trioshed.core.model import ModelSpec, RunnerOptions
@@ -68,6 +69,7 @@ async def _relay(
     # After the chunk with a finish reason only the usage chunk, [DONE] and the close follow
     # (microseconds later): they go out in one write with it (one or two sends fewer per answer).
     held = b""
+    sent = False
     try:
         async with open_upstream_bytes(lease, path, body) as pieces:
             async for piece in pieces:
@@ -77,6 +79,7 @@ async def _relay(
                 if held or FINISHED in out:
                     held += out
                 elif out:
+                    sent = True
                     yield out
             rest = renamer.finish()
             if fields is not None and rest:
@@ -85,6 +88,8 @@ async def _relay(
                 trace.counted_sse(held)  # the last events: usage (when asked) and llama-server's timings
             yield Last(held + rest)  # the answer's end, before the runner's connection goes back
     except TrioshedError as exc:
+        if not sent and not held:
+            raise  # nothing of the answer yet: the request's error, with its status
         yield held + openai_error_event(exc.status, message_for("/v1/chat/completions", exc))
 
 
@@ -164,6 +169,8 @@ async def _proxy(
 async def chat_completions() -> Response:
     req = await openai_request()
     await require_capabilities(req.model, req.name, chat_needs(req.body), action="chat")
+    if (safe := with_grammar_safe_tools(req.body)) is not None:
+        req = replace(req, body=safe, raw=None)
     if not await has_chat_template(req.model):
         return await _chat_as_transcript(req)
     return await _proxy("/v1/chat/completions", req)
@@ -183,12 +190,17 @@ async def _relay_as_chat(lease: Lease, body: dict[str, Any], model: str) -> Asyn
     translator = CompletionAsChat(
         model, include_usage=isinstance(options, dict) and options.get("include_usage") is True, top_logprobs=logprobs_asked(body)
     )
+    sent = False
     try:
         async with open_upstream(lease, "/v1/completions", body) as batches:
             async for lines in batches:
-                yield translator.feed_lines(lines)
+                if out := translator.feed_lines(lines):
+                    sent = True
+                    yield out
             yield Last()  # the answer's end, before the runner's connection goes back
     except TrioshedError as exc:
+        if not sent:
+            raise  # nothing of the answer yet: the request's error, with its status
         yield openai_error_event(exc.status, message_for("/v1/chat/completions", exc))
 
 
