@@ -158,6 +158,24 @@ def test_tool_call_stream_and_length_limit() -> None:
     cut = _stream([{"choices": [{"finish_reason": "length", "index": 0, "delta": {"content": "Hel"}}]}], {"input": "hi", "max_output_tokens": 1})
     assert cut[-1]["type"] == "response.incomplete"
     assert cut[-1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"} and cut[-1]["response"]["max_output_tokens"] == 1
+    # the item the limit cut is incomplete too (OpenAI's API marks it; Codex reads it)
+    done = [e["item"] for e in cut if e["type"] == "response.output_item.done"]
+    assert [i["status"] for i in done] == ["incomplete"] and cut[-1]["response"]["output"][0]["status"] == "incomplete"
+    assert SDKResponse.model_validate(cut[-1]["response"]).output[0].status == "incomplete"
+    # a tool call after text, cut: the text is whole, the call is not
+    both = _stream([{"choices": [{"index": 0, "delta": {"content": "Let me look."}}]},
+                    {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "c1", "function": {"name": "get_weather", "arguments": '{"ci'}}]}}]},
+                    {"choices": [{"finish_reason": "length", "index": 0, "delta": {}}]}], {"input": "hi", "tools": TOOLS})  # fmt: skip
+    assert [i["status"] for i in both[-1]["response"]["output"]] == ["completed", "incomplete"]
+
+
+def test_whole_response_cut_by_its_limit_is_incomplete_with_its_item() -> None:
+    answer = {"choices": [{"index": 0, "finish_reason": "length", "message": {"role": "assistant", "content": "Hel"}}]}
+    whole = response_of(Response({"input": "hi", "max_output_tokens": 1}, "tiny", 1), answer, 2)
+    assert whole["status"] == "incomplete" and [i["status"] for i in whole["output"]] == ["incomplete"]
+    assert SDKResponse.model_validate(whole).output[0].status == "incomplete"
+    answer["choices"][0]["finish_reason"] = "stop"  # type: ignore[index]
+    assert [i["status"] for i in response_of(Response({"input": "hi"}, "tiny", 1), answer, 2)["output"]] == ["completed"]
 
 
 def test_whole_response_of_a_chat_completion() -> None:

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from trioshed.api.protocols.options import json_type
+from trioshed.core.grammar import grammar_safe_schema
 from trioshed.errors import BadRequest
 
 logger = logging.getLogger(__name__)
@@ -141,7 +142,7 @@ def _tools(tools: object) -> list[dict[str, Any]]:
         parameters = tool.get("parameters") or {"type": "object", "properties": {}}
         if not isinstance(parameters, Mapping):
             raise BadRequest(f"tools[{i}].parameters must be a JSON schema object")
-        function = {"name": tool["name"], "parameters": dict(parameters)}
+        function = {"name": tool["name"], "parameters": dict(grammar_safe_schema(parameters))}
         if isinstance(tool.get("description"), str):
             function["description"] = tool["description"]
         out.append({"type": "function", "function": function})
@@ -233,7 +234,7 @@ def _reasoning_item(item_id: str, text: str) -> dict[str, Any]:
 
 def _call_item(item_id: str, call: Mapping[str, Any], status: str) -> dict[str, Any]:
     return {"id": item_id, "type": "function_call", "status": status, "call_id": call["call_id"], "name": call["name"],
-            "arguments": call["arguments"] if status == "completed" else ""}  # fmt: skip
+            "arguments": call["arguments"] if status != "in_progress" else ""}  # fmt: skip
 
 
 class Response:
@@ -278,14 +279,14 @@ def response_of(frame: Response, answer: Mapping[str, Any], completed_at: int) -
     if message.get("reasoning_content"):
         output.append(_reasoning_item(new_id("rs"), message["reasoning_content"]))
     calls = message.get("tool_calls") or []
+    status = status_of(choice.get("finish_reason"))
     if text or not calls:
-        output.append(_message_item(new_id("msg"), text, "completed"))
-    for call in calls:
+        output.append(_message_item(new_id("msg"), text, status if not calls else "completed"))
+    for i, call in enumerate(calls):
         function = call.get("function") or {}
         item = {"call_id": call.get("id") or new_id("call"), "name": function.get("name", ""), "arguments": function.get("arguments") or "{}"}
-        output.append(_call_item(new_id("fc"), item, "completed"))
-    reason = choice.get("finish_reason")
-    return frame.object(status_of(reason), output, _usage(answer.get("usage")), completed_at=completed_at)
+        output.append(_call_item(new_id("fc"), item, status if i == len(calls) - 1 else "completed"))
+    return frame.object(status, output, _usage(answer.get("usage")), completed_at=completed_at)
 
 
 class ResponsesStream:
@@ -378,7 +379,8 @@ class ResponsesStream:
 
     def finish(self, completed_at: int) -> bytes:
         """The closing events: the message item done, a ``function_call`` item per tool call, and
-        ``response.completed`` (``response.incomplete`` when the length limit cut the answer)."""
+        ``response.completed`` (``response.incomplete`` when the length limit cut the answer, and
+        the item it cut ``incomplete``)."""
         out = self._close_reasoning()
         if self._message is None and not self._calls:
             self._message = {"id": new_id("msg"), "index": len(self._output), "text": ""}
@@ -386,23 +388,26 @@ class ResponsesStream:
             m = self._message
             out += self._event("response.output_item.added", output_index=m["index"], item=_message_item(m["id"], "", "in_progress"))
             out += self._event("response.content_part.added", item_id=m["id"], output_index=m["index"], content_index=0, part=_text_part(""))
+        status = status_of(self.finish_reason)
         if self._message is not None:
             m = self._message
-            item = _message_item(m["id"], m["text"], "completed")
+            # the item the length limit cut is incomplete, as OpenAI's API marks it: the answer's
+            # last (the text, or the last tool call after it)
+            item = _message_item(m["id"], m["text"], status if not self._calls else "completed")
             self._output[m["index"]] = item
             out += self._event("response.output_text.done", item_id=m["id"], output_index=m["index"], content_index=0, text=m["text"], logprobs=[])
             out += self._event("response.content_part.done", item_id=m["id"], output_index=m["index"], content_index=0, part=_text_part(m["text"]))
             out += self._event("response.output_item.done", output_index=m["index"], item=item)
-        for _, call in sorted(self._calls.items()):
+        calls = sorted(self._calls.items())
+        for n, (_, call) in enumerate(calls):
             call["call_id"] = call["call_id"] or new_id("call")
             call["arguments"] = call["arguments"] or "{}"
             item_id, index = new_id("fc"), len(self._output)
-            self._output.append(_call_item(item_id, call, "completed"))
+            self._output.append(_call_item(item_id, call, status if n == len(calls) - 1 else "completed"))
             out += self._event("response.output_item.added", output_index=index, item=_call_item(item_id, call, "in_progress"))
             out += self._event("response.function_call_arguments.delta", item_id=item_id, output_index=index, delta=call["arguments"])
             out += self._event("response.function_call_arguments.done", item_id=item_id, output_index=index, name=call["name"], arguments=call["arguments"])
             out += self._event("response.output_item.done", output_index=index, item=self._output[index])
-        status = status_of(self.finish_reason)
         final = self.frame.object(status, self._output, self._usage, completed_at=completed_at)
         return out + self._event("response.completed" if status == "completed" else "response.incomplete", response=final)
 
