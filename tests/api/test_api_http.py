@@ -9,6 +9,7 @@ import httpx
 import pytest
 import trio
 
+from trioshed import OLLAMA_API_VERSION, __version__
 from trioshed.config import Settings
 from trioshed.testing.server import open_test_server
 
@@ -91,3 +92,13 @@ async def test_a_file_that_is_not_a_gguf_is_a_clear_500(model_store: Path) -> No
             assert r.status_code == 500 and "not a GGUF file" in r.json()["error"], r.text
             tags = (await http.get("/api/tags")).json()["models"]  # still listed, without details
             assert {m["name"] for m in tags} == {"junk:latest", "tiny:latest"}
+
+
+async def test_api_version_is_the_ollama_api_served_and_trioshed_its_own(model_store: Path) -> None:
+    # Ollama's clients read "version" as Ollama's: Codex --oss needs 0.13.4 or newer for its
+    # /v1/responses (and accepts the development build's 0.0.0)
+    with trio.fail_after(30):
+        async with open_test_server(model_store) as server, httpx.AsyncClient(base_url=server.base_url) as http:
+            answer = (await http.get("/api/version")).json()
+    assert answer == {"version": OLLAMA_API_VERSION, "trioshed_version": __version__}
+    assert tuple(int(n) for n in answer["version"].split(".")) >= (0, 14, 0)

@@ -103,7 +103,8 @@ def version_line(settings: Settings) -> str:
     line = f"trioshed version is {__version__}"
     try:
         with open_client(settings, timeout=2.0) as client:
-            server = client.get("/api/version").json().get("version")
+            answer = client.get("/api/version").json()
+            server = answer.get("trioshed_version") or answer.get("version")
     except (httpx.HTTPError, ValueError, AttributeError):
         return line
     if server and server != __version__:

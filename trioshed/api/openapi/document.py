@@ -221,7 +221,8 @@ def _schemas(ollama_names: bool) -> Schema:
             },
             ("details", "model_info", "capabilities"),
         ),
-        "VersionResponse": _obj({"version": _STR}, ("version",)),
+        "VersionResponse": _obj({"version": {**_STR, "description": "the Ollama API version trioshed serves"},
+                                 "trioshed_version": {**_STR, "description": "trioshed's own version"}}, ("version", "trioshed_version")),
         "PinRequest": _obj({"model": _MODEL, "pinned": {"type": "boolean", "default": True}}, ("model",)),
         "PinResponse": _obj({"model": _STR, "pinned": _BOOL, "loaded": {"type": "boolean", "description": "whether a runner of it is loaded now"}}, ("model", "pinned", "loaded")),
         "OpenAIChatRequest": _obj(
@@ -379,7 +380,7 @@ def _paths() -> Schema:
             },
             "head": {"summary": "Liveness", "security": [], "responses": {"200": {"description": "OK"}}},
         },
-        "/api/version": {"get": _get_op("trioshed's version", "application/json", _ref("VersionResponse"))},
+        "/api/version": {"get": _get_op("The Ollama API version served, and trioshed's own", "application/json", _ref("VersionResponse"))},
         "/api/generate": {"post": _json_op("Generate a completion (Ollama); no prompt: load, or unload with keep_alive 0", "GenerateRequest", _ref("GenerateResponse"), stream=NDJSON, errors=ollama)},
         "/api/chat": {"post": _json_op("Chat (Ollama); no messages: load, or unload with keep_alive 0", "ChatRequest", _ref("ChatResponse"), stream=NDJSON, errors=ollama)},
         "/api/embed": {"post": _json_op("Embeddings for one input or several (Ollama)", "EmbedRequest", _ref("EmbedResponse"))},

@@ -10,7 +10,7 @@ from typing import Any
 import trio
 from quart import Blueprint, Response, request
 
-from trioshed import __version__
+from trioshed import OLLAMA_API_VERSION, __version__
 from trioshed.api.pipeline.preamble import model_capabilities, read_body, resolve, state
 from trioshed.api.state import AppState
 from trioshed.core.estimate import estimate
@@ -295,7 +295,8 @@ def _modelfile(spec: ModelSpec, template: str) -> str:
 
 @bp.get("/api/version")
 async def version() -> Any:
-    return {"version": __version__}
+    """The Ollama API version trioshed serves (what Ollama's clients check), and its own."""
+    return {"version": OLLAMA_API_VERSION, "trioshed_version": __version__}
 
 
 @bp.route("/", methods=["GET", "HEAD"])
