@@ -26,7 +26,7 @@ from trioshed.api.pipeline.upstream import open_upstream, post_upstream
 from trioshed.core.context import Shrunk
 from trioshed.core.model import MeasuredMemory, ModelSpec, RunnerOptions
 from trioshed.errors import RunnerCrashed, RunnerError, UpstreamError
-from trioshed.runner.client import KEEP_IDLE, UpstreamPool, Watched, after_send, watched
+from trioshed.runner.client import KEEP_IDLE, UpstreamPool, Watched, watched
 from trioshed.runner.process import OutputTail
 from trioshed.runner.slots import RunnerSlots
 from trioshed.runner.wire import ProtocolError, ResponseReader, request_head
@@ -386,40 +386,3 @@ async def test_a_watched_steps_connection_is_forgotten_when_its_request_ends() -
             await pool.aclose()
     assert status == 200 and stats.reused == 1 and stats.opened == 1
 
-
-async def test_work_after_the_send_runs_once_while_the_runner_answers() -> None:
-    # The stand-in answers only once the work after the send has run: done before the send, or
-    # after the answer's head, the request would never end.
-    listener = trio.socket.socket()
-    await listener.bind(("127.0.0.1", 0))
-    listener.listen(1)
-    ran: list[str] = []
-    done = trio.Event()
-
-    async def serve() -> None:
-        sock, _ = await listener.accept()
-        async with trio.SocketStream(sock) as stream:
-            data = b""
-            while not data.endswith(b"{}"):
-                data += await stream.receive_some(65536)
-            await done.wait()
-            await stream.send_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
-            await stream.receive_some(65536)  # until the client closes
-
-    async def then() -> None:
-        ran.append("after the send")
-        done.set()
-
-    with trio.fail_after(10):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(serve)
-            pool = UpstreamPool(listener.getsockname()[1])
-            token = after_send.set(then)
-            try:
-                status, body = await pool.post("/completion", b"{}")
-                assert after_send.get() is None  # used once
-            finally:
-                after_send.reset(token)
-            await pool.aclose()
-    listener.close()
-    assert (status, body, ran) == (200, b"ok", ["after the send"])

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import errno
 import socket
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -46,7 +46,7 @@ from trioshed.core.speculation import drafted_accepted
 from trioshed.runner.wire import ProtocolError, ResponseReader, request_head
 
 __all__ = [
-    "KEEP_IDLE", "MAX_REQUESTS", "ConnectionFailed", "PoolStats", "UpstreamPool", "UpstreamResponse", "Watched", "after_send",
+    "KEEP_IDLE", "MAX_REQUESTS", "ConnectionFailed", "PoolStats", "UpstreamPool", "UpstreamResponse", "Watched",
     "watched",
 ]  # fmt: skip
 
@@ -79,10 +79,6 @@ class Watched:
 
 #: The :class:`Watched` of the step under way in this task (None: its waits are not watched).
 watched: ContextVar[Watched | None] = ContextVar("trioshed_watched_connection", default=None)
-
-#: Work of this task's that can wait until its next request is on its way to the runner, and is
-#: done then, once, while the runner works (the answer's head: :mod:`trioshed.api.pipeline.fast_path`).
-after_send: ContextVar[Callable[[], Awaitable[None]] | None] = ContextVar("trioshed_after_send", default=None)
 
 
 class ConnectionFailed(Exception):
@@ -292,9 +288,6 @@ class UpstreamPool:
             await stream.send_all(data)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             raise ConnectionFailed(f"connection to llama-server failed: {_describe(exc)}", received=0) from None
-        if (then := after_send.get()) is not None:
-            after_send.set(None)
-            await then()
         try:
             first = b""
             while reader.status is None:

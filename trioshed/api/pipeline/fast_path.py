@@ -51,7 +51,6 @@ from trioshed.api.pipeline.wrapper import Entry, Headers, RequestWrapper
 from trioshed.api.routes import upload
 from trioshed.api.state import AppState
 from trioshed.errors import TrioshedError
-from trioshed.runner.client import after_send
 
 Message = dict[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -198,34 +197,21 @@ class FastPath:
             await send(start)
             await send({"type": "http.response.body", "body": body.data[body.begin : body.end], "more_body": False})
             return
-        started = False
-
-        async def head() -> None:
-            nonlocal started
-            if not started:
-                started = True
-                await send(start)
-
-        # A stream's head is made once its request is on its way to the runner, which works
-        # meanwhile (it is written with the first piece anyway: trioshed.api.pipeline.listener).
-        token = after_send.set(head)
+        # A stream's route returns with its first piece in hand (its status depends on the runner's
+        # first byte: trioshed.api.pipeline.upstream.leased_stream); the head goes out with it (one write:
+        # trioshed.api.pipeline.listener).
+        await send(start)
         ended = False
-        try:
-            async with body as chunks:
-                async for data in chunks:
-                    if ended:  # nothing may follow the last piece: a defect, not the client's to see
-                        log.error("%s yielded %d bytes after its last piece", path, len(data))
-                        continue
-                    if not started:
-                        await head()
-                    if type(data) is Last:  # the end goes out now; the body's clean-up follows
-                        ended = True
-                        await send({"type": "http.response.body", "body": data, "more_body": False})
-                    else:
-                        await write(data)  # (the listener's: as a body message, less its layers)
-        finally:
-            after_send.reset(token)
-        await head()
+        async with body as chunks:
+            async for data in chunks:
+                if ended:  # nothing may follow the last piece: a defect, not the client's to see
+                    log.error("%s yielded %d bytes after its last piece", path, len(data))
+                    continue
+                if type(data) is Last:  # the end goes out now; the body's clean-up follows
+                    ended = True
+                    await send({"type": "http.response.body", "body": data, "more_body": False})
+                else:
+                    await write(data)  # (the listener's: as a body message, less its layers)
         if not ended:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 

@@ -330,11 +330,13 @@ def upstream_message(raw: bytes, status: int) -> str:
 
 
 class LeasedBody:
-    """An async iterator over a response body that releases its lease exactly once."""
+    """An async iterator over a response body that releases its lease exactly once. ``first``:
+    the body's first piece, read already (:func:`leased_stream`), handed on before the rest."""
 
-    def __init__(self, lease: LeaseView, body: AsyncIterator[bytes]) -> None:
+    def __init__(self, lease: LeaseView, body: AsyncIterator[bytes], first: bytes | None = None) -> None:
         self._lease = lease
         self._body = body
+        self._first = first
         self._token = trio.lowlevel.current_trio_token()
         self._ended = False  # read to its end: nothing left to close
 
@@ -342,6 +344,9 @@ class LeasedBody:
         return self
 
     async def __anext__(self) -> bytes:
+        if self._first is not None:
+            first, self._first = self._first, None
+            return first
         try:
             return await self._body.__anext__()
         except BaseException as exc:
@@ -361,13 +366,25 @@ class LeasedBody:
             self._lease.release()
 
     def __del__(self) -> None:
-        # Never started (the client left before Quart entered the body): give the lease back on
-        # the Trio thread, outside whatever code the garbage collector interrupted.
+        # Never entered (the client left before Quart entered the body): give the lease back on
+        # the Trio thread, outside whatever code the garbage collector interrupted, and close the
+        # body, started already to read its first piece, in a task of its own.
         if not self._lease.released:
             try:
-                self._token.run_sync_soon(self._lease.release)
+                self._token.run_sync_soon(self._abandoned)
             except trio.RunFinishedError:
                 pass
+
+    def _abandoned(self) -> None:
+        self._lease.release()
+        aclose: Callable[[], Any] | None = getattr(self._body, "aclose", None)
+        if aclose is not None:
+            trio.lowlevel.spawn_system_task(_close_shielded, aclose, name="abandoned stream body")
+
+
+async def _close_shielded(aclose: Callable[[], Any]) -> None:
+    with trio.move_on_after(1, shield=True):
+        await aclose()
 
 
 async def leased_stream(
@@ -381,16 +398,25 @@ async def leased_stream(
     key: ApiKey = ANONYMOUS,
     fit: PromptFit | None = None,
 ) -> Response:
-    """Wait for a lease, then answer with the streamed ``body(lease)`` that owns it.
+    """Wait for a lease, then for the first piece of the streamed ``body(lease)``, then answer
+    with the body, which owns the lease.
 
-    The status is decided before this returns (queue full, cannot fit, load failed, a prompt
-    too long for the context raise here: a 400, not a 200 that ends in an error event);
-    the lease goes back when the body ends, fails or is closed, or is never started.
+    The status is decided before this returns: queue full, cannot fit, load failed, a prompt
+    too long for the context, and whatever the runner refuses before the first byte of its
+    answer (a ``body`` raises an error it meets before it yielded anything) raise here, to be
+    answered with their status in the protocol's shape, not a 200 that ends in an error event.
+    So the head of a stream waits for the runner's first byte, as llama-server's own does.
+    The lease goes back when the body ends, fails or is closed, or is never entered.
     ``key``, ``fit``: whose request, and how its prompt is fitted (``Scheduler.acquire``).
     """
     lease = await scheduler.wait_for_lease(model, options, keep_alive, key=key, fit=fit)
     try:
-        response = Response(LeasedBody(lease, body(lease)), content_type=content_type)
+        chunks = body(lease)
+        try:
+            first: bytes | None = await chunks.__anext__()
+        except StopAsyncIteration:
+            first = None
+        response = Response(LeasedBody(lease, chunks, first), content_type=content_type)
         response.headers["Cache-Control"] = "no-cache"
         response.timeout = None  # Quart's RESPONSE_TIMEOUT would cut long token streams
     except BaseException:

@@ -142,10 +142,12 @@ async def _relay(lease: Lease, up: MessagesUpstream, name: str) -> AsyncIterator
     """llama-server's stream as Anthropic's events, one write per batch of upstream lines."""
     translator = _translator(up, name)
     trace = current_trace.get()
+    sent = False
     try:
         async with open_upstream(lease, up.upstream.path, up.upstream.body) as batches:
             async for lines in batches:
                 if events := translator.feed_lines(lines):
+                    sent = True
                     yield encode_events(events)
                 if translator.cut:
                     break  # a stop sequence: the runner's connection is closed right after the end
@@ -158,6 +160,8 @@ async def _relay(lease: Lease, up: MessagesUpstream, name: str) -> AsyncIterator
         if not translator.finished:
             raise await truncated(lease)
     except TrioshedError as exc:
+        if not sent:
+            raise  # nothing of the answer yet: the request's error, with its status
         yield error_event(exc.status, message_for("/v1/messages", exc))
     finally:  # a stream the client left is counted too: what was generated so far
         if trace is not None:

@@ -1,8 +1,9 @@
 """Ollama's generating routes: /api/generate and /api/chat.
 
 Statuses are decided before the response starts (Quart sends headers before it enters the
-body): unknown model 404, bad input 400, queue full 503, cannot fit 507, load failure 500.
-Errors after the first streamed chunk arrive as a final NDJSON ``{"error": ...}`` line.
+body): unknown model 404, bad input 400, queue full 503, cannot fit 507, load failure 500, and
+what the runner refuses before the first byte of its answer. Errors after the first streamed
+chunk arrive as a final NDJSON ``{"error": ...}`` line.
 The request building and stream translation are :mod:`trioshed.api.protocols.ollama`'s.
 """
 
@@ -51,6 +52,7 @@ async def _ollama_stream(lease: Lease, upstream: Upstream, stream: OllamaStream,
     # later): what is left goes out in one write with the done chunk (one send fewer per answer),
     # the answer's Last piece, before the runner's connection is given back and the lease released.
     held = b""
+    sent = False
     try:
         async with open_upstream(lease, upstream.path, upstream.body) as batches:
             async for lines in batches:
@@ -58,6 +60,7 @@ async def _ollama_stream(lease: Lease, upstream: Upstream, stream: OllamaStream,
                 if stream.finished:
                     held += out
                 elif out:
+                    sent = True
                     yield out
             if stream.finished:
                 last = stream.finish(load_duration_ns=_ns(lease.load_duration), total_duration_ns=_ns(time.monotonic() - started))
@@ -69,6 +72,8 @@ async def _ollama_stream(lease: Lease, upstream: Upstream, stream: OllamaStream,
         if not stream.finished:
             raise await truncated(lease)
     except TrioshedError as exc:
+        if not sent and not held:
+            raise  # nothing of the answer yet: the request's error, with its status
         log.warning("stream for %s ended with an error: %s", lease.model.name, exc.message)
         yield held + ndjson(exc.to_json())
     finally:

@@ -84,8 +84,10 @@ def _json(data: dict[str, Any], status: int = 200) -> Response:
 
 
 async def _relay(lease: Lease, path: str, body: dict[str, Any], stream: ResponsesStream) -> AsyncIterator[bytes]:
-    yield stream.start()
+    """llama-server's stream as Responses events. The response starts (``response.created``)
+    with the answer's first byte: an error before it is the request's, with its status."""
     trace = current_trace.get()
+    started = False
     try:
         async with open_upstream(lease, path, body) as batches:
             async for lines in batches:
@@ -97,11 +99,16 @@ async def _relay(lease: Lease, path: str, body: dict[str, Any], stream: Response
                     if trace is not None and event is not None and ("usage" in event or "timings" in event):
                         trace.counted(event)  # the usage chunk and llama-server's timings, at the end
                     out += stream.feed(event) if event is not None else b""
+                if not started:
+                    started, out = True, stream.start() + out
                 if out:
                     yield out
             if stream.finished:  # the answer's end, before the runner's connection goes back
-                yield Last(stream.finish(int(time.time())))
+                yield Last((b"" if started else stream.start()) + stream.finish(int(time.time())))
+                started = True
         if not stream.finished:
             raise await truncated(lease)
     except TrioshedError as exc:
+        if not started:
+            raise
         yield stream.failed("server_error", message_for("/v1/responses", exc))
