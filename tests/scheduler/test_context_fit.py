@@ -234,3 +234,15 @@ async def test_a_runner_that_hangs_while_it_counts_is_found_in_seconds(autojump_
         # two checks of PING_TIMEOUT that fail in a row, the first PING_TIMEOUT after the count
         # went out; then a load (1 s)
         assert trio.current_time() - started <= 3 * PING_TIMEOUT + 1.0 + 0.01 and ("unhealthy", "a") in h.record
+
+
+def test_a_num_ctx_set_smaller_than_its_runners_bounds_the_prompt() -> None:
+    big, alias = RunnerOptions(num_ctx=32768), RunnerOptions(num_ctx=8192)
+    assert fit.within(big, alias, False) == alias  # an alias's 8,192 on a 32,768 runner of its file
+    assert fit.within(big, alias, True) == big  # an automatic size is only a bound: the whole slot
+    assert fit.within(alias, alias, False) == alias and fit.within(alias, big, False) == alias
+    assert fit.within(RunnerOptions(num_ctx=32768, num_parallel=4), alias, False) == alias  # (num_ctx is per slot)
+    assert fit.must_count(9000, fit.within(big, alias, False)) and not fit.must_count(9000, big)
+    with pytest.raises(ContextTooLong) as e:
+        fit.regrow_to(25098, fit.within(big, alias, False), None, 0, spec("a"))
+    assert (e.value.prompt_tokens, e.value.n_ctx) == (25098, 8192)
