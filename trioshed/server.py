@@ -28,6 +28,8 @@ from trioshed.api.pipeline.listener import ConnectionStats, hypercorn_config, se
 from trioshed.api.state import AppState
 from trioshed.config import Settings
 from trioshed.core import placement
+from trioshed.core.adapter_memory import adapter_bytes, with_adapters
+from trioshed.core.adapters import runner_model
 from trioshed.core.estimate import estimate
 from trioshed.core.model import MemoryEstimate, ModelSpec, RunnerOptions
 from trioshed.core.projector import projector_memory
@@ -55,12 +57,16 @@ log = logging.getLogger(__name__)
 
 
 def estimate_model(spec: ModelSpec, options: RunnerOptions, max_tensor: int = 0) -> MemoryEstimate:
-    """Read the GGUF header (cached) and estimate; adapters by file size, a projector by its
-    header (weights and compute buffer: :func:`trioshed.core.projector.projector_memory`).
+    """Read the GGUF header (cached) and estimate the runner that serves a request for ``spec``
+    (an adapter-model's: the base with every adapter of its group,
+    :func:`trioshed.core.adapters.runner_model`); adapters by their tensors, on the layers they
+    adapt (:mod:`trioshed.core.adapter_memory`), a projector by its header (weights and compute
+    buffer: :func:`trioshed.core.projector.projector_memory`).
     ``max_tensor``: the GPUs' largest tensor (``DeviceSource.max_tensor``; 0: no limit).
 
     Called for every request: cached by the files' identity (path, mtime, size) and the options.
     """
+    spec = runner_model(spec, embedding=options.embedding)
     files = (spec.path, *spec.adapters, *((spec.projector,) if spec.projector else ()))
     stats = tuple((f, st.st_mtime_ns, st.st_size) for f in files for st in (os.stat(f),))
     return _estimate_cached(stats, len(spec.adapters), options, max_tensor)
@@ -71,12 +77,18 @@ def _estimate_cached(
     files: tuple[tuple[str, int, int], ...], n_adapters: int, options: RunnerOptions, max_tensor: int
 ) -> MemoryEstimate:
     meta = read_metadata(files[0][0])
-    adapters = sum(size for _, _, size in files[1 : 1 + n_adapters])
+    placed, unplaced = [], 0
+    for path, _, size in files[1 : 1 + n_adapters]:
+        try:
+            tensors = read_metadata(path).tensors
+        except (OSError, ValueError):
+            unplaced += size  # unreadable: llama-server will say so when it loads it
+            continue
+        placed.append(adapter_bytes(((t.name, t.nbytes) for t in tensors), meta.block_count))
     projector = sum(_projector_bytes(path, size, options) for path, _, size in files[1 + n_adapters :])
     draft = read_metadata(options.draft) if options.draft else None
-    return estimate(
-        meta, options, projector_bytes=projector, adapter_bytes=adapters, draft=draft, max_tensor=max_tensor
-    )
+    est = estimate(meta, options, projector_bytes=projector, adapter_bytes=unplaced, draft=draft, max_tensor=max_tensor)
+    return with_adapters(est, placed)
 
 
 def _projector_bytes(path: str, size: int, options: RunnerOptions) -> int:

@@ -108,19 +108,22 @@ class CacheKey:
     """What a saved slot depends on; equal keys (same :attr:`id`) may exchange slot files."""
 
     model: FileIdentity
+    #: the LoRA adapters applied to the slot's tokens (not those merely loaded beside them)...
     adapters: tuple[FileIdentity, ...] = ()
     projector: FileIdentity | None = None
     kv_cache_type: str = "f16"
     flash_attention: bool = False
     swa_full: bool = False
+    #: ... at these scales (empty: 1.0 each)
+    scales: tuple[float, ...] = ()
 
     @property
     def id(self) -> str:
         """16 hex digits naming the key in file names."""
-        canonical = json.dumps(
-            [self.model, self.adapters, self.projector, self.kv_cache_type, self.flash_attention, self.swa_full],
-            default=lambda f: [f.path, f.size, f.mtime_ns, f.sample],
-        )
+        fields: list[object] = [self.model, self.adapters, self.projector, self.kv_cache_type, self.flash_attention, self.swa_full]
+        if any(s != 1.0 for s in self.scales):
+            fields.append(list(self.scales))  # (absent at 1.0: the ids of keys before scales)
+        canonical = json.dumps(fields, default=lambda f: [f.path, f.size, f.mtime_ns, f.sample])
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 

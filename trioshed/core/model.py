@@ -251,13 +251,16 @@ class MeasuredMemory:
     #: A multimodal projector's weights and compute buffers, backend -> bytes (``--mmproj``).
     projector: dict[str, int] = field(default_factory=dict)
     projector_compute: dict[str, int] = field(default_factory=dict)
+    #: LoRA adapters' tensors (``LoRA buffer size``), buffer name -> bytes: each on the buffer
+    #: of the base layer it adapts.
+    adapters: dict[str, int] = field(default_factory=dict)
 
     def by_backend(self) -> dict[str, int]:
         """Every reported buffer summed per backend name (``CPU_Mapped``, ``Vulkan0``,
         ``Vulkan_Host``...): what each device really holds."""
         out: dict[str, int] = {}
         kv = self.kv_buffers if sum(self.kv_buffers.values()) else {"CPU": self.kv}
-        for part in (self.model, kv, self.compute, self.output, self.projector, self.projector_compute):
+        for part in (self.model, kv, self.compute, self.output, self.projector, self.projector_compute, self.adapters):
             for name, n in part.items():
                 out[name] = out.get(name, 0) + n
         return out
@@ -275,6 +278,7 @@ class MeasuredMemory:
             + sum(self.output.values())
             + sum(self.projector.values())
             + sum(self.projector_compute.values())
+            + sum(self.adapters.values())
         )
 
 
@@ -282,9 +286,13 @@ class MeasuredMemory:
 class ModelSpec:
     """A model as the store resolved it: what a runner is started from.
 
-    ``name`` is the full ``name:tag``; ``path`` the GGUF file; ``adapters``/``projector`` extra files
-    passed to llama-server (``--lora``/``--mmproj``). Two requests share a runner only when
-    path, adapters and projector are equal (see ``core.sched.can_serve``).
+    ``name`` is the full ``name:tag``; ``path`` the GGUF file; ``adapters`` the model's own LoRA
+    adapters (applied at ``adapter_scales``, 1.0 each when empty) and ``projector`` (``--mmproj``).
+    ``group``: the adapters of every model in the store on the same base file with the same
+    runner settings (:mod:`trioshed.core.adapters`), which one runner loads for them all; each
+    request then selects its model's adapters (llama-server's per-request ``lora``). Two requests
+    share a runner when the base file and projector are the same and the runner holds the
+    request's adapters (see ``core.views.can_serve``).
 
     From ``models.toml`` (``trioshed.models.catalogue``): ``num_parallel`` (slots; None =
     TRIOSHED_NUM_PARALLEL), ``keep_alive`` (seconds; None = TRIOSHED_KEEP_ALIVE; a request's own
@@ -317,6 +325,11 @@ class ModelSpec:
     #: Why the store paired no projector with this model although its folder holds some (an
     #: ambiguous folder: see ``trioshed.models.projectors``), for ``/api/show``; "" otherwise.
     projector_problem: str = field(default="", compare=False)
+    #: the scale of each of ``adapters`` (empty: 1.0 each)
+    adapter_scales: tuple[float, ...] = ()
+    #: the adapters a runner of this model's base loads (its own and its siblings', stable
+    #: order); empty: only its own (``trioshed.core.adapters``)
+    group: tuple[str, ...] = ()
 
     @property
     def short_name(self) -> str:

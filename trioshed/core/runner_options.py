@@ -15,7 +15,9 @@ first: the settings, the model's defaults (``models.toml`` options), the request
   else ``TRIOSHED_FLASH_ATTENTION`` when set, else automatic: on where every backend the runner
   may use has the kernel (llama.cpp's own ``auto`` turns it off when the attention op would run
   on another device than the KV cache, the sign of a backend without it).
-* **Prompt cache** (``cache_ram_mib``): the setting, unless the model's args set their own.
+* **Prompt cache** (``cache_ram_mib``): the setting, unless the model's args set their own; none
+  for a runner that selects LoRA adapters per request (llama-server matches that cache by tokens
+  only, whatever adapters computed them: :mod:`trioshed.core.adapters`) or serves embeddings.
 * **swa_full** while warm returns keep KV caches (a restored SWA slot is reused only so).
 
 Values no model can use are refused with 400 (:data:`RUNNER_BOUNDS`) before the scheduler sees
@@ -33,6 +35,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
+from trioshed.core.adapters import runner_model, selects
 from trioshed.core.context import FLOOR, automatic_context, clamp
 from trioshed.core.model import MiB, ModelSpec, RunnerOptions
 from trioshed.core.speculation import OFF
@@ -158,6 +161,15 @@ def speculation(settings: RunnerSettings, spec: ModelSpec, *, writes_text: bool 
     return chosen if writes_text else OFF
 
 
+def _cache_ram_mib(settings: RunnerSettings, spec: ModelSpec, args: ModelArgs, embedding: bool) -> int:
+    """The runner's host-memory prompt cache, MiB (see the module's docstring)."""
+    if selects(runner_model(spec, embedding=embedding)):
+        return 0  # a prefix computed under one adapter would be reused under another
+    if args.cache_ram_mib is not None:
+        return args.cache_ram_mib
+    return 0 if embedding else settings.cache_ram // MiB
+
+
 def runner_options(
     settings: RunnerSettings,
     spec: ModelSpec,
@@ -196,7 +208,7 @@ def runner_options(
         "num_thread": settings.num_thread,
         "kv_cache_type": settings.kv_cache_type,
         "flash_attention": flash_attention(settings.flash_attention, batch_invariant=settings.batch_invariant, backends=backends),
-        "cache_ram_mib": (0 if embedding else settings.cache_ram // MiB) if args.cache_ram_mib is None else args.cache_ram_mib,
+        "cache_ram_mib": _cache_ram_mib(settings, spec, args, embedding),
         "embedding": embedding,
         "swa_full": settings.kv_cache_budget > 0,
         "extra_args": args.passed,

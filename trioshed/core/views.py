@@ -13,6 +13,7 @@ import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+from trioshed.core import adapters
 from trioshed.core.model import (
     Device,
     DoesNotFit,
@@ -89,7 +90,7 @@ class RequestView:
     @functools.cached_property
     def key(self) -> tuple[object, ...]:
         """What makes two requests interchangeable for the planner (same runner would serve)."""
-        return (self.model.path, self.model.adapters, self.model.projector, self.options)
+        return (self.model.path, self.model.adapters, self.model.adapter_scales, self.model.projector, self.options)
 
 
 @dataclass(frozen=True)
@@ -115,21 +116,30 @@ def default_max_loaded(configured: int, gpu_count: int) -> int:
     return configured if configured > 0 else 3 * max(1, gpu_count)
 
 
+def same_base(a: ModelSpec, b: ModelSpec) -> bool:
+    """Whether two specs name the same base file in the same state (size, mtime) and projector:
+    the files every model of an adapter group shares."""
+    return (a.path, a.projector, a.size, a.modified) == (b.path, b.projector, b.size, b.modified)
+
+
 def same_files(a: ModelSpec, b: ModelSpec) -> bool:
-    """Whether two specs name the same files, the model's in the same state (size, mtime)."""
-    return (a.path, a.adapters, a.projector, a.size, a.modified) == (b.path, b.adapters, b.projector, b.size, b.modified)
+    """Whether a runner of ``a`` (a runner's spec) applies ``b``'s files as ``b`` asks: the same
+    base file and projector, and ``b``'s adapters among those it holds
+    (:func:`trioshed.core.adapters.serves`)."""
+    return same_base(a, b) and adapters.serves(a, b)
 
 
 def can_serve(runner: RunnerView, model: ModelSpec, options: RunnerOptions) -> bool:
     """Whether ``runner`` can serve a request without a reload.
 
-    Same file (as it was when loaded: a file replaced since has another size or modification
-    time, and is loaded again), adapters and projector; equal runner options, except that
+    Same base file (as it was when loaded: a file replaced since has another size or modification
+    time, and is loaded again) and projector, holding the request's adapters (an adapter group's
+    runner serves every member: :mod:`trioshed.core.adapters`); equal runner options, except that
     ``num_gpu < 0`` (auto) never forces a reload, a smaller ``num_ctx`` is served by a larger
     runner (ollama#6148), and a runner started for embeddings serves generation too (without the
     prompt cache it was started without).
     """
-    if not same_files(runner.model, model):
+    if not same_base(runner.model, model) or not adapters.serves(runner.model, model, embedding=options.embedding):
         return False
     have, want = runner.options, options
     if have == want:

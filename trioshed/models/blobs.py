@@ -37,6 +37,7 @@ from trioshed.errors import (
     PayloadTooLarge,
     TrioshedError,
 )
+from trioshed.models.groups import store_changed
 
 CHUNK = 1 << 20  # bytes hashed or written at a time
 UPLOAD_BATCH = 4 << 20  # bytes of an upload held, then hashed and written in one worker-thread call
@@ -155,6 +156,7 @@ def write_manifest(root: Path, parts: tuple[str, str, str, str], data: bytes) ->
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    store_changed()  # the adapter groups are made again
     return path
 
 

@@ -5,7 +5,7 @@
     [models."qwen-long"]                 # a name, optionally with a tag ("qwen:32k")
     path = "qwen2.5-7b-q4_k_m.gguf"      # required; relative to the store folder
     aliases = ["qwen", "assistant:v2"]   # more names for the same model (listed in /api/tags)
-    adapters = ["my-lora.gguf"]          # --lora
+    adapters = ["my-lora.gguf"]          # LoRA adapters on path (also { path = "b.gguf", scale = 0.5 })
     projector = "mmproj.gguf"            # --mmproj
     options = { temperature = 0.2 }      # default options (a request's own options win)
     num_ctx = 32768                      # default context per slot
@@ -111,6 +111,7 @@ class Entry:
     path: str
     aliases: tuple[str, ...] = ()
     adapters: tuple[str, ...] = ()
+    adapter_scales: tuple[float, ...] = ()  # one per adapter (1.0 unless given)
     projector: str | None = None
     options: tuple[tuple[str, object], ...] = ()  # num_ctx folded in
     num_parallel: int | None = None
@@ -285,7 +286,7 @@ def _parse_entry(key: str, table: object, file: str, root: Path) -> tuple[Entry 
             aliases.append(full_name(alias))
         except BadRequest as exc:
             bad("aliases", exc.message)
-    adapters = [a for a in (file_path("adapters", v) for v in str_list("adapters")) if a]
+    adapters, scales = _adapters(table.get("adapters", []), file_path, lambda reason: bad("adapters", reason))
     projector = file_path("projector", table["projector"]) if "projector" in table else None
     options = table.get("options", {})
     if not isinstance(options, dict):
@@ -335,6 +336,7 @@ def _parse_entry(key: str, table: object, file: str, root: Path) -> tuple[Entry 
             path=path,
             aliases=tuple(a for a in dict.fromkeys(aliases) if a != name),
             adapters=tuple(adapters),
+            adapter_scales=tuple(scales) if any(x != 1.0 for x in scales) else (),
             projector=projector,
             options=tuple(sorted(options.items())),
             num_parallel=num_parallel,
@@ -349,6 +351,40 @@ def _parse_entry(key: str, table: object, file: str, root: Path) -> tuple[Entry 
         ),
         errors,
     )
+
+
+def _adapters(
+    value: object, file_path: Callable[[str, object], str | None], bad: Callable[[str], None]
+) -> tuple[list[str], list[float]]:
+    """``adapters``: each a file path, or a table ``{ path = "...", scale = 0.5 }`` (scale 1.0
+    unless given). A path with a comma is refused: llama-server's ``--lora`` takes a
+    comma-separated list."""
+    shape = 'a list of files, e.g. ["a.gguf", { path = "b.gguf", scale = 0.5 }]'
+    if not isinstance(value, list):
+        bad(f"must be {shape}, got {value!r}")
+        return [], []
+    paths: list[str] = []
+    scales: list[float] = []
+    for item in value:
+        scale: object = 1.0
+        if isinstance(item, dict):
+            unknown = sorted(set(item) - {"path", "scale"})
+            if unknown or "path" not in item:
+                bad(f"an adapter table takes path and scale, got {item!r}")
+                continue
+            item, scale = item["path"], item.get("scale", 1.0)
+        if not isinstance(scale, int | float) or isinstance(scale, bool) or not math.isfinite(scale):
+            bad(f"an adapter's scale must be a number, got {scale!r}")
+            continue
+        path = file_path("adapters", item)
+        if path is None:
+            continue
+        if "," in path:
+            bad(f"{path!r} holds a comma, which llama-server's --lora cannot take: rename the file")
+            continue
+        paths.append(path)
+        scales.append(float(scale))
+    return paths, scales
 
 
 def _parse_args(value: object, bad: Callable[[str], None]) -> tuple[str, ...]:

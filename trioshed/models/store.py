@@ -131,6 +131,7 @@ class ModelStore:
             name,
             entry.path,
             adapters=entry.adapters,
+            adapter_scales=entry.adapter_scales,
             projector=projector,
             projector_problem=problem,
             defaults=entry.options,

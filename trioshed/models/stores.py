@@ -24,10 +24,12 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from trioshed.core.adapters import scales_of
 from trioshed.core.model import ModelSpec
 from trioshed.errors import BadRequest, Conflict, Forbidden, ModelNotFound
 from trioshed.models.blobs import write_manifest
 from trioshed.models.catalogue import Catalogue, parse_catalogue
+from trioshed.models.groups import Groups, store_changed
 from trioshed.models.names import full_name, split_name
 from trioshed.models.ollama_store import OllamaManifest, OllamaStore, is_ollama_store, parse_name
 from trioshed.models.pull_plan import PULLED, manifest_path_parts
@@ -53,7 +55,9 @@ class Stores:
         self._folder_stores = {folder: ModelStore(folder, allow_symlinks=allow_symlinks) for folder in self.folders}
         self._pulled = {folder: folder / PULLED for folder in self.folders}
         self._lock = threading.Lock()  # copy/delete edit models.toml: one at a time
-        self._resolved = Resolved([p for f in self.folders for p in (str(f), str(self._pulled[f]), str(self._folder_stores[f].toml_path))])
+        stamped = [p for f in self.folders for p in (str(f), str(self._pulled[f]), str(self._folder_stores[f].toml_path))]
+        self._resolved = Resolved(stamped)
+        self._groups = Groups(self._adapter_models, stamped)
 
     def backends(self) -> list[Backend]:
         """A store per folder; a folder is an Ollama store when it has manifests/ and blobs/
@@ -94,11 +98,29 @@ class Stores:
         """The spec ``name`` names: kept from an earlier lookup while nothing it follows has
         changed (:mod:`trioshed.models.resolved`), else looked up in the folders."""
         if isinstance(name, str) and (spec := self._resolved.get(name)) is not None:
-            return spec
+            return self._groups.attach(spec)
         backend, spec = self._find(name)
         if isinstance(backend, ModelStore) and backend.is_plain(spec) and all(isinstance(b, ModelStore) for b in self.backends()):
             self._resolved.keep(name, spec)
-        return spec
+        return self._groups.attach(spec)
+
+    def _adapter_models(self) -> tuple[list[ModelSpec], bool]:
+        """Every model with adapters (``models.toml`` entries and Ollama manifests), and whether
+        an Ollama store is among the folders (:class:`~trioshed.models.groups.Groups`)."""
+        specs: list[ModelSpec] = []
+        volatile = False
+        for backend in self.backends():
+            if isinstance(backend, OllamaStore):
+                volatile = True
+                specs += [s for s in backend.list() if s.adapters]
+                continue
+            for entry in backend.catalogue().entries:
+                if entry.adapters:
+                    try:
+                        specs.append(backend.resolve(entry.name))
+                    except (BadRequest, ModelNotFound, OSError):
+                        continue  # a file missing: reported when models.toml was read
+        return specs, volatile
 
     def catalogue(self) -> Catalogue:
         """The ``models.toml`` entries of every folder store, in folder order (the first folder
@@ -232,7 +254,11 @@ class Stores:
                 raise Conflict(f"'{dest}' is the GGUF file {store.root / f'{base}.gguf'}; delete it first or copy to another name")
             entry: dict[str, object] = {"path": _relative(store.root, spec.path)}
             if spec.adapters:
-                entry["adapters"] = [_relative(store.root, a) for a in spec.adapters]
+                scales = scales_of(spec)
+                entry["adapters"] = [
+                    _relative(store.root, a) if scale == 1.0 else {"path": _relative(store.root, a), "scale": scale}
+                    for a, scale in zip(spec.adapters, scales, strict=True)
+                ]
             if spec.projector:
                 entry["projector"] = _relative(store.root, spec.projector)
             if spec.defaults:
@@ -281,6 +307,7 @@ def remove_pulled(root: Path, manifest: Path, *, keep: frozenset[str] | set[str]
     ``models.toml`` entry uses); uploads no manifest names yet and partial files are left alone."""
     layers = manifest_blobs(manifest)
     manifest.unlink()
+    store_changed()
     for parent in list(manifest.parents)[: len(manifest.relative_to(root / "manifests").parts) - 1]:
         try:
             parent.rmdir()  # empty tag folders of the name go too

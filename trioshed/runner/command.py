@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from trioshed.core.adapters import scales_of
 from trioshed.core.estimate_kv import MetadataLike, batch_sizes
 from trioshed.core.model import ModelSpec, Placement, RunnerOptions, rpc_endpoint
 from trioshed.core.runner_options import ModelArgs
@@ -148,6 +149,24 @@ def parse_model_args(args: tuple[str, ...]) -> ModelArgs:
     return ModelArgs(passed=passed, cache_ram_mib=cache_ram, rope_scale=scale, rope_unbounded=unbounded)
 
 
+def lora_args(model: ModelSpec) -> list[str]:
+    """The adapters a runner of ``model`` (a :func:`trioshed.core.adapters.runner_model`) loads:
+    one comma-separated ``--lora`` (b10068 warns that a repeated flag keeps only the last), ids
+    in that order; ``--lora-scaled FILE:SCALE,…`` when a runner that cannot select per request
+    (embeddings) applies fixed scales other than 1. A path holding a comma cannot be passed
+    (the store refuses such adapters), nor one with a colon to ``--lora-scaled``."""
+    if not model.adapters:
+        return []
+    if any("," in a for a in model.adapters):
+        raise ValueError(f"an adapter path of {model.name} holds a comma, which llama-server's --lora cannot take")
+    scales = scales_of(model)
+    if all(s == 1.0 for s in scales):
+        return ["--lora", ",".join(model.adapters)]
+    if any(":" in a for a in model.adapters):
+        raise ValueError(f"an adapter path of {model.name} holds a colon, which llama-server's --lora-scaled cannot take")
+    return ["--lora-scaled", ",".join(f"{a}:{s:g}" for a, s in zip(model.adapters, scales, strict=True))]
+
+
 @dataclass(frozen=True)
 class LaunchConfig:
     """Process-wide runner settings (not per request)."""
@@ -253,8 +272,7 @@ def build_command(
         argv += ["--no-mmap"]
     if options.batch_invariant:
         argv += ["--no-repack"]
-    for adapter in model.adapters:
-        argv += ["--lora", adapter]
+    argv += lora_args(model)
     if model.projector:
         argv += ["--mmproj", model.projector]
     argv += speculation_args(options, placement, accounting_only=accounting_only, kv_cache_type=cache_type)

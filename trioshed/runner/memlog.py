@@ -24,6 +24,11 @@ Its weights (``model size``, on the backend it names) and compute buffers are ke
 projector context (a model that sees and hears loads two), in ``projector`` and
 ``projector_compute``.
 
+Each LoRA adapter (``--lora``) reports its tensors' buffers, one line per buffer type (the
+buffer of the base layer each tensor adapts), summed per buffer name in ``adapters``:
+
+    llama_adapter_lora_init_impl: CPU_Mapped LoRA buffer size =     0.01 MiB
+
 A draft model (``--model-draft``) is loaded after the target and reports the same lines after
 ``loading draft model``: its buffers are added to the target's (its output and compute buffers
 kept apart first, so that neither model's last report replaces the other's).
@@ -58,6 +63,7 @@ _KV_SUMMARY = re.compile(
 )
 _OUTPUT = re.compile(r"\b(\S+) +output buffer size = +" + _NUM + r" MiB")
 _COMPUTE = re.compile(r"\b(\S+) compute buffer size = +" + _NUM + r" MiB")
+_LORA = re.compile(r"\b(\S+) LoRA buffer size = +" + _NUM + r" MiB")
 _CLIP_BACKEND = re.compile(r"CLIP using (\S+) backend")
 _CLIP_WEIGHTS = re.compile(r"load_hparams: model size: +" + _NUM + r" MiB")
 # "| - CUDA0 (desc) | total = free + (self = model + context + compute) + unaccounted |"
@@ -87,6 +93,7 @@ class MemoryLogParser:
         self._output: dict[str, int] = {}
         self._compute: dict[str, int] = {}
         self._breakdown_model: dict[str, int] = {}
+        self._adapters: dict[str, int] = {}  # LoRA buffers, summed over the adapters
         self.kv_types: tuple[str, str] | None = None
         #: Output and compute buffers of the model now loading: the target's, then a draft's.
         self._phases: list[tuple[dict[str, int], dict[str, int]]] = [(self._output, self._compute)]
@@ -122,6 +129,8 @@ class MemoryLogParser:
                 self._output[m[1]] = _mib(m[2])
             elif m := _COMPUTE.search(line):
                 self._compute[m[1]] = _mib(m[2])
+            elif m := _LORA.search(line):
+                self._adapters[m[1]] = self._adapters.get(m[1], 0) + _mib(m[2])
         elif m := _KV_SUMMARY.search(line):
             self._kv_total += _mib(m[1])
             self._kv_k += _mib(m[3])
@@ -165,6 +174,7 @@ class MemoryLogParser:
             kv_buffers=dict(self._kv_buffers),
             projector=_sum_by_name(w for _, w, _ in self._clips),
             projector_compute=_sum_by_name(c for _, _, c in self._clips),
+            adapters=dict(self._adapters),
         )
 
 

@@ -23,6 +23,14 @@ unload (keep-alive expiry, eviction, reload, shutdown), inside ``move_on_after(s
 shield=True)``: an unload never waits longer. A save cut by the bound leaves a ``partial-`` file,
 deleted at once (and by the store's next ``open`` if trioshed dies first).
 
+An adapter group's runner (:mod:`trioshed.core.adapters`) computes each slot under the
+adapters its last request applied: a slot is saved under the key of those adapters (its
+``params.lora`` in ``GET /slots``) and restored only for a request that applies the same ones.
+llama-server clears a slot whose next request brings another ``lora`` list than its last (a
+fresh slot's is empty) and a restore does not set it: the slot is first given the request's list
+by a request of one prompt token and no output (``id_slot``), then restored (measured on
+b10068: 93 of 94 prompt tokens reused, the same answer; unprimed, all 94 computed again).
+
 Restore: :meth:`RunnerSlots.restore_for`, called by the HTTP edge just before it sends a
 generation to the runner (``trioshed.api.pipeline.upstream``), while the runner still has a slot that no
 task has used (a runner just loaded; with one slot, its first request). A restore that fails is
@@ -36,12 +44,19 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import trio
 
-from trioshed.core.kvcache import MIN_MATCH_TOKENS, CacheKey, SavedSlot, choose_restore
+from trioshed.core.adapters import scales_of, selects
+from trioshed.core.kvcache import (
+    MIN_MATCH_TOKENS,
+    CacheKey,
+    FileIdentity,
+    SavedSlot,
+    choose_restore,
+)
 from trioshed.runner.client import ConnectionFailed, UpstreamPool
 from trioshed.runner.slotstore import SlotStore, file_identity
 
@@ -73,15 +88,35 @@ class WarmStats:
 
 
 def cache_key(model: Any, kv_cache_type: str, flash_attention: bool, swa_full: bool) -> CacheKey:
-    """The key of a runner of ``model`` (a ModelSpec): reads the files' identities (blocking)."""
+    """The key of a runner of ``model`` (a ModelSpec): reads the files' identities (blocking).
+    A runner that selects adapters per request (an adapter group's) keys each slot by the
+    adapters applied to it (:meth:`RunnerSlots.key_for`): its own key names none."""
+    fixed = () if selects(model) else tuple(model.adapters)
     return CacheKey(
         model=file_identity(model.path),
-        adapters=tuple(file_identity(a) for a in model.adapters),
+        adapters=tuple(file_identity(a) for a in fixed),
         projector=file_identity(model.projector) if model.projector else None,
         kv_cache_type=kv_cache_type,
         flash_attention=flash_attention,
         swa_full=swa_full,
+        scales=scales_of(model) if fixed else (),
     )
+
+
+def applied_key(key: CacheKey, loaded: tuple[FileIdentity, ...], lora: object) -> CacheKey | None:
+    """The key of a slot of an adapter group's runner that ran with ``lora`` (the request's
+    list, or the slot's as ``GET /slots`` shows it): ``key`` with the adapters applied, by their
+    files, at their scales. None when the list does not say (no list: the global scales)."""
+    if not isinstance(lora, list) or not lora:
+        return None
+    applied: dict[int, float] = {}
+    for item in lora:
+        if not isinstance(item, dict) or not isinstance(item.get("id"), int) or not isinstance(item.get("scale"), int | float):
+            return None
+        if item["scale"] != 0 and 0 <= item["id"] < len(loaded):
+            applied[item["id"]] = applied.get(item["id"], 0.0) + float(item["scale"])
+    chosen = sorted((loaded[i], scale) for i, scale in applied.items())  # FileIdentity orders by path
+    return replace(key, adapters=tuple(f for f, _ in chosen), scales=tuple(s for _, s in chosen))
 
 
 class WarmReturns:
@@ -123,14 +158,16 @@ class WarmReturns:
         the model's files cannot be read."""
         if not self.enabled:
             return None
+        def identities() -> tuple[CacheKey, tuple[FileIdentity, ...]]:
+            key = cache_key(model, kv_cache_type, options.flash_attention, options.swa_full)
+            return key, tuple(file_identity(a) for a in model.adapters) if selects(model) else ()
+
         try:
-            key = await trio.to_thread.run_sync(
-                cache_key, model, kv_cache_type, options.flash_attention, options.swa_full
-            )
+            key, loaded = await trio.to_thread.run_sync(identities)
         except OSError as exc:
             log.warning("warm returns: off for %s: %s", model.name, exc)
             return None
-        slots = RunnerSlots(self, key, model.name, options.num_ctx, pool, bytes_per_token)
+        slots = RunnerSlots(self, key, model.name, options.num_ctx, pool, bytes_per_token, loaded=loaded)
         if model.projector:
             slots.note = MEDIA_NOTE
         return slots
@@ -140,11 +177,15 @@ class RunnerSlots:
     """One runner's warm returns: its key, and whether a slot is still unused."""
 
     def __init__(
-        self, warm: WarmReturns, key: CacheKey, model: str, n_ctx_slot: int, pool: UpstreamPool, bytes_per_token: int
-    ) -> None:
+        self, warm: WarmReturns, key: CacheKey, model: str, n_ctx_slot: int, pool: UpstreamPool, bytes_per_token: int,
+        *, loaded: tuple[FileIdentity, ...] = (),
+    ) -> None:  # fmt: skip
         self.warm = warm
         self.key = key
         self.key_id = key.id
+        #: An adapter group's runner: the files of its adapters by id (each slot is keyed by
+        #: those applied to it); empty for any other runner (one key for every slot).
+        self.loaded = loaded
         self.model = model
         self.n_ctx_slot = n_ctx_slot
         self.bytes_per_token = bytes_per_token
@@ -158,32 +199,45 @@ class RunnerSlots:
 
     # -- restore ---------------------------------------------------------------------------
 
-    def may_restore(self, path: str) -> bool:
-        """Whether a request to ``path`` may find a slot to restore (else :meth:`restore_for` is
-        not worth a wait): a slot still unused, something saved under this runner's key."""
-        return self._open and self.warm.store.has_key(self.key_id) and not path.endswith(("/embedding", "/embeddings"))
+    def key_for(self, lora: object = None) -> CacheKey | None:
+        """The key of a slot that runs a request with ``lora`` (its ``lora`` list; None for a
+        runner that loaded no adapters): this runner's own, or, on an adapter group's runner,
+        the one naming the adapters applied (None: the list does not say which)."""
+        if not self.loaded:
+            return self.key
+        return applied_key(self.key, self.loaded, lora)
 
-    async def restore_for(self, path: str, body: dict[str, Any] | bytes) -> SavedSlot | None:
-        """Before ``body`` goes to ``path``: restore the saved slot whose tokens it continues
-        into an unused slot. Returns the restored file's entry, or None.
+    def may_restore(self, path: str, lora: object = None) -> bool:
+        """Whether a request to ``path`` (with ``lora``) may find a slot to restore (else
+        :meth:`restore_for` is not worth a wait): a slot still unused, something saved under the
+        key of the adapters it applies."""
+        if not self._open or path.endswith(("/embedding", "/embeddings")):
+            return False
+        key = self.key_for(lora)
+        return key is not None and self.warm.store.has_key(key.id)
+
+    async def restore_for(self, path: str, body: dict[str, Any] | bytes, lora: object = None) -> SavedSlot | None:
+        """Before ``body`` goes to ``path`` (with ``lora``, the request's adapters on this
+        runner): restore the saved slot whose tokens it continues, computed under the same
+        adapters, into an unused slot. Returns the restored file's entry, or None.
 
         Cheap once every slot has been used (an attribute check). Never raises for llama-server
         or disk trouble: a failed restore is logged, counted, and the request proceeds.
         """
-        if not self.may_restore(path):
+        if not self.may_restore(path, lora):
             return None
         async with self._lock:
             if not self._open:
                 return None
             try:
-                return await self._restore_for(body)
+                return await self._restore_for(body, lora)
             except (ConnectionFailed, OSError, ValueError, KeyError, TypeError) as exc:
                 self._open = False  # logged once: this runner looks for no more restores
                 self.warm._count("restore_failures")
                 log.warning("warm returns: restore for %s failed, computing the prompt instead: %s", self.model, exc)
                 return None
 
-    async def _restore_for(self, body: dict[str, Any] | bytes) -> SavedSlot | None:
+    async def _restore_for(self, body: dict[str, Any] | bytes, lora: object = None) -> SavedSlot | None:
         if isinstance(body, bytes):
             body = json.loads(body)
         if not isinstance(body, dict) or not (isinstance(body.get("prompt"), str | list) or isinstance(body.get("messages"), list)):
@@ -196,7 +250,10 @@ class RunnerSlots:
         if tokens is None:
             return None
         store = self.warm.store
-        match = choose_restore(store.entries(), self.key_id, self.n_ctx_slot, tokens, MIN_MATCH_TOKENS)
+        key = self.key_for(lora)
+        if key is None:
+            return None
+        match = choose_restore(store.entries(), key.id, self.n_ctx_slot, tokens, MIN_MATCH_TOKENS)
         if match is None:
             self.warm._count("misses")
             return None
@@ -204,6 +261,8 @@ class RunnerSlots:
         started = time.perf_counter()
         if not await trio.to_thread.run_sync(store.verify, match.entry):
             self.warm._count("restore_failures")
+            return None
+        if self.loaded and not await self._prime(slot, tokens[:1], lora):
             return None
         status, raw = await self._pool.post(
             f"/slots/{slot}?action=restore", json.dumps({"filename": f"{match.entry.name}.bin"}).encode()
@@ -225,6 +284,19 @@ class RunnerSlots:
             match.entry.n_tokens, self.model, slot, elapsed * 1000, match.reused,
         )  # fmt: skip
         return match.entry
+
+    async def _prime(self, slot: int, tokens: list[int], lora: object) -> bool:
+        """Make ``slot``'s adapter list ``lora`` before a restore into it: llama-server clears
+        a slot whose next request brings another list than its last (a fresh slot's is empty),
+        and a restore does not set it, so a slot restored unprimed would be computed again."""
+        body = {"prompt": tokens, "n_predict": 0, "id_slot": slot, "lora": lora, "cache_prompt": False}
+        status, raw = await self._pool.post("/completion", json.dumps(body).encode())
+        if status != 200:
+            self.warm._count("restore_failures")
+            log.warning("warm returns: could not set %s slot %d's adapters (%d: %s); computing the prompt instead",
+                        self.model, slot, status, raw[:200].decode("utf-8", "replace"))  # fmt: skip
+            return False
+        return True
 
     async def _slots(self) -> list[dict[str, Any]]:
         status, raw = await self._pool.get("/slots")
@@ -278,11 +350,15 @@ class RunnerSlots:
             held = int(s.get("n_prompt_tokens") or 0) + sum(int(n.get("n_decoded") or 0) for n in s.get("next_token") or ())
             if s.get("is_processing") or "id_task" not in s or held < MIN_MATCH_TOKENS:
                 continue
-            if await self._save(int(s["id"]), held):
+            params = s.get("params")
+            key = self.key_for(params.get("lora") if isinstance(params, dict) else None)
+            if key is None:
+                continue  # an adapter group's slot whose adapters it does not say: not kept
+            if await self._save(int(s["id"]), held, key.id):
                 kept += 1
         return kept
 
-    async def _save(self, slot: int, held: int) -> bool:
+    async def _save(self, slot: int, held: int, key_id: str) -> bool:
         store = self.warm.store
         if not await trio.to_thread.run_sync(store.make_room, held * self.bytes_per_token, abandon_on_cancel=True):
             self.warm._count("saves_skipped")
@@ -306,7 +382,7 @@ class RunnerSlots:
             committed = True
             # Abandoned (not waited for) when the bound strikes: the commit finishes on its own.
             entry = await trio.to_thread.run_sync(
-                store.commit, temp, self.key_id, self.warm._clock(), abandon_on_cancel=True
+                store.commit, temp, key_id, self.warm._clock(), abandon_on_cancel=True
             )
             if entry is None:
                 self.warm._count("saves_skipped")

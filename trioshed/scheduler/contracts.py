@@ -139,9 +139,16 @@ class LeaseView(Protocol):
     """What a route may use of its lease on a runner slot (see :mod:`trioshed.scheduler.lease`)."""
 
     @property
-    def model(self) -> ModelSpec: ...
+    def model(self) -> ModelSpec:
+        """The runner's model (an adapter group's runner: the base with the group's adapters)."""
+        ...
     @property
     def options(self) -> RunnerOptions: ...
+    @property
+    def lora(self) -> list[dict[str, object]] | None:
+        """The ``lora`` list that selects the request's adapters on this runner (every adapter
+        it loaded, by id, at the request's scale, 0 for the others); None: it loaded none."""
+        ...
     @property
     def handle(self) -> RunnerHandle: ...
     @property

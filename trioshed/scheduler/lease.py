@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 import trio
 
+from trioshed.core.adapters import lora_field
 from trioshed.core.context import Shrunk
 from trioshed.core.model import ModelSpec, RunnerOptions
 from trioshed.errors import RunnerCrashed, RunnerError
@@ -42,6 +43,8 @@ class QueuedRequest(Protocol):
     def load_duration(self) -> float: ...
     @property
     def shrunk(self) -> Shrunk | None: ...
+    @property
+    def model(self) -> ModelSpec: ...
 
 
 class LeaseOwner(Protocol):
@@ -83,6 +86,17 @@ class Lease:
     @property
     def options(self) -> RunnerOptions:
         return self._runner.options
+
+    @property
+    def member(self) -> ModelSpec:
+        """The model the request named (on an adapter group's runner, one of its members)."""
+        return self._request.model
+
+    @property
+    def lora(self) -> list[dict[str, object]] | None:
+        """The request's ``lora`` list on this runner (:func:`trioshed.core.adapters.lora_field`;
+        worked out for the runner it holds now, which a rerun may change)."""
+        return lora_field(self._runner.model, self._request.model)
 
     @property
     def shrunk(self) -> Shrunk | None:
@@ -161,7 +175,7 @@ class Lease:
             raise RunnerCrashed.again(self.model.name, self.rerun_after, crash)
         self.rerun_after = crash
         self._runner.leave("a request it failed runs again on a new runner")
-        self._scheduler.release_slot(self._runner, self._tenant)
+        self._give_back()
         try:
             self._request, self._runner = await self._scheduler.wait_again(self._request)
         except BaseException:
@@ -178,7 +192,7 @@ class Lease:
         lease is then released."""
         if self.released:
             raise RuntimeError("regrow of a released lease")
-        self._scheduler.release_slot(self._runner, self._tenant)
+        self._give_back()
         try:
             self._request, self._runner = await self._scheduler.wait_resized(self._request, num_ctx)
         except BaseException:
@@ -189,4 +203,9 @@ class Lease:
     def release(self) -> None:
         if not self.released:
             self.released = True
-            self._scheduler.release_slot(self._runner, self._tenant)
+            self._give_back()
+
+    def _give_back(self) -> None:
+        """The slot back to the scheduler, and the request's model's hold on the runner."""
+        self._runner.member_released(self._request.model.name, trio.current_time())
+        self._scheduler.release_slot(self._runner, self._tenant)

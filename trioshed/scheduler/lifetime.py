@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import trio
 
 from trioshed.core import admission
+from trioshed.core.adapters import adapter_set, runner_model, selects
 from trioshed.core.model import MemoryEstimate, ModelSpec, Placement, RunnerOptions
 from trioshed.core.views import CPU_ID, RunnerState, same_files
 from trioshed.devices import DeviceSource
@@ -142,9 +143,11 @@ class Runners(Mapping[int, Runner]):
         self, runner_id: int, model: ModelSpec, options: RunnerOptions, placement: Placement, estimate: MemoryEstimate,
         *, keep_alive: float, runner_nursery: trio.Nursery,
     ) -> Runner:  # fmt: skip
-        """A new runner of ``model``: loaded, then served, in a task of ``runner_nursery`` (the
-        scheduler's)."""
+        """A new runner for ``model`` (with ``options``): loaded, then served, in a task of
+        ``runner_nursery`` (the scheduler's). An adapter-model's runner loads its whole group
+        (:func:`trioshed.core.adapters.runner_model`), and serves every member."""
         now = trio.current_time()
+        model = runner_model(model, embedding=options.embedding)
         runner = Runner(
             runner_id, model, options, placement, estimate, keep_alive=keep_alive,
             pinned=self._session_pins.get(model.path, model.pinned), last_used=now, load_started=now,
@@ -173,8 +176,18 @@ class Runners(Mapping[int, Runner]):
             self._owner.wake()
 
     def unload(self, model: ModelSpec) -> list[Runner]:
-        """Unload every runner of ``model``'s file (one with leases once they end); returns them."""
-        runners = [r for r in self._runners.values() if r.model.path == model.path]
+        """Unload every runner of ``model``'s file (one with leases once they end); returns them.
+        An adapter group's runner that other models of its group keep warm stays: ``model`` is
+        no longer one of its warm models."""
+        now = trio.current_time()
+        runners = []
+        for r in self._runners.values():
+            if r.model.path != model.path:
+                continue
+            if selects(r.model) and any(adapter_set(m.model) != adapter_set(model) for m in r.warm_members(now)):
+                r.members.pop(model.name, None)
+                continue
+            runners.append(r)
         for r in runners:
             r.evicting = True
             r.unload_reason = "unload requested"
@@ -204,10 +217,12 @@ class Runners(Mapping[int, Runner]):
         """A lease on ``runner`` ended and no waiter took its slot: with no lease left, it is
         unloaded (being evicted, or keep-alive 0), or its keep-alive starts counting."""
         if runner.leases == 0 and runner.id in self._runners:
-            if runner.evicting or runner.exited or runner.keep_alive <= 0:
+            now = trio.current_time()
+            stays = runner.stays_for(now)
+            if runner.evicting or runner.exited or stays <= 0:
                 runner.stop(runner.unload_reason or "keep_alive 0")
             else:
-                runner.timer.deadline = trio.current_time() + runner.keep_alive
+                runner.timer.deadline = now + stays
 
     async def answers(self, runner: Runner) -> bool:
         """Ping ``runner`` before it is reused: whether it answers within PING_TIMEOUT, or sends

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import trio
 
 from trioshed.core import views
+from trioshed.core.adapters import selects
 from trioshed.core.model import MemoryEstimate, ModelSpec, Placement, RunnerOptions
 from trioshed.core.queue import RECENTLY_USED
 from trioshed.core.views import RunnerState
@@ -25,6 +26,22 @@ from trioshed.scheduler.contracts import RunnerHandle
 #: Starts a child and yields its handle once ready; leaving the block stops it.
 RunnerFactory = Callable[[ModelSpec, RunnerOptions, Placement], AbstractAsyncContextManager[RunnerHandle]]
 Estimator = Callable[[ModelSpec, RunnerOptions], MemoryEstimate]
+
+
+@dataclass(eq=False)
+class Member:
+    """A model a runner serves (an adapter group's runner serves several): its leases now, when
+    it was last leased or released, and its latest request's keep-alive. It is warm while leased
+    and for its keep-alive after."""
+
+    model: ModelSpec
+    keep_alive: float
+    leases: int = 0
+    last_used: float = 0.0
+
+    @property
+    def expires(self) -> float:
+        return math.inf if self.leases > 0 else self.last_used + self.keep_alive
 
 
 @dataclass(eq=False)
@@ -70,11 +87,15 @@ class Runner:
     # Set by its lifetime task once the runner is gone: its child's exit seen and its crash (if
     # it crashed) recorded, or its life over. The edge waits on it, never polls.
     gone: trio.Event = field(default_factory=trio.Event)
+    #: The models it served, by name (one, unless it is an adapter group's runner): which are
+    #: warm (/api/ps lists each) and how long it stays (:meth:`stays_for`).
+    members: dict[str, Member] = field(default_factory=dict)
 
-    def lease(self, keep_alive: float, now: float) -> None:
-        """A request takes a slot (at ``now``): the runner stays while leased, then for the
-        latest request's ``keep_alive``. Its clients came back when it was busy or used within
-        :data:`~trioshed.core.queue.RECENTLY_USED` seconds (a swap waits for such clients)."""
+    def lease(self, keep_alive: float, now: float, model: ModelSpec | None = None) -> None:
+        """A request (for ``model``) takes a slot (at ``now``): the runner stays while leased,
+        then for the latest keep-alive of each model it serves. Its clients came back when it
+        was busy or used within :data:`~trioshed.core.queue.RECENTLY_USED` seconds (a swap
+        waits for such clients)."""
         self.came_back = self.served > 0 and (self.leases > 0 or now - self.last_used <= RECENTLY_USED)
         self.leases += 1
         self.last_used = now
@@ -82,6 +103,33 @@ class Runner:
         if self.timer.deadline != math.inf:  # (a scope's deadline moved costs a dozen calls)
             self.timer.deadline = math.inf
         self.served += 1
+        if model is not None:
+            member = self.members.get(model.name)
+            if member is None:
+                member = self.members[model.name] = Member(model, keep_alive)
+            member.leases += 1
+            member.keep_alive = keep_alive
+            member.last_used = now
+
+    def member_released(self, name: str, now: float) -> None:
+        """A lease of model ``name`` ended (at ``now``): its keep-alive counts from now."""
+        member = self.members.get(name)
+        if member is not None and member.leases > 0:
+            member.leases -= 1
+            member.last_used = now
+
+    def warm_members(self, now: float) -> list[Member]:
+        """The models it serves that are warm at ``now`` (leased, or within their keep-alive),
+        most recently used first."""
+        return sorted((m for m in self.members.values() if m.expires > now), key=lambda m: -m.last_used)
+
+    def stays_for(self, now: float) -> float:
+        """Seconds it stays once idle: its keep-alive, or with several models served the longest
+        that any of them is still warm for (a model asked with keep-alive 0 leaves the group
+        warm for the others)."""
+        if len(self.members) <= 1 or not selects(self.model):
+            return self.keep_alive
+        return max(0.0, max(m.expires for m in self.members.values()) - now)
 
     def waiting_for_answer(self) -> None:
         """A request was sent and waits for its answer's first byte (undone by ``answered``)."""

@@ -17,7 +17,18 @@ from trioshed.core.views import CPU_ID, RunnerState
 from trioshed.devices.rpc import RemoteDevices, RemoteStats
 from trioshed.scheduler.contracts import Upstream
 from trioshed.scheduler.request import Request
-from trioshed.scheduler.runner import Runner
+from trioshed.scheduler.runner import Member, Runner
+
+
+@dataclass(frozen=True)
+class MemberStats:
+    """A model a runner serves that is warm (an adapter group's runner serves several)."""
+
+    name: str
+    leases: int
+    expires_at: float  # wall-clock seconds; inf = never
+    adapters: tuple[str, ...] = ()  # its own adapters (files)
+    spec: ModelSpec | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -51,6 +62,11 @@ class RunnerStats:
     warm_returns: str = ""
     # Its connection pool once ready, to observe it (GET /slots for /metrics), never to serve.
     upstream: Upstream | None = field(default=None, repr=False, compare=False)
+    #: The models it serves that are warm, most recently used first (an adapter group's runner:
+    #: its warm members; otherwise its model, once it served a request).
+    members: tuple[MemberStats, ...] = ()
+    #: The LoRA adapters it loaded, in ``--lora`` order (an adapter group's: the whole group).
+    adapters: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -131,7 +147,14 @@ def runner_stats(r: Runner, *, waiting: int, now: float, wall: float) -> RunnerS
         warm_returns=r.handle.slots.note if r.handle is not None and r.handle.slots is not None else "",
         accepted=accepted,
         upstream=r.handle.upstream if r.handle is not None else None,
+        members=tuple(_member(m, now, wall) for m in r.warm_members(now)),
+        adapters=r.model.adapters,
     )
+
+
+def _member(m: Member, now: float, wall: float) -> MemberStats:
+    expires = math.inf if m.expires == math.inf else wall + max(0.0, m.expires - now)
+    return MemberStats(m.model.name, m.leases, expires, m.model.adapters, m.model)
 
 
 def snapshot(
