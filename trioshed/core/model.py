@@ -330,6 +330,10 @@ class ModelSpec:
     #: the adapters a runner of this model's base loads (its own and its siblings', stable
     #: order); empty: only its own (``trioshed.core.adapters``)
     group: tuple[str, ...] = ()
+    #: With a group: the base file's identity (device, inode, size, mtime), which the group's
+    #: models share whatever their names, sizes and dates as their stores list them; their
+    #: ``path`` and ``projector`` are then the group's own spelling of those files
+    base: tuple[int, ...] = ()
 
     @property
     def short_name(self) -> str:

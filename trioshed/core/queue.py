@@ -22,6 +22,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, Generic, Protocol, TypeVar
 
+from trioshed.core.adapter_turns import set_of
 from trioshed.core.model import ModelSpec, RunnerOptions
 from trioshed.core.views import RequestView, RunnerView, can_serve, victim_order
 
@@ -133,7 +134,11 @@ def hand_over(runner: Serving, waiting: Waiting[Q], tenants_waiting: Iterable[in
     oldest = next(iter(same.values()))
     if oldest.id >= runner.closed_from:
         return None  # a request of another model, older than it, is due to evict this runner
-    if not can_serve(runner.view(), oldest.model, oldest.options):
+    view = runner.view()
+    if view.turns is not None:  # an adapter group's runner: its adapter sets take turns
+        served = [w for w in same.values() if w.id < runner.closed_from and can_serve(view, w.model, w.options)]
+        return view.turns.next(served, set_of, view.slots) if len(served) == len(same) else None
+    if not can_serve(view, oldest.model, oldest.options):
         return None  # it waits for a reload: the planner decides
     return oldest
 

@@ -36,6 +36,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from trioshed.core.adapter_turns import by_turns
 from trioshed.core.adapters import runner_model, selects
 from trioshed.core.fairshare import fair_order
 from trioshed.core.model import DoesNotFit, ModelSpec, Placement
@@ -210,7 +211,7 @@ def plan(
     for old in _superseded(runners):
         actions.append(Evict(old.id, "its group grew: a runner with more adapters serves its models"))
         sim.set(replace(old, evicting=True))
-    for req in fair_order(requests, now=now, bound=max_extra_wait):
+    for req in by_turns(fair_order(requests, now=now, bound=max_extra_wait), runners):
         key = req.key
         if key in waiting or req.model.path in sim.reserved:
             if key in held:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from trioshed.core import adapters
+from trioshed.core.adapter_turns import Turns
 from trioshed.core.model import (
     Device,
     DoesNotFit,
@@ -51,6 +52,9 @@ class RunnerView:
     #: Its child has exited, though its lifetime task may not have seen it yet (a starved
     #: event loop): it is leaving, and serves nothing.
     exited: bool = False
+    #: An adapter group's runner: the turns its adapter sets take (``core.adapter_turns``);
+    #: None for any other runner.
+    turns: Turns | None = None
 
     @property
     def slots(self) -> int:
@@ -119,6 +123,8 @@ def default_max_loaded(configured: int, gpu_count: int) -> int:
 def same_base(a: ModelSpec, b: ModelSpec) -> bool:
     """Whether two specs name the same base file in the same state (size, mtime) and projector:
     the files every model of an adapter group shares."""
+    if a.base or b.base:  # adapter groups: one file, however each store names and dates it
+        return (a.path, a.projector, a.base) == (b.path, b.projector, b.base)
     return (a.path, a.projector, a.size, a.modified) == (b.path, b.projector, b.size, b.modified)
 
 

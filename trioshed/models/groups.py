@@ -28,11 +28,11 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from trioshed.core.model import ModelSpec
 
-__all__ = ["REFRESH", "GroupKey", "Groups", "group_index", "store_changed"]
+__all__ = ["REFRESH", "Group", "GroupKey", "Groups", "group_index", "store_changed"]
 
 #: Seconds an index is kept at most (changes made by another program to an Ollama store).
 REFRESH = 2.0
@@ -68,15 +68,25 @@ def group_key(spec: ModelSpec, identity: Callable[[str | None], object] = _ident
     return (base, identity(spec.projector), spec.args, spec.num_parallel, spec.speculation, spec.draft)
 
 
-def group_index(members: Iterable[tuple[GroupKey, ModelSpec]]) -> dict[GroupKey, tuple[str, ...]]:
+@dataclass(frozen=True)
+class Group:
+    """One group: its adapters in a stable order, and its spelling of the base file and
+    projector (the first model's, by name), which every member's runner is started from."""
+
+    adapters: tuple[str, ...]
+    path: str
+    projector: str | None
+
+
+def group_index(members: Iterable[tuple[GroupKey, ModelSpec]]) -> dict[GroupKey, Group]:
     """Each group's adapters, in a stable order: the models by name, each one's adapters in its
     order, each file once. Groups without an adapter are left out. Pure."""
-    index: dict[GroupKey, list[str]] = {}
+    index: dict[GroupKey, tuple[list[str], ModelSpec]] = {}
     for key, spec in sorted(members, key=lambda m: m[1].name):
         if spec.adapters:
-            adapters = index.setdefault(key, [])
+            adapters, _ = index.setdefault(key, ([], spec))
             adapters += [a for a in spec.adapters if a not in adapters]
-    return {k: tuple(v) for k, v in index.items()}
+    return {k: Group(tuple(a), first.path, first.projector) for k, (a, first) in index.items()}
 
 
 class Groups:
@@ -96,14 +106,14 @@ class Groups:
         self._clock = clock
         self._refresh = REFRESH
         self._lock = threading.Lock()
-        self._index: dict[GroupKey, tuple[str, ...]] = {}
+        self._index: dict[GroupKey, Group] = {}
         self._version: tuple[object, ...] | None = None
         self._made_at = -float("inf")
 
     def _current_version(self) -> tuple[object, ...]:
         return (_generation, *(_identity(p) for p in self._stamps))
 
-    def index(self) -> dict[GroupKey, tuple[str, ...]]:
+    def index(self) -> dict[GroupKey, Group]:
         """The index as it is now (made again if the stores changed or it is old)."""
         version = self._current_version()
         now = self._clock()
@@ -128,6 +138,9 @@ class Groups:
             return spec
         key = group_key(spec)
         group = index.get(key) if key is not None else None
-        if not group or group == spec.group:
+        if group is None or group.adapters == spec.group:
             return spec
-        return replace(spec, group=group)
+        assert key is not None
+        base = key[0]
+        assert isinstance(base, tuple)
+        return replace(spec, group=group.adapters, path=group.path, projector=group.projector, base=base)

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 import trio
 
 from trioshed.core import views
-from trioshed.core.adapters import selects
+from trioshed.core.adapter_turns import Turns
+from trioshed.core.adapters import adapter_set, selects
 from trioshed.core.model import MemoryEstimate, ModelSpec, Placement, RunnerOptions
 from trioshed.core.queue import RECENTLY_USED
 from trioshed.core.views import RunnerState
@@ -90,6 +91,8 @@ class Runner:
     #: The models it served, by name (one, unless it is an adapter group's runner): which are
     #: warm (/api/ps lists each) and how long it stays (:meth:`stays_for`).
     members: dict[str, Member] = field(default_factory=dict)
+    #: An adapter group's runner: the turns its adapter sets take (``core.adapter_turns``).
+    turns: Turns = field(default_factory=Turns)
 
     def lease(self, keep_alive: float, now: float, model: ModelSpec | None = None) -> None:
         """A request (for ``model``) takes a slot (at ``now``): the runner stays while leased,
@@ -104,6 +107,8 @@ class Runner:
             self.timer.deadline = math.inf
         self.served += 1
         if model is not None:
+            if selects(self.model):
+                self.turns = self.turns.after(adapter_set(model), self.options.num_parallel)
             member = self.members.get(model.name)
             if member is None:
                 member = self.members[model.name] = Member(model, keep_alive)
@@ -222,4 +227,5 @@ class Runner:
             pinned=self.pinned,
             came_back=self.came_back,
             exited=exited,
+            turns=self.turns if selects(self.model) else None,
         )
