@@ -39,6 +39,7 @@ class Member:
     keep_alive: float
     leases: int = 0
     last_used: float = 0.0
+    turn: int = 0  # the runner's lease count at its latest lease (orders equal times)
 
     @property
     def expires(self) -> float:
@@ -115,6 +116,7 @@ class Runner:
             member.leases += 1
             member.keep_alive = keep_alive
             member.last_used = now
+            member.turn = self.served
 
     def member_released(self, name: str, now: float) -> None:
         """A lease of model ``name`` ended (at ``now``): its keep-alive counts from now."""
@@ -126,7 +128,7 @@ class Runner:
     def warm_members(self, now: float) -> list[Member]:
         """The models it serves that are warm at ``now`` (leased, or within their keep-alive),
         most recently used first."""
-        return sorted((m for m in self.members.values() if m.expires > now), key=lambda m: -m.last_used)
+        return sorted((m for m in self.members.values() if m.expires > now), key=lambda m: (-m.last_used, -m.turn))
 
     def stays_for(self, now: float) -> float:
         """Seconds it stays once idle: its keep-alive, or with several models served the longest

@@ -26,7 +26,9 @@ class MemberStats:
 
     name: str
     leases: int
-    expires_at: float  # wall-clock seconds; inf = never
+    #: wall-clock seconds (inf = never): it moves as time passes, so two snapshots of the
+    #: same state compare equal without it
+    expires_at: float = field(compare=False)
     adapters: tuple[str, ...] = ()  # its own adapters (files)
     spec: ModelSpec | None = field(default=None, repr=False, compare=False)
 
