@@ -37,8 +37,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from trioshed.core.adapter_turns import by_turns
-from trioshed.core.adapters import runner_model, selects
+from trioshed.core.adapters import runner_model
 from trioshed.core.fairshare import fair_order
+from trioshed.core.group_plan import grows, own_adapters_only, reload_reason, superseded
 from trioshed.core.model import DoesNotFit, ModelSpec, Placement
 from trioshed.core.placement import gpu_layer_count
 from trioshed.core.queue import SwapQueue
@@ -52,7 +53,6 @@ from trioshed.core.views import (
     RunnerView,
     can_serve,
     default_max_loaded,
-    same_base,
     same_files,
     usage_of,
     victim_order,
@@ -100,6 +100,9 @@ class Dispatch:
 class Load:
     request: int
     placement: Placement
+    #: the runner to start (None: the one :func:`~trioshed.core.adapters.runner_model` gives the
+    #: request's model; a group too large for the memory: one with only the model's adapters)
+    model: ModelSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -202,13 +205,13 @@ def plan(
 
     def load(req: RequestView, placement: Placement) -> None:
         nonlocal new_id
-        actions.append(Load(req.id, placement))
-        model = runner_model(req.model, embedding=req.options.embedding)
+        actions.append(Load(req.id, placement, req.runner))
+        model = req.runner or runner_model(req.model, embedding=req.options.embedding)
         sim.add(RunnerView(new_id, model, req.options, RunnerState.LOADING, usage=usage_of(placement), last_used=now,
                            pinned=req.model.pinned))  # fmt: skip
         new_id -= 1
 
-    for old in _superseded(runners):
+    for old in superseded(runners):
         actions.append(Evict(old.id, "its group grew: a runner with more adapters serves its models"))
         sim.set(replace(old, evicting=True))
     for req in by_turns(fair_order(requests, now=now, bound=max_extra_wait), runners):
@@ -260,6 +263,9 @@ def _plan_one(
     # of this model it would replace (the scheduler may then try a smaller automatic context,
     # which that runner may well serve).
     capacity = sim.capacity(place, req, system_capacity)
+    if isinstance(capacity, DoesNotFit) and req.alone_estimate is not None:
+        # the group's runner does not fit at all: a runner of this model's adapters only
+        return _plan_one(own_adapters_only(req), sim, machine, place, now, cooldowns, system_capacity, actions, load, queue)
     if isinstance(capacity, DoesNotFit):
         error: TrioshedError = InsufficientMemory(
             req.model.name, capacity.needed, capacity.available, capacity.reason, num_ctx=req.options.num_ctx
@@ -277,10 +283,10 @@ def _plan_one(
             reason = f"would put {layers - capacity.n_gpu_layers} of {layers} layers in system memory"
             actions.append(Fail(req.id, SmallerContextPreferred(req.model.name, req.options.num_ctx, reason)))
             return "failed"
-    if same_model and _grows(same_model, req):
+    if same_model and grows(same_model, req):
         # An adapter group that grows (a model whose adapters its runner lacks): the larger
         # runner loads beside it where it fits now, while the old one serves on; once ready it
-        # takes the group's requests and the old one drains (:func:`_superseded`). Where it
+        # takes the group's requests and the old one drains (:func:`~trioshed.core.group_plan.superseded`). Where it
         # does not fit, a swap like any other (below).
         beside = sim.place(place, req, projected=False)
         if isinstance(beside, Placement) and beside.n_gpu_layers >= capacity.n_gpu_layers and sim.count(projected=False) < machine.max_loaded:
@@ -306,7 +312,7 @@ def _plan_one(
                 return "wait"
         for r in same_model:
             if not r.evicting and r.state is RunnerState.READY:
-                why = _reload_reason(r.model, req.model)
+                why = reload_reason(r.model, req.model)
                 actions.append(Evict(r.id, f"reload: {why}"))
                 sim.set(replace(r, evicting=True))
         return "wait"
@@ -430,40 +436,6 @@ def _plan_one(
         )))  # fmt: skip
         return "failed"
     return wait(f"{machine.max_loaded} runners loaded (TRIOSHED_MAX_LOADED_MODELS) and none can be evicted", wanted)
-
-
-def _grows(same_model: Sequence[RunnerView], req: RequestView) -> bool:
-    """Whether every runner of ``req``'s model file left is an adapter group's runner that lacks
-    ``req``'s adapters and would serve it with them (same base, options that fit)."""
-    grown = runner_model(req.model, embedding=req.options.embedding)
-    live = [r for r in same_model if not r.leaving]
-    return bool(live) and all(
-        selects(r.model) and not same_files(r.model, req.model) and can_serve(replace(r, model=grown), req.model, req.options)
-        for r in live
-    )
-
-
-def _superseded(runners: Sequence[RunnerView]) -> list[RunnerView]:
-    """Ready adapter-group runners that another ready runner of the same base serves in full
-    (all their adapters, options at least as large): a group that grew. They drain: no new
-    lease, unloaded once their leases end."""
-    ready = [r for r in runners if r.state is RunnerState.READY and not r.leaving and selects(r.model)]
-    out = []
-    for r in ready:
-        for q in ready:
-            if q.id != r.id and same_base(q.model, r.model) and set(r.model.adapters) < set(q.model.adapters) and can_serve(q, r.model, r.options):
-                out.append(r)
-                break
-    return out
-
-
-def _reload_reason(runner: ModelSpec, wanted: ModelSpec) -> str:
-    """Why a runner of this model file is loaded again for ``wanted``."""
-    if same_files(runner, wanted):
-        return "options changed"
-    if same_base(runner, wanted):
-        return "adapters added to its group"
-    return "model file changed"
 
 
 def _gib(n: int) -> str:

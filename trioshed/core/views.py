@@ -90,6 +90,12 @@ class RequestView:
     #: smaller): a size that would spill layers to system memory, or evict other models, where
     #: that one would not, fails with SmallerContextPreferred for the scheduler to try a smaller one
     floor_estimate: MemoryEstimate | None = None
+    #: an adapter-model whose group's runner holds other models' adapters too: its estimate
+    #: with only its own adapters (None otherwise): a group too large for the memory is served by
+    #: runners of fewer adapters (``core.group_plan``)
+    alone_estimate: MemoryEstimate | None = None
+    #: the runner to load for it (None: :func:`trioshed.core.adapters.runner_model`'s)
+    runner: ModelSpec | None = None
 
     @functools.cached_property
     def key(self) -> tuple[object, ...]:
