@@ -18,17 +18,18 @@ others. That costs a load and a second copy of the base in memory, so the rule a
 - **room**: it fits beside the runners loaded now, without evicting any (the caller's
   placement says so).
 
-Pure: no I/O, no clock; the caller keeps each set's demand (:class:`SetDemand`).
+Pure: no I/O, no clock; each group's runner keeps its :class:`DemandMeter`, fed by the planner.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from trioshed.core.adapter_turns import AdapterSet
 
-__all__ = ["ALTERNATION_PRICE", "SUSTAINED", "WINDOW", "SetDemand", "own_runner"]
+__all__ = ["ALTERNATION_PRICE", "SUSTAINED", "WINDOW", "DemandMeter", "SetDemand", "own_runner"]
 
 #: Seconds of demand the rule looks back over.
 WINDOW = 60.0
@@ -69,3 +70,52 @@ def own_runner(
     others = sum(d.share for d in active if d is not hot)
     lost = window * min(others, 1.0) * (1.0 - price)
     return hot.adapters if lost > load_seconds else None
+
+
+class DemandMeter:
+    """A group runner's demand per adapter set, over about the last ``window`` seconds: each
+    set's seconds with at least ``slots`` requests running or waiting, and its share of the
+    slot-seconds, as exponentially decaying integrals (time constant ``window``: a set that
+    always fills the slots reads ``window`` seconds full). Fed at each change with the counts
+    that held since the last one; ``now`` is given, never read."""
+
+    def __init__(self, window: float = WINDOW) -> None:
+        self.window = window
+        self._at: float | None = None
+        self._counts: dict[AdapterSet, tuple[int, int]] = {}  # set -> (running, waiting) since _at
+        self._slots = 1
+        self._full: dict[AdapterSet, float] = {}
+        self._held: dict[AdapterSet, float] = {}
+
+    def update(self, now: float, counts: Mapping[AdapterSet, tuple[int, int]], slots: int) -> None:
+        """The counts (running, waiting per set) from ``now`` on; what held before is counted."""
+        self._advance(now)
+        self._counts = {k: v for k, v in counts.items() if v != (0, 0)}
+        self._slots = max(1, slots)
+
+    def _advance(self, now: float) -> None:
+        if self._at is not None and now > self._at:
+            dt = now - self._at
+            keep = math.exp(-dt / self.window)
+            gained = self.window * (1.0 - keep)  # the decayed integral of 1 over dt
+            for table in (self._full, self._held):
+                for k in list(table):
+                    table[k] *= keep
+                    if table[k] < 1e-6:
+                        del table[k]
+            for k, (running, waiting) in self._counts.items():
+                if running + waiting >= self._slots:
+                    self._full[k] = self._full.get(k, 0.0) + gained
+                if running:
+                    self._held[k] = self._held.get(k, 0.0) + gained * min(running, self._slots) / self._slots
+        if self._at is None or now > self._at:
+            self._at = now
+
+    def demand(self, now: float) -> tuple[SetDemand, ...]:
+        """Each set's demand up to ``now``, in :class:`SetDemand`'s terms."""
+        self._advance(now)
+        sets = set(self._full) | set(self._held)
+        return tuple(
+            SetDemand(k, self._full.get(k, 0.0), self._held.get(k, 0.0) / self.window)
+            for k in sorted(sets)
+        )

@@ -39,7 +39,13 @@ from dataclasses import dataclass, replace
 from trioshed.core.adapter_turns import by_turns
 from trioshed.core.adapters import runner_model
 from trioshed.core.fairshare import fair_order
-from trioshed.core.group_plan import grows, own_adapters_only, reload_reason, superseded
+from trioshed.core.group_plan import (
+    grows,
+    own_adapters_only,
+    own_runner_for,
+    reload_reason,
+    superseded,
+)
 from trioshed.core.model import DoesNotFit, ModelSpec, Placement
 from trioshed.core.placement import gpu_layer_count
 from trioshed.core.queue import SwapQueue
@@ -208,7 +214,7 @@ def plan(
         actions.append(Load(req.id, placement, req.runner))
         model = req.runner or runner_model(req.model, embedding=req.options.embedding)
         sim.add(RunnerView(new_id, model, req.options, RunnerState.LOADING, usage=usage_of(placement), last_used=now,
-                           pinned=req.model.pinned))  # fmt: skip
+                           pinned=req.model.pinned, own=req.runner is not None))  # fmt: skip
         new_id -= 1
 
     for old in superseded(runners):
@@ -253,8 +259,15 @@ def _plan_one(
             if r.state is RunnerState.READY and r.leases < r.slots and (queue is None or queue.open_to(r, req))
         ]
         if not ready:
+            own = own_runner_for(req, usable)
+            if own is not None:  # a hot adapter set: a runner of its own, where it fits now
+                room = sim.place(place, own, projected=False)
+                if isinstance(room, Placement) and sim.count(projected=False) < machine.max_loaded:
+                    load(own, room)
+                    return "loading"
             return "wait"  # joins the load, or waits for a free slot
-        target = min(ready, key=lambda r: (r.leases, r.id))
+        # the runner with the fewest adapters that serves it (a hot set's own before its group's)
+        target = min(ready, key=lambda r: (len(r.model.adapters), r.leases, r.id))
         actions.append(Dispatch(req.id, target.id))
         sim.set(replace(target, leases=target.leases + 1, last_used=now))
         sim.touched.add(target.id)

@@ -24,6 +24,7 @@ from trioshed.core.model import (
     Placement,
     RunnerOptions,
 )
+from trioshed.core.own_runner import SetDemand
 
 CPU_ID = "cpu"
 
@@ -55,6 +56,13 @@ class RunnerView:
     #: An adapter group's runner: the turns its adapter sets take (``core.adapter_turns``);
     #: None for any other runner.
     turns: Turns | None = None
+    #: An adapter group's runner: each adapter set's demand on it lately (``core.own_runner``),
+    #: and how long its load took
+    demand: tuple[SetDemand, ...] = ()
+    load_seconds: float = 0.0
+    #: A runner of one model's own adapters beside its group's (a hot adapter set's, or under
+    #: memory pressure): never superseded by the group's runner
+    own: bool = False
 
     @property
     def slots(self) -> int:
