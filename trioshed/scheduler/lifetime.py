@@ -141,22 +141,23 @@ class Runners(Mapping[int, Runner]):
 
     def start(
         self, runner_id: int, model: ModelSpec, options: RunnerOptions, placement: Placement, estimate: MemoryEstimate,
-        *, keep_alive: float, runner_nursery: trio.Nursery,
+        *, keep_alive: float, runner_nursery: trio.Nursery, runner: ModelSpec | None = None,
     ) -> Runner:  # fmt: skip
         """A new runner for ``model`` (with ``options``): loaded, then served, in a task of
         ``runner_nursery`` (the scheduler's). An adapter-model's runner loads its whole group
-        (:func:`trioshed.core.adapters.runner_model`), and serves every member."""
+        (:func:`trioshed.core.adapters.runner_model`), and serves every member; ``runner``: the
+        runner's own spec where the plan chose another (one model's adapters only)."""
         now = trio.current_time()
-        model = runner_model(model, embedding=options.embedding)
-        runner = Runner(
-            runner_id, model, options, placement, estimate, keep_alive=keep_alive,
-            pinned=self._session_pins.get(model.path, model.pinned), last_used=now, load_started=now,
+        spec = runner if runner is not None else runner_model(model, embedding=options.embedding)
+        started = Runner(
+            runner_id, spec, options, placement, estimate, keep_alive=keep_alive,
+            pinned=self._session_pins.get(spec.path, spec.pinned), last_used=now, load_started=now, own=runner is not None,
         )  # fmt: skip
-        self._runners[runner.id] = runner
+        self._runners[started.id] = started
         self.counters["loads"] += 1
-        self._owner.note("load", runner.model)
-        runner_nursery.start_soon(self._life, runner, name=f"runner {runner.model.name}")
-        return runner
+        self._owner.note("load", started.model)
+        runner_nursery.start_soon(self._life, started, name=f"runner {started.model.name}")
+        return started
 
     def evict(self, runner: Runner, reason: str) -> None:
         """Take ``runner`` out of service (``reason``): no new lease; unloaded once its leases

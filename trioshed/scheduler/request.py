@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import trio
@@ -46,6 +47,9 @@ class Request:
     floor: int = 0  # the smallest automatic num_ctx it may be loaded at (0: num_ctx set, never lowered)
     floor_estimate: MemoryEstimate | None = None  # its estimate at that size
     shrunk: Shrunk | None = None  # where its automatic context was made smaller, and why
+    #: an adapter-model's estimate with only its own adapters, at given options (None: its
+    #: group's runner holds no other model's): ``RequestView.alone_estimate``
+    alone: Callable[[RunnerOptions], MemoryEstimate] | None = None
 
     @functools.cached_property
     def view(self) -> RequestView:
@@ -53,6 +57,7 @@ class Request:
             self.id, self.model, self.options, self.estimate, priority=self.model.priority,
             held_since=self.held_since, tenant=self.key.name, share=self.share, arrived=self.queued_at,
             floor_estimate=self.floor_estimate if self.options.num_ctx > self.floor else None,
+            alone_estimate=self.alone(self.options) if self.alone is not None else None,
         )  # fmt: skip
 
     @property
@@ -66,6 +71,7 @@ class Request:
             self.id, self.model, self.options, self.keep_alive, self.estimate, arrived=self.arrived,
             held_since=self.held_since, key=self.key, share=self.share, queued_at=self.queued_at,
             retries=self.retries + 1, floor=self.floor, floor_estimate=self.floor_estimate, shrunk=self.shrunk,
+            alone=self.alone,
         )  # fmt: skip
 
     def held(self, now: float) -> None:

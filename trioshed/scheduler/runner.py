@@ -18,6 +18,7 @@ from trioshed.core import views
 from trioshed.core.adapter_turns import Turns
 from trioshed.core.adapters import adapter_set, selects
 from trioshed.core.model import MemoryEstimate, ModelSpec, Placement, RunnerOptions
+from trioshed.core.own_runner import DemandMeter
 from trioshed.core.queue import RECENTLY_USED
 from trioshed.core.views import RunnerState
 from trioshed.errors import RunnerCrashed
@@ -92,8 +93,12 @@ class Runner:
     #: The models it served, by name (one, unless it is an adapter group's runner): which are
     #: warm (/api/ps lists each) and how long it stays (:meth:`stays_for`).
     members: dict[str, Member] = field(default_factory=dict)
-    #: An adapter group's runner: the turns its adapter sets take (``core.adapter_turns``).
+    #: An adapter group's runner: the turns its adapter sets take (``core.adapter_turns``), and
+    #: each set's demand on it (``core.own_runner``, fed by the planning pass).
     turns: Turns = field(default_factory=Turns)
+    meter: DemandMeter = field(default_factory=DemandMeter)
+    #: A runner of one model's own adapters beside its group's (``core.group_plan``).
+    own: bool = False
 
     def lease(self, keep_alive: float, now: float, model: ModelSpec | None = None) -> None:
         """A request (for ``model``) takes a slot (at ``now``): the runner stays while leased,
@@ -230,4 +235,7 @@ class Runner:
             came_back=self.came_back,
             exited=exited,
             turns=self.turns if selects(self.model) else None,
+            demand=self.meter.demand(trio.current_time()) if selects(self.model) else (),
+            load_seconds=self.load_duration,
+            own=self.own,
         )
