@@ -11,11 +11,12 @@ from __future__ import annotations
 import logging
 import signal
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import trio
 
 from trioshed.api.state import AppState
+from trioshed.core.adapters import runner_model, selects, serves
 from trioshed.core.model import ModelSpec
 from trioshed.errors import TrioshedError
 
@@ -30,16 +31,28 @@ class ReloadReport:
 
 
 def stale(loaded: list[ModelSpec], resolve: Callable[[str], ModelSpec]) -> list[ModelSpec]:
-    """The loaded specs that no longer resolve to themselves (pure; ``resolve`` may raise)."""
+    """The loaded specs that no longer resolve to themselves (pure; ``resolve`` may raise).
+
+    An adapter group's runner was started from its group's spec (:func:`runner_model`): it stays
+    while its model resolves to the same runner but for the group's adapters, and the runner
+    still holds the model's own (a group that grew since is served by a larger runner when a
+    request needs one)."""
     out = []
     for spec in loaded:
         try:
             current = resolve(spec.name)
         except TrioshedError:
             current = None
-        if current != spec:
+        if current != spec and not _same_runner(spec, current):
             out.append(spec)
     return out
+
+
+def _same_runner(runner: ModelSpec, current: ModelSpec | None) -> bool:
+    if current is None or not selects(runner):
+        return False
+    grown = runner_model(current)
+    return serves(runner, current) and replace(grown, adapters=runner.adapters, group=runner.group) == runner
 
 
 async def reload_models(state: AppState) -> ReloadReport:

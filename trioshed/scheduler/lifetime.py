@@ -178,14 +178,14 @@ class Runners(Mapping[int, Runner]):
 
     def unload(self, model: ModelSpec) -> list[Runner]:
         """Unload every runner of ``model``'s file (one with leases once they end); returns them.
-        An adapter group's runner that other models of its group keep warm stays: ``model`` is
-        no longer one of its warm models."""
+        An adapter group's runner that other models of its group keep warm stays: ``model`` (one
+        of its models, not the runner's own spec) is no longer one of its warm models."""
         now = trio.current_time()
         runners = []
         for r in self._runners.values():
             if r.model.path != model.path:
                 continue
-            if selects(r.model) and any(adapter_set(m.model) != adapter_set(model) for m in r.warm_members(now)):
+            if model != r.model and selects(r.model) and any(adapter_set(m.model) != adapter_set(model) for m in r.warm_members(now)):
                 r.members.pop(model.name, None)
                 continue
             runners.append(r)
