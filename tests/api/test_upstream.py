@@ -153,6 +153,7 @@ class _Lease:
         self.shrunk: Shrunk | None = None
         self.rerun_after: RunnerError | None = None
         self.released = False
+        self.lora: list[dict[str, object]] | None = None  # no adapters to select
 
     async def death(self) -> RunnerCrashed | None:
         return None  # no child: a broken connection is never a death

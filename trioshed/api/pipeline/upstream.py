@@ -20,6 +20,8 @@ from quart import Response
 
 from trioshed.api.pipeline.drain import current_guard
 from trioshed.api.protocols.errors import context_error
+from trioshed.api.protocols.lora import with_lora
+from trioshed.core.adapters import selects
 from trioshed.core.model import ModelSpec, RunnerOptions
 from trioshed.errors import RunnerCrashed, RunnerStalled, TrioshedError, UpstreamError
 from trioshed.keys import ANONYMOUS, ApiKey
@@ -51,9 +53,10 @@ async def restore_warm(lease: LeaseView, path: str, body: dict[str, Any] | bytes
     the saved slot its prompt continues (``trioshed.runner.slots``; a no-op once every slot has
     been used). Bounded like every wait on the runner; a failed restore is logged, not raised."""
     slots = lease.handle.slots
-    if slots is not None and slots.may_restore(path):
+    lora = lease.lora
+    if slots is not None and slots.may_restore(path, lora):
         started = trio.current_time()
-        restored = await step(lease, lambda: slots.restore_for(path, body))
+        restored = await step(lease, lambda: slots.restore_for(path, body, lora))
         if restored is not None and (trace := current_trace.get()) is not None:
             trace.restore_seconds = trio.current_time() - started
 
@@ -182,8 +185,8 @@ async def open_upstream_bytes(lease: LeaseView, path: str, body: dict[str, Any] 
     of the body is handed on (the context is entered with it in hand) is replaced: the request
     runs again on a new runner (see :mod:`trioshed.scheduler.lease`).
     """
-    payload = body if isinstance(body, bytes) else _encode(body)
     while True:
+        payload = _payload(lease, path, body)
         await restore_warm(lease, path, body)
         pool = lease.handle.upstream
         handed_on = False
@@ -242,6 +245,16 @@ async def _line_batches(chunks: AsyncIterator[bytes]) -> AsyncGenerator[list[byt
         yield [rest]
 
 
+def _payload(lease: LeaseView, path: str, body: dict[str, Any] | bytes) -> bytes:
+    """``body`` as sent to the lease's runner now: with the request's ``lora`` list for that
+    runner (an adapter group's: :mod:`trioshed.api.protocols.lora`; again after a rerun, whose
+    runner may number its adapters otherwise)."""
+    lora = lease.lora
+    if lora is not None:
+        body = with_lora(path, body, lora, selects=selects(lease.model))
+    return body if isinstance(body, bytes) else _encode(body)
+
+
 def _encode(body: dict[str, Any]) -> bytes:
     return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
 
@@ -261,13 +274,12 @@ async def request_upstream(
     """Send ``method path`` (with ``body``, JSON or bytes, for a POST) to the runner; return the
     status, headers and whole body of its answer, whatever the status. Runs again on a new
     runner when this one dies first, as :func:`post_upstream_raw`."""
-    payload = body if isinstance(body, bytes) else _encode(body)
-
     async def call(pool: Upstream) -> tuple[int, dict[str, str], bytes]:
         async with pool.request(method, path, payload) as response:
             return response.status, dict(response.headers), await response.read()
 
     while True:
+        payload = _payload(lease, path, body) if method == "POST" else (body if isinstance(body, bytes) else _encode(body))
         if method == "POST":
             await restore_warm(lease, path, body)
         try:
