@@ -151,3 +151,21 @@ async def test_metrics_need_a_key_unless_made_public(model_store: Path) -> None:
         async with open_test_server(model_store, api_key=KEY, metrics_public=True) as server, httpx.AsyncClient(base_url=server.base_url) as http:
             assert (await http.get("/metrics")).status_code == 200
             assert (await http.post("/api/show", json={"model": "tiny"})).status_code == 401  # only /metrics
+
+
+def test_an_adapter_group_s_warm_models_are_running_adapters() -> None:
+    """A group's runner serves each of its warm models without a load: each is listed running;
+    a model waited for that no ready runner serves is waiting."""
+    import math
+
+    from trioshed.api.observe.gateway import adapters
+    from trioshed.core.model import Placement
+    from trioshed.scheduler.stats import MemberStats, QueueStats, RunnerStats, SchedulerStatistics
+
+    group = RunnerStats(1, "a1:latest", "/m/base.gguf", "ready", 1, 2, 0, False, None, 300.0, math.inf, 1, 0, 512, 0.1,
+                        Placement(0), None, None, members=(MemberStats("a2:latest", 1, math.inf), MemberStats("base:latest", 0, 10.0)),  # type: ignore[arg-type]
+                        adapters=("/m/l1.gguf", "/m/l2.gguf"))  # fmt: skip
+    stats = SchedulerStatistics(queued=2, leased=1, loaded=1, loading=0, unloading=0, runners=(group,), loads=1, unloads=0,
+                                crashes=0, load_failures=0, rejected=0,
+                                queue=(QueueStats("a2:latest", "", 1, 0.0), QueueStats("a5:latest", "", 1, 0.0)))  # fmt: skip
+    assert adapters(stats) == (["a1", "a2", "base"], ["a5"])

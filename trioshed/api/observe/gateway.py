@@ -11,14 +11,16 @@ and routes by four readings; trioshed gives them for the whole pod, one series e
   ``GET /slots``: :mod:`trioshed.runner.occupancy`) over the cells of every ready runner
   (``--ctx-size``: the context per slot times the slots); 0 with no runner ready;
 - :data:`ADAPTERS`: the LoRA adapter info, whose labels the picker parses: ``running_lora_adapters``
-  (the models with a ready runner, comma-separated), ``waiting_lora_adapters`` (models that
-  requests wait for and that have no ready runner: loading, or waiting for room) and
-  ``max_lora`` (how many models it holds at once: ``TRIOSHED_MAX_LOADED_MODELS``, 3 per GPU when
-  automatic). In trioshed an adapter is a model like any other (a ``models.toml`` entry with
-  ``adapters`` runs as its own runner), so every model is listed, as ``/v1/models`` names it (no
-  ``:latest``): the picker's adapter affinity then sends a request to the pod where its model
-  is warm. The value is the time of the last reading of the slots (the picker takes the newest
-  series).
+  (the models a ready runner serves now without a load, comma-separated: a plain model's
+  runner its model, an adapter group's runner every warm model of its group), ``waiting_lora_adapters``
+  (models that requests wait for and that no ready runner serves: loading, a group growing, or
+  waiting for room) and ``max_lora``: the adapter sets the pod serves in one decode step. A
+  runner runs one adapter set per step (llama-server batches only requests of one set; a group's
+  members take turns), so that is one per runner it holds at once:
+  ``TRIOSHED_MAX_LOADED_MODELS``, 3 per GPU when automatic. Every model is listed as
+  ``/v1/models`` names it (no ``:latest``): the picker's adapter affinity then sends a request
+  to the pod where its model is warm, an adapter-model to the pod whose group runner holds it.
+  The value is the time of the last reading of the slots (the picker takes the newest series).
 
 The names carry trioshed's own prefix; the picker reads them through the ``engineConfigs`` entry
 shipped in ``packaging/kubernetes/`` (a test reads that file, so the two cannot drift).
@@ -72,9 +74,14 @@ def kv_usage(runners: Iterable[RunnerStats], occupancy: Mapping[int, SlotOccupan
 def adapters(stats: SchedulerStatistics) -> tuple[list[str], list[str]]:
     """The models with a ready runner, and those requests wait for that have none (names as
     ``/v1/models`` gives them)."""
-    running = {_short(r.model) for r in stats.runners if r.state == _READY}
+    running = {_short(name) for r in stats.runners if r.state == _READY for name in _serves(r)}
     waiting = {_short(q.model) for q in stats.queue if q.waiting} | {_short(r.model) for r in stats.runners if r.state == _LOADING}
     return sorted(running), sorted(waiting - running)
+
+
+def _serves(r: RunnerStats) -> list[str]:
+    """The models a runner serves now: its model, and an adapter group's warm members."""
+    return [r.model, *(m.name for m in r.members)] if r.adapters else [r.model]
 
 
 def _short(name: str) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -117,8 +118,23 @@ async def ps() -> Any:
             out["rpc_servers"] = list(r.placement.endpoints)
         return out
 
+    def rows(r: RunnerStats) -> list[dict[str, Any]]:
+        """A runner's rows: one per warm model of an adapter group (its size on the first)."""
+        members = [m for m in r.members if key.may_use(m.name)]
+        if len(r.members) <= 1 or not r.adapters:
+            return [entry(r)] if key.may_use(r.model) else []
+        out = []
+        for i, m in enumerate(members):
+            row = entry(replace(r, model=m.name, spec=m.spec or r.spec, expires_at=m.expires_at))
+            if i:
+                row.update(size=0, size_vram=0)
+                if isinstance(row.get("runner"), dict):
+                    row["runner"]["shared_with"] = members[0].name
+            out.append(row)
+        return out
+
     key = current_key.get()
-    out = await trio.to_thread.run_sync(lambda: [entry(r) for r in stats.runners if key.may_use(r.model)])
+    out = await trio.to_thread.run_sync(lambda: [row for r in stats.runners for row in rows(r)])
     body: dict[str, Any] = {"models": out}
     store = st.usage.statistics() if st.usage is not None and key.admin else None
     if store is not None and (store.kind != "sqlite" or not store.reachable):
