@@ -54,6 +54,7 @@ __all__ = [
     "adapter_set",
     "group_of",
     "lora_field",
+    "own_only",
     "runner_model",
     "scales_of",
     "selects",
@@ -104,6 +105,16 @@ def runner_model(spec: ModelSpec, *, embedding: bool = False) -> ModelSpec:
     if spec.adapters == group and spec.group == group and not spec.adapter_scales:
         return spec
     return replace(spec, adapters=group, adapter_scales=(), group=group)
+
+
+def own_only(spec: ModelSpec, *, embedding: bool = False) -> ModelSpec | None:
+    """``spec`` without its group, where its group's runner holds other models' adapters too
+    (a runner of its own adapters only is then smaller: the plan's choice under memory pressure
+    and for a hot adapter set); None where it would be the same runner."""
+    if embedding or not spec.group:
+        return None
+    alone = replace(spec, group=())
+    return alone if runner_model(alone).adapters != runner_model(spec).adapters else None
 
 
 def selects(runner: ModelSpec) -> bool:

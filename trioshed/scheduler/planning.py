@@ -18,11 +18,12 @@ from dataclasses import dataclass
 import trio
 
 from trioshed.core import sched
-from trioshed.core.model import Placement
+from trioshed.core.model import ModelSpec, Placement
 from trioshed.core.queue import Waiting
 from trioshed.core.sched import Dispatch, Evict, Fail, Load, Machine
 from trioshed.devices import DeviceSource
 from trioshed.devices.rpc import RemoteDevices
+from trioshed.scheduler.adapter_demand import feed_demand
 from trioshed.scheduler.lifetime import Runners
 from trioshed.scheduler.queue import RequestQueue
 from trioshed.scheduler.request import Request
@@ -60,7 +61,7 @@ class Planning:
         queue: RequestQueue,
         resizer: Resizer,
         dispatch: Callable[[Request, Runner], None],
-        start_load: Callable[[Request, Placement], Runner],
+        start_load: Callable[[Request, Placement, ModelSpec | None], Runner],
         record: list[tuple[str, str]] | None,
     ) -> None:
         self._waiting = waiting
@@ -101,6 +102,7 @@ class Planning:
                 r.closed_from = math.inf
             return False
         self.counters["passes"] += 1
+        feed_demand(self._runners.values(), self._waiting, now)  # adapter groups: each set's demand
         requests = self._waiting.by_id.copy()
         actions = sched.plan(
             [r.view for r in self._waiting],
@@ -123,8 +125,8 @@ class Planning:
                 case Dispatch(request=rid, runner=runner_id):
                     runner = self._runners.get(runner_id) or provisional[runner_id]
                     self._dispatch(requests[rid], runner)
-                case Load(request=rid, placement=placement):
-                    runner = self._start_load(requests[rid], placement)
+                case Load(request=rid, placement=placement, model=model):
+                    runner = self._start_load(requests[rid], placement, model)
                     provisional[-(len(provisional) + 1)] = runner
                 case Evict(runner=runner_id, reason=reason):
                     self._runners.evict(self._runners[runner_id], reason)

@@ -31,7 +31,7 @@ from typing import NoReturn
 import trio
 from trio_util import RepeatedEvent
 
-from trioshed.core import admission, queue, sched
+from trioshed.core import adapters, admission, queue, sched
 from trioshed.core.admission import Tenant
 from trioshed.core.fairshare import FairShare
 from trioshed.core.model import ModelSpec, Placement, RunnerOptions
@@ -223,7 +223,9 @@ class Scheduler:
             estimate = self._estimator(model, options)  # cached GGUF header read: microseconds once warm
         except (OSError, ValueError) as exc:
             raise unreadable(model.name, model.path, exc) from None
+        own = adapters.own_only(model, embedding=options.embedding)  # an adapter group's smaller runner
         return Request(
+            alone=functools.partial(self._estimator, own) if own is not None else None,
             id=next(self._ids),
             model=model,
             options=options,
@@ -411,18 +413,21 @@ class Scheduler:
         now = trio.current_time()
         req.idle_for = now - runner.last_used if runner.leases == 0 and runner.served > 0 else 0.0
         req.load_duration = runner.load_duration if runner.served == 0 else 0.0
-        runner.lease(req.keep_alive, now)
+        runner.lease(req.keep_alive, now, req.model)
         self._fair.dispatched(req.share)
         self._note("dispatch", req.model)
         self._queue.finish(req, runner=runner)
         self.changed_at = now
         self._changes.set()  # leased: waiters look again
 
-    def _start_load(self, req: Request, placement: Placement) -> Runner:
+    def _start_load(self, req: Request, placement: Placement, model: ModelSpec | None = None) -> Runner:
+        """Start a runner for ``req`` (``model``: the runner the plan chose, one of its model's
+        own adapters only; else the one its model gives)."""
         assert self._nursery is not None
+        estimate = req.alone(req.options) if model is not None and req.alone is not None else req.estimate
         runner = self._runners.start(
-            next(self._ids), req.model, req.options, placement, req.estimate, keep_alive=req.keep_alive,
-            runner_nursery=self._nursery,
+            next(self._ids), req.model, req.options, placement, estimate, keep_alive=req.keep_alive,
+            runner_nursery=self._nursery, runner=model,
         )  # fmt: skip
         log.info(
             "loading %s: context %d tokens per slot x %d slot(s), batch %d", req.model.name,
