@@ -122,3 +122,21 @@ def test_a_projector_on_a_gpu_and_two_projector_contexts() -> None:
     assert m.projector == {"Vulkan0": round(0.09 * MiB) + round(0.13 * MiB)}
     assert m.projector_compute == {"Vulkan0": round(0.04 * MiB) + round(3.66 * MiB)}
     assert m.compute == {"CPU": round(1.51 * MiB)}
+
+
+def test_lora_buffers_are_summed_per_buffer_and_counted_with_the_rest() -> None:
+    """Each adapter reports a line per buffer it uses (the buffer of the layers it adapts):
+    measured on b10068 with two adapters and ``-ngl 2`` on Vulkan."""
+    log = GEMMA_LOG + """\
+0.01.300.000 I llama_adapter_lora_init_impl: loading lora adapter from '/m/a.gguf' ...
+0.01.300.001 I llama_adapter_lora_init_impl:      Vulkan0 LoRA buffer size =     0.16 MiB
+0.01.300.002 I llama_adapter_lora_init_impl:   CPU_Mapped LoRA buffer size =     0.31 MiB
+0.01.300.003 I llama_adapter_lora_init_impl: loaded 12 tensors from lora file
+0.01.300.004 I llama_adapter_lora_init_impl:      Vulkan0 LoRA buffer size =     0.06 MiB
+0.01.300.005 I llama_adapter_lora_init_impl:   CPU_Mapped LoRA buffer size =     0.12 MiB
+"""
+    m = parse_memory_log(log)
+    assert m is not None
+    assert m.adapters == {"Vulkan0": round(0.16 * MiB) + round(0.06 * MiB), "CPU_Mapped": round(0.31 * MiB) + round(0.12 * MiB)}
+    assert m.by_backend()["Vulkan0"] == sum(v for k, v in m.adapters.items() if k == "Vulkan0")
+    assert m.total == parse_memory_log(GEMMA_LOG).total + sum(m.adapters.values())  # type: ignore[union-attr]

@@ -132,6 +132,8 @@ def test_provision_reports_features_and_choice_in_one_line() -> None:
 def test_every_flag_trioshed_passes_is_one_the_binary_knows() -> None:
     """The pinned build (b10068) must accept every flag build_command() can emit; a new pin that
     drops or renames one fails here, not in a user's load."""
+    from dataclasses import replace
+
     from trioshed.core.model import ModelSpec, Placement, RunnerOptions
     from trioshed.runner.command import build_command
 
@@ -150,6 +152,8 @@ def test_every_flag_trioshed_passes_is_one_the_binary_knows() -> None:
             port=1,
         ),
         build_command(server.path, model, RunnerOptions(), Placement(0), port=1),
+        # an embedding runner's adapters at fixed scales other than 1
+        build_command(server.path, replace(model, adapter_scales=(0.5,)), RunnerOptions(embedding=True), Placement(0), port=1),
         build_command(server.path, model, RunnerOptions(speculation="ngram"), Placement(0), port=1),
         build_command(
             server.path, model, RunnerOptions(draft="/d.gguf", flash_attention=True, kv_cache_type="q8_0"),
@@ -159,7 +163,7 @@ def test_every_flag_trioshed_passes_is_one_the_binary_knows() -> None:
     flags = {arg for argv in argvs for arg in argv[1:] if arg.startswith("--")}
     assert flags >= {"--fit", "--log-verbosity", "--n-gpu-layers", "--device", "--tensor-split", "--embeddings",
                      "--spec-type", "--spec-ngram-simple-size-n", "--model-draft", "--spec-draft-ngl", "--device-draft",
-                     "--cache-type-k-draft"}  # fmt: skip
+                     "--cache-type-k-draft", "--lora", "--lora-scaled"}  # fmt: skip
     assert sorted(flags - known) == []
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -11,6 +12,7 @@ import trio
 
 from tests.conftest import add_tiny
 from tests.support.serve_process import serve_process
+from trioshed.core.adapters import runner_model
 from trioshed.core.model import ModelSpec
 from trioshed.errors import ModelNotFound
 from trioshed.reload import stale
@@ -28,6 +30,15 @@ def test_stale_is_what_no_longer_resolves_to_itself() -> None:
         return now[name]
 
     assert stale([a, b, c], resolve) == [b, c]
+
+
+def test_a_reload_keeps_a_group_s_runner_while_its_models_resolve_to_it() -> None:
+    a1 = ModelSpec("a1:latest", "/m/base.gguf", adapters=("/m/l1.gguf",), group=("/m/l1.gguf", "/m/l2.gguf"))
+    runner = runner_model(a1)
+    assert stale([runner], lambda name: a1) == []
+    assert stale([runner], lambda name: replace(a1, group=("/m/l1.gguf", "/m/l2.gguf", "/m/l4.gguf"))) == []  # grown: served by a larger one on demand
+    assert stale([runner], lambda name: replace(a1, adapters=("/m/l9.gguf",), group=("/m/l9.gguf",))) == [runner]
+    assert stale([runner], lambda name: replace(a1, args=("--jinja",))) == [runner]
 
 
 TOML = """\

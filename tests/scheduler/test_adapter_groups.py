@@ -1,0 +1,197 @@
+"""Adapter groups in the scheduler, with in-process fake runners and simulated time (autojump
+MockClock): one runner serves a base and its adapter-models, each request selects its adapters,
+the adapter sets take turns with a bound, and a group that grows loads its larger runner beside
+the old one, which drains, with no request lost."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, replace
+
+import trio
+import trio.testing
+
+from trioshed.core.model import Device, ModelSpec, RunnerOptions
+from trioshed.devices import DeviceSource
+from trioshed.scheduler import Lease, Scheduler
+from trioshed.testing.fake import FakeFactory, fixed_estimator, simple_place
+
+GiB = 1024**3
+BASE = "/models/alpha.gguf"
+
+
+def member(name: str, *adapters: str, group: tuple[str, ...] = ()) -> ModelSpec:
+    """A model of the ``alpha`` group: ``adapters`` its own, ``group`` every adapter of the group."""
+    return ModelSpec(f"{name}:latest", BASE, adapters=adapters, group=group or GROUP)
+
+
+GROUP = ("/models/l1.gguf", "/models/l2.gguf", "/models/l3.gguf", "/models/l4.gguf")
+MODELS = {
+    "alpha": member("alpha"),
+    **{f"a{i}": member(f"a{i}", f"/models/l{i}.gguf") for i in range(1, 5)},
+}
+
+
+@dataclass
+class Harness:
+    sched: Scheduler
+    factory: FakeFactory
+    record: list[tuple[str, str]]
+    nursery: trio.Nursery
+
+    def events(self, *kinds: str) -> list[tuple[str, str]]:
+        return [e for e in self.record if not kinds or e[0] in kinds]
+
+    async def hold(self, model: ModelSpec, release: trio.Event, *, options: RunnerOptions | None = None,
+                   keep_alive: float | None = None) -> Lease:
+        got: list[Lease] = []
+        ready = trio.Event()
+
+        async def user() -> None:
+            async with self.sched.acquire(model, options or RunnerOptions(), keep_alive) as lease:
+                got.append(lease)
+                ready.set()
+                await release.wait()
+
+        self.nursery.start_soon(user)
+        await ready.wait()
+        return got[0]
+
+    def want(self, model: ModelSpec, got: list[str], *, options: RunnerOptions | None = None,
+             hold: trio.Event | None = None) -> None:
+        """A request in the background that appends its model's name to ``got`` once leased
+        (and holds the lease until ``hold`` is set, if given)."""
+
+        async def user() -> None:
+            async with self.sched.acquire(model, options or RunnerOptions()):
+                got.append(model.short_name)
+                if hold is not None:
+                    await hold.wait()
+
+        self.nursery.start_soon(user)
+
+
+@asynccontextmanager
+async def running(*, system: float = 64, max_loaded: int = 0, load_time: float = 1.0) -> AsyncIterator[Harness]:
+    record: list[tuple[str, str]] = []
+    factory = FakeFactory(load_time=load_time, record=record)
+    devices = DeviceSource((), "declared", accounting_only=True, fixed_system=Device("cpu", "cpu", 0, int(system * GiB), int(system * GiB)))
+    sizes = {name: 1 * GiB for name in (*MODELS, "a5")}
+    sched = Scheduler(devices=devices, factory=factory, estimator=fixed_estimator(sizes), place=simple_place,
+                      max_loaded_models=max_loaded, record=record)  # fmt: skip
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sched.run)
+        yield Harness(sched, factory, record, nursery)
+        nursery.cancel_scope.cancel()
+    assert factory.live == [], "a runner outlived the scheduler"
+
+
+async def test_a_base_and_four_adapter_models_rotating_are_one_load(autojump_clock: trio.testing.MockClock) -> None:
+    async with running() as h:
+        names = ["alpha", "a1", "a2", "a3", "a4"]
+        for i in range(25):
+            spec = MODELS[names[i % 5]]
+            async with h.sched.acquire(spec, RunnerOptions()) as lease:
+                assert lease.model.adapters == GROUP  # the runner holds the whole group
+                wanted = {GROUP.index(a): 1.0 for a in spec.adapters}
+                assert lease.lora == [{"id": k, "scale": wanted.get(k, 0.0)} for k in range(4)]
+        stats = h.sched.statistics()
+        assert (stats.loads, h.factory.started) == (1, 1)
+        assert [m.name for m in stats.runners[0].members] == ["a4:latest", "a3:latest", "a2:latest", "a1:latest", "alpha:latest"]
+
+
+async def test_an_embedding_request_gets_a_runner_with_only_its_adapters(autojump_clock: trio.testing.MockClock) -> None:
+    async with running() as h:
+        async with h.sched.acquire(MODELS["a1"], RunnerOptions()) as lease:
+            assert lease.model.adapters == GROUP
+        async with h.sched.acquire(MODELS["a2"], RunnerOptions(embedding=True, cache_ram_mib=0)) as lease:
+            assert lease.model.adapters == ("/models/l2.gguf",) and not lease.model.group  # fixed: cannot select
+            assert lease.lora == [{"id": 0, "scale": 1.0}]
+        assert h.factory.started == 2
+
+
+async def test_adapter_sets_take_turns_with_a_bound(autojump_clock: trio.testing.MockClock) -> None:
+    """One slot; a1's clients queue ten requests, then one request each for a2 and the base:
+    each other set is served within one turn (one slot) of a1, not after all of a1's."""
+    async with running() as h:
+        release = trio.Event()
+        await h.hold(MODELS["a1"], release)
+        got: list[str] = []
+        for _ in range(10):
+            h.want(MODELS["a1"], got)
+        await trio.testing.wait_all_tasks_blocked()
+        h.want(MODELS["a2"], got)
+        await trio.testing.wait_all_tasks_blocked()
+        h.want(MODELS["alpha"], got)
+        await trio.testing.wait_all_tasks_blocked()
+        release.set()
+        while len(got) < 12:
+            await h.sched.wait_changed()
+        # a1 had the turn: the next slot goes to the set served longest ago (a2, never), then
+        # the base, then a1 again: neither waits for a1's ten. (The order of the grants, as the
+        # scheduler made them: the tasks that got them run in Trio's order.)
+        granted = [name for _, name in h.events("dispatch")][1:]
+        assert granted[:3] == ["a2", "alpha", "a1"] and granted.count("a1") == 10
+
+
+async def test_turns_fill_a_runner_with_one_set_at_a_time(autojump_clock: trio.testing.MockClock) -> None:
+    """Two slots: a turn gives both to one set (they batch in one decode step), then passes."""
+    async with running() as h:
+        options = RunnerOptions(num_parallel=2)
+        first, second = trio.Event(), trio.Event()
+        await h.hold(MODELS["a1"], first, options=options)
+        await h.hold(MODELS["a1"], second, options=options)
+        got: list[str] = []
+        for name in ["a2", "a3", "a2", "a3", "a2", "a3"]:
+            h.want(MODELS[name], got, options=options)
+            await trio.testing.wait_all_tasks_blocked()
+        first.set()
+        second.set()
+        while len(got) < 6:
+            await h.sched.wait_changed()
+        assert [name for _, name in h.events("dispatch")][2:] == ["a2", "a2", "a3", "a3", "a2", "a3"]
+
+
+async def test_a_group_that_grows_loads_beside_and_drains_the_old_runner(autojump_clock: trio.testing.MockClock) -> None:
+    """Three requests hold the group's runner (four slots); a fifth adapter-model (created
+    since) is asked: a larger runner loads beside it, the old one serves on meanwhile (a4 takes
+    its free slot), and once the new one is ready the old one takes nothing new and stops when
+    its requests end. Every request is served."""
+    async with running(load_time=5.0) as h:
+        options = RunnerOptions(num_parallel=4)
+        release = trio.Event()
+        old = [await h.hold(MODELS[f"a{i}"], release, options=options) for i in range(1, 4)]
+        grown = (*GROUP, "/models/l5.gguf")
+        a5 = member("a5", "/models/l5.gguf", group=grown)
+        got: list[str] = []
+        h.want(a5, got, options=options)
+        await trio.testing.wait_all_tasks_blocked()
+        assert h.factory.started == 2  # loading beside, not waiting for the three to end
+        await trio.sleep(1)  # the new runner is still loading: a4 is served by the old one at once
+        during = await h.hold(replace(MODELS["a4"], group=grown), release, options=options)
+        assert during.model.adapters == GROUP
+        while not got:
+            await h.sched.wait_changed()
+        assert got == ["a5"] and h.events("evict") == [("evict", "a1")]  # the old runner drains
+        after = await h.hold(replace(MODELS["a1"], group=grown), release, options=options)
+        assert after.model.adapters == grown  # the new runner takes the group's requests
+        assert all(lease.model.adapters == GROUP for lease in old)
+        release.set()
+        await h.sched.wait_statistics(lambda s: len(s.runners) == 1 and s.leased == 0)
+        stats = h.sched.statistics()
+        assert stats.runners[0].adapters == grown and stats.loads == 2
+        assert h.events("stop") == [("stop", "a1")]
+
+
+async def test_a_member_asked_with_keep_alive_0_leaves_the_group_warm_for_the_others(autojump_clock: trio.testing.MockClock) -> None:
+    async with running() as h:
+        async with h.sched.acquire(MODELS["a1"], RunnerOptions(), 300):
+            pass
+        async with h.sched.acquire(MODELS["a2"], RunnerOptions(), 0):
+            pass
+        await trio.sleep(1)
+        stats = h.sched.statistics()
+        assert len(stats.runners) == 1 and [m.name for m in stats.runners[0].members] == ["a1:latest"]
+        assert await h.sched.unload(MODELS["a1"])  # the last warm member: the runner goes
+        assert h.sched.statistics().runners == ()
