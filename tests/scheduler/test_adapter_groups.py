@@ -5,6 +5,7 @@ the old one, which drains, with no request lost."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
@@ -195,3 +196,87 @@ async def test_a_member_asked_with_keep_alive_0_leaves_the_group_warm_for_the_ot
         assert len(stats.runners) == 1 and [m.name for m in stats.runners[0].members] == ["a1:latest"]
         assert await h.sched.unload(MODELS["a1"])  # the last warm member: the runner goes
         assert h.sched.statistics().runners == ()
+
+
+def _by_adapters(base: float, per_adapter: float):  # type: ignore[no-untyped-def]
+    """An estimator whose runner grows with the adapters it loads (the group's, or a model's own)."""
+    from trioshed.core.adapters import runner_model
+    from trioshed.core.model import MemoryEstimate
+
+    def estimate(model: ModelSpec, options: RunnerOptions) -> MemoryEstimate:
+        total = int((base + per_adapter * len(runner_model(model, embedding=options.embedding).adapters)) * GiB)
+        return MemoryEstimate(weights=total, kv=0, output=0, token_embd=0, compute_full=0, compute_partial=0, layers=(total,))
+
+    return estimate
+
+
+@asynccontextmanager
+async def sized(estimator, *, system: float, max_loaded: int = 0) -> AsyncIterator[Harness]:  # type: ignore[no-untyped-def]
+    record: list[tuple[str, str]] = []
+    factory = FakeFactory(load_time=1.0, record=record)
+    devices = DeviceSource((), "declared", accounting_only=True, fixed_system=Device("cpu", "cpu", 0, int(system * GiB), int(system * GiB)))
+    sched = Scheduler(devices=devices, factory=factory, estimator=estimator, place=simple_place, max_loaded_models=max_loaded, record=record)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sched.run)
+        yield Harness(sched, factory, record, nursery)
+        nursery.cancel_scope.cancel()
+    assert factory.live == [], "a runner outlived the scheduler"
+
+
+async def test_a_group_too_large_for_the_memory_serves_each_model_with_its_own_adapters(autojump_clock: trio.testing.MockClock) -> None:
+    """The base is 4 GiB and each adapter 1 GiB; 6 GiB of memory holds the base with one adapter,
+    never the group of four: each model gets a runner of its own adapters, and they swap, as
+    models without a group do. Nothing fails for want of memory."""
+    async with sized(_by_adapters(4, 1), system=6, max_loaded=1) as h:
+        for name in ("a1", "a2", "a1"):
+            async with h.sched.acquire(MODELS[name], RunnerOptions()) as lease:
+                assert lease.model.adapters == MODELS[name].adapters
+                assert lease.lora == [{"id": 0, "scale": 1.0}]
+        assert h.factory.started == 3
+    async with sized(_by_adapters(4, 1), system=16) as h:  # where it fits: the group's one runner
+        for name in ("a1", "a2", "a1"):
+            async with h.sched.acquire(MODELS[name], RunnerOptions()) as lease:
+                assert lease.model.adapters == GROUP
+        assert h.factory.started == 1
+
+
+async def test_a_hot_adapter_set_gets_a_runner_of_its_own_beside_its_group_s(autojump_clock: trio.testing.MockClock) -> None:
+    """a1's clients keep both slots of the group's runner busy and more waiting for a minute,
+    while a2 has requests too: a runner of a1's adapter alone loads beside (memory allows), and
+    a1's requests go there first; a2's stay on the group's runner."""
+    from trioshed.core.own_runner import WINDOW
+
+    async with sized(_by_adapters(2, 0.1), system=16) as h:
+        options = RunnerOptions(num_parallel=2)
+        done = trio.Event()
+        served: dict[str, list[tuple[str, ...]]] = {"a1": [], "a2": []}
+
+        async def client(name: str, hold: float) -> None:
+            while not done.is_set():
+                async with h.sched.acquire(MODELS[name], options) as lease:
+                    served[name].append(lease.model.adapters)
+                    await trio.sleep(hold)
+
+        own_full_when_group_serves_a1: list[bool] = []
+        ready_at = math.inf
+        async with trio.open_nursery() as nursery:
+            for _ in range(4):
+                nursery.start_soon(client, "a1", 1.0)
+            nursery.start_soon(client, "a2", 1.0)
+            await trio.sleep(WINDOW + 0.125)  # sampled between the instants leases change (whole seconds)
+            while trio.current_time() < 2 * WINDOW:
+                await trio.sleep(0.25)
+                runners = {r.adapters: r for r in h.sched.statistics().runners}
+                own, group = runners.get(("/models/l1.gguf",)), runners[GROUP]
+                if own is None or own.state != "ready":
+                    continue
+                ready_at = min(ready_at, trio.current_time())
+                # (past the leases a1 held on the group's runner before its own was ready)
+                if trio.current_time() > ready_at + 2 and any(m.name == "a1:latest" and m.leases for m in group.members):
+                    own_full_when_group_serves_a1.append(own.leases == own.slots)
+            done.set()
+        assert h.factory.started == 2
+        assert {r.adapters for r in h.sched.statistics().runners} == {GROUP, ("/models/l1.gguf",)}
+        assert ("/models/l1.gguf",) in served["a1"] and set(served["a2"]) == {GROUP}
+        # a1 goes to the group's runner only while its own is full
+        assert own_full_when_group_serves_a1 and all(own_full_when_group_serves_a1)

@@ -109,7 +109,10 @@ def nothing_ahead(req: Queued, waiting: Waiting[Q], runners: Iterable[Serving]) 
 
 
 def free_runner(req: Queued, runners: Iterable[S]) -> S | None:
-    """A runner with a slot free now that serves ``req`` and is open to it (``closed_from``)."""
+    """A runner with a slot free now that serves ``req`` and is open to it (``closed_from``);
+    of several (an adapter group's runner and a hot set's own), the one with the fewest adapters,
+    as the planner chooses."""
+    found: S | None = None
     for runner in runners:
         if (
             runner.model.path == req.model.path
@@ -117,8 +120,11 @@ def free_runner(req: Queued, runners: Iterable[S]) -> S | None:
             and req.id < runner.closed_from
             and can_serve(runner.view(), req.model, req.options)
         ):
-            return runner
-    return None
+            if not runner.model.adapters:
+                return runner
+            if found is None or len(runner.model.adapters) < len(found.model.adapters):
+                found = runner
+    return found
 
 
 def hand_over(runner: Serving, waiting: Waiting[Q], tenants_waiting: Iterable[int]) -> Q | None:
@@ -135,9 +141,10 @@ def hand_over(runner: Serving, waiting: Waiting[Q], tenants_waiting: Iterable[in
     if oldest.id >= runner.closed_from:
         return None  # a request of another model, older than it, is due to evict this runner
     view = runner.view()
-    if view.turns is not None:  # an adapter group's runner: its adapter sets take turns
+    if view.turns is not None:  # an adapter group's runner: its adapter sets take turns among
+        # the requests it serves (the others wait for another runner: a larger group, their own)
         served = [w for w in same.values() if w.id < runner.closed_from and can_serve(view, w.model, w.options)]
-        return view.turns.next(served, set_of, view.slots) if len(served) == len(same) else None
+        return view.turns.next(served, set_of, view.slots)
     if not can_serve(view, oldest.model, oldest.options):
         return None  # it waits for a reload: the planner decides
     return oldest
