@@ -37,7 +37,8 @@ WINDOW = 60.0
 SUSTAINED = 0.8
 #: Two requests at once of different adapter sets on one runner, over two of the same set
 #: (tokens/s, measured by ``python -m bench.adapters --price``: 0.87 with the tiny model on the
-#: CPU in a smoke run; on a GPU, where a batch of two costs little more than one, it nears 0.5).
+#: CPU, a smoke run; a device where a batch of two costs little more than one pays more, not
+#: measured here: measure it there and pass ``price``).
 ALTERNATION_PRICE = 0.87
 
 
