@@ -7,6 +7,7 @@ guards (simulated time would time out the children's start-up).
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -243,3 +244,18 @@ async def test_chat_with_a_template_less_base_model_reads_as_a_transcript(gemma_
 
             text, reasons = await in_thread(streamed)
             assert text == answer and reasons == [whole.choices[0].finish_reason]
+
+
+async def test_a_responses_stream_numbers_its_events_in_the_order_they_are_sent(model_store: Path) -> None:
+    """``sequence_number`` counts the Responses events as the client gets them, from 0: the
+    response's opening events first, then the answer's (they were numbered after the answer's
+    first piece, which was read first, and went out first)."""
+    body = {"model": "tiny", "input": "hi", "max_output_tokens": 8, "stream": True, "temperature": 0}
+    with trio.fail_after(120):
+        async with open_test_server(model_store) as server, httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
+            for _ in range(5):
+                r = await http.post("/v1/responses", json=body)
+                assert r.status_code == 200, r.text
+                events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+                assert events[0]["type"] == "response.created" and events[-1]["type"] in ("response.completed", "response.incomplete")
+                assert [e["sequence_number"] for e in events] == list(range(len(events))), [e["type"] for e in events]

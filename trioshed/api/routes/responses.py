@@ -91,16 +91,21 @@ async def _relay(lease: Lease, path: str, body: dict[str, Any], stream: Response
     try:
         async with open_upstream(lease, path, body) as batches:
             async for lines in batches:
-                out = b""
+                events = []
                 for line in lines:
                     event = parse_sse_line(line)
-                    if event is not None and "error" in event:
+                    if event is None:
+                        continue
+                    if "error" in event:
                         raise UpstreamError(f"llama-server error: {upstream_error_message(event)}")
-                    if trace is not None and event is not None and ("usage" in event or "timings" in event):
+                    if trace is not None and ("usage" in event or "timings" in event):
                         trace.counted(event)  # the usage chunk and llama-server's timings, at the end
-                    out += stream.feed(event) if event is not None else b""
-                if not started:
-                    started, out = True, stream.start() + out
+                    events.append(event)
+                out = b""
+                if not started:  # the response's first events first: they take the first sequence numbers
+                    started, out = True, stream.start()
+                for event in events:
+                    out += stream.feed(event)
                 if out:
                     yield out
             if stream.finished:  # the answer's end, before the runner's connection goes back
