@@ -112,6 +112,7 @@ class Answer:
         self.wrap = Wrap(shutil.get_terminal_size().columns) if wordwrap and self.tty else None
 
     def _out(self, text: str) -> None:
+        text = cs.printable(text)  # the model's text cannot drive the terminal
         print(self.wrap(text) if self.wrap is not None else text, end="", flush=True)
 
     def write(self, thinking: str, content: str) -> None:

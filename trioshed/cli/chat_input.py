@@ -35,7 +35,8 @@ class LineReader:
     """``input()`` with GNU readline's line editing and a history that outlives the session.
 
     History is saved only while :attr:`saving` (``/set history``, ``/set nohistory``); lines are
-    remembered within the session either way, as Ollama's are. Without ``readline`` (or not on a
+    remembered within the session either way, as Ollama's are, but a line typed while not saving
+    never reaches the file, also once saving is back on. Without ``readline`` (or not on a
     terminal) it is plain ``input()``.
     """
 
@@ -43,6 +44,8 @@ class LineReader:
         self.path = path if path is not None else history_file()
         self.saving = True
         self._typed = ""
+        #: the session's history as readline holds it, each line with whether it may be saved
+        self._lines: list[tuple[str, bool]] = []
         try:
             import readline
         except ImportError:
@@ -55,6 +58,8 @@ class LineReader:
             readline.read_history_file(self.path)
         except OSError:  # none yet, or unreadable: start afresh
             pass
+        items = (readline.get_history_item(i) for i in range(1, readline.get_current_history_length() + 1))
+        self._lines = [(line, True) for line in items if line is not None]
 
     def __call__(self, prompt: str) -> str:
         self._typed = ""
@@ -75,14 +80,33 @@ class LineReader:
         if not line.strip():
             return line
         readline.add_history(line)
+        self._lines = [*self._lines, (line, self.saving)][-HISTORY_LINES:]
         if self.saving:
-            try:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                readline.write_history_file(self.path)
-                self.path.chmod(0o600)
-            except OSError:  # a read-only home: the chat goes on without saving
-                pass
+            self._save()
         return line
+
+    def _save(self) -> None:
+        """Write the history file: the session's lines less those typed while not saving (taken
+        out of readline's history for the write, put back after)."""
+        readline = self._readline
+        assert readline is not None
+        private = not all(saved for _, saved in self._lines)
+        try:
+            if private:
+                readline.clear_history()
+                for kept, saved in self._lines:
+                    if saved:
+                        readline.add_history(kept)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            readline.write_history_file(self.path)
+            self.path.chmod(0o600)
+        except OSError:  # a read-only home: the chat goes on without saving
+            pass
+        finally:
+            if private:
+                readline.clear_history()
+                for kept, _ in self._lines:
+                    readline.add_history(kept)
 
     def typed(self) -> str:
         """The text on the line being edited when Ctrl-C interrupted it ("" where unknown)."""

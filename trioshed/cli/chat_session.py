@@ -12,6 +12,7 @@ show them and to save them again.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -311,6 +312,23 @@ def command_save(session: Session, words: list[str], client: httpx.Client) -> st
     return f"Created new model '{name}'\n"
 
 
+_CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """A model's text as it may reach the terminal: control characters (the escape that starts
+    every terminal sequence, ``\\r``, backspace, C1 codes) shown in caret or ``\\x`` form instead
+    of acting; new lines and tabs kept (``\\r\\n`` as a new line)."""
+    if not _CONTROLS.search(text):
+        return text
+    return _CONTROLS.sub(_shown, text.replace("\r\n", "\n"))
+
+
+def _shown(match: re.Match[str]) -> str:
+    code = ord(match[0])
+    return f"^{chr(code ^ 0x40)}" if code < 0x80 else f"\\x{code:02x}"  # ESC is ^[, DEL ^?
+
+
 def transcript(messages: list[dict[str, Any]]) -> str:
     """A model's own conversation as the chat shows it when the model is started: each user
     message after a ``>>>`` prompt, each answer followed by an empty line."""
@@ -320,4 +338,4 @@ def transcript(messages: list[dict[str, Any]]) -> str:
             out += f">>> {m.get('content') or ''}\n"
         elif m.get("role") == "assistant":
             out += f"{m.get('content') or ''}\n\n"
-    return out
+    return printable(out)
