@@ -3,13 +3,15 @@ and per hour (the last ``HOURS_KEPT``); the keys managed over the API. See
 :mod:`trioshed.usage.sqlstore` for the SQL and :mod:`trioshed.usage.schema` for the versions.
 
 Blocking (sqlite3): called from a worker thread by :mod:`trioshed.usage.recorder`, one call at
-a time. WAL journal, ``synchronous=NORMAL``: a committed batch survives the process being
+a time. The file holds the digests of the API keys: it is created readable by its owner only
+(0600; SQLite gives its journal files the same), and an older one found wider is narrowed. WAL journal, ``synchronous=NORMAL``: a committed batch survives the process being
 killed. Every fault (locked, read-only, full, corrupt) is a :class:`sqlite3.Error` or an
 ``OSError`` for the caller to log and retry.
 """
 
 from __future__ import annotations
 
+import os
 import sqlite3
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -36,6 +38,21 @@ class _SqliteTx:
         return self.db.execute(sql, args).rowcount
 
 
+def private(path: Path) -> None:
+    """Create ``path`` readable and writable by its owner only, or narrow it (and its journal
+    files) to that when it exists wider (not when another user owns it: it is used as it is)."""
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except FileExistsError:
+        pass
+    for name in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        try:
+            if name.stat().st_mode & 0o077:
+                name.chmod(0o600)
+        except (FileNotFoundError, PermissionError):
+            continue
+
+
 class UsageDB(SqlStore):
     kind = "sqlite"
     dialect = "sqlite"
@@ -53,6 +70,7 @@ class UsageDB(SqlStore):
         sqlite3.Error when it is unusable."""
         self.close()
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        private(self.path)
         db = sqlite3.connect(self.path, timeout=self.timeout, isolation_level=None, check_same_thread=False)
         try:
             db.execute("PRAGMA journal_mode=WAL")
