@@ -314,12 +314,13 @@ class Settings:
 
     @property
     def usage_path(self) -> Path:
-        """Where usage is recorded: TRIOSHED_USAGE_DB, else ``usage.db`` beside the (first) models folder."""
+        """TRIOSHED_USAGE_DB, else ``<store>.usage.db`` beside the (first) models folder: one per
+        store, never shared by a sibling store's server (see trioshed.usage.location)."""
         if self.usage_db is not None:
             return Path(self.usage_db)
         text = str(self.models)  # one folder, or several ":"-separated (as trioshed.models.stores reads it)
-        first = text if Path(text).expanduser().is_dir() or os.pathsep not in text else text.split(os.pathsep)[0]
-        return Path(first).expanduser().parent / "usage.db"
+        first = Path(text if Path(text).expanduser().is_dir() or os.pathsep not in text else text.split(os.pathsep)[0]).expanduser()
+        return first.parent / f"{first.name or 'models'}.usage.db"
 
     def with_(self, **changes: object) -> Settings:
         return replace(self, **changes)  # type: ignore[arg-type]

@@ -414,9 +414,10 @@ async def test_usage_survives_sigkill_and_a_bad_keys_reload_keeps_the_old_keys(m
                 assert (row["requests"], row["prompt_tokens"], row["completion_tokens"]) == (1, r["prompt_eval_count"], r["eval_count"])
 
 
-def test_the_usage_database_lies_beside_the_first_models_folder(tmp_path: Path) -> None:
+def test_the_usage_database_lies_beside_the_first_models_folder_named_after_it(tmp_path: Path) -> None:
     from trioshed.config import Settings
 
-    assert Settings(models=tmp_path / "models").usage_path == tmp_path / "usage.db"
-    assert Settings(models=f"{tmp_path}/a/models:{tmp_path}/b/models").usage_path == tmp_path / "a" / "usage.db"  # type: ignore[arg-type]
+    assert Settings(models=tmp_path / "models").usage_path == tmp_path / "models.usage.db"
+    assert Settings(models=tmp_path / "other").usage_path == tmp_path / "other.usage.db"  # a sibling store: its own
+    assert Settings(models=f"{tmp_path}/a/models:{tmp_path}/b/models").usage_path == tmp_path / "a" / "models.usage.db"  # type: ignore[arg-type]
     assert Settings(models=tmp_path / "models", usage_db=tmp_path / "u.db").usage_path == tmp_path / "u.db"

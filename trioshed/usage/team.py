@@ -1,5 +1,6 @@
 """The store ``serve()`` uses, from the settings: PostgreSQL when ``TRIOSHED_DATABASE`` names one
-(a team of nodes), else the SQLite file (``TRIOSHED_USAGE_DB``; none with ``TRIOSHED_USAGE=0``)."""
+(a team of nodes), else the SQLite file (``TRIOSHED_USAGE_DB``, else the store's own:
+:mod:`trioshed.usage.location`; none with ``TRIOSHED_USAGE=0``)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import socket
 
 from trioshed.config import Settings
 from trioshed.usage.db import UsageDB
+from trioshed.usage.location import usage_file
 from trioshed.usage.recorder import UsageRecorder
 from trioshed.usage.store import Store
 
@@ -17,7 +19,7 @@ def build_store(settings: Settings) -> Store | None:
         from trioshed.usage.pg import PgStore
 
         return PgStore(settings.database)
-    return UsageDB(settings.usage_path) if settings.usage else None
+    return UsageDB(usage_file(settings)) if settings.usage else None
 
 
 def build_recorder(settings: Settings) -> UsageRecorder:
