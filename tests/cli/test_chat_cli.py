@@ -25,9 +25,9 @@ import pytest
 import trio
 
 from trioshed.cli import build_parser
-from trioshed.cli.chat import Chat, Wrap, chat
+from trioshed.cli.chat import Answer, Chat, Wrap, chat
 from trioshed.cli.chat_input import LineReader, attach_images, image_paths, unescape
-from trioshed.cli.chat_session import Session, command_set, parameter
+from trioshed.cli.chat_session import Session, command_set, parameter, transcript
 from trioshed.config import Settings
 from trioshed.testing.server import open_test_server
 from trioshed.testing.tiny import write_tiny_model
@@ -111,6 +111,35 @@ def test_history_is_saved_only_while_asked(tmp_path: Path, monkeypatch: pytest.M
     reader(">>> ")
     assert "second" not in (tmp_path / "h" / "history").read_text()
     assert oct((tmp_path / "h" / "history").stat().st_mode & 0o777) == "0o600"
+
+
+def test_lines_typed_without_history_never_reach_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import readline
+
+    lines = iter(["kept one", "private one", "kept two"])
+    monkeypatch.setattr("builtins.input", lambda prompt: next(lines))
+    reader = LineReader(tmp_path / "history")
+    reader(">>> ")
+    reader.saving = False  # /set nohistory
+    reader(">>> ")
+    reader.saving = True  # /set history
+    reader(">>> ")
+    saved = (tmp_path / "history").read_text()
+    assert "kept one" in saved and "kept two" in saved and "private one" not in saved
+    session = [readline.get_history_item(i) for i in range(1, readline.get_current_history_length() + 1)]
+    assert session == ["kept one", "private one", "kept two"]  # the session remembers it all (up-arrow)
+    again = LineReader(tmp_path / "history")  # the next session: what was saved
+    assert [readline.get_history_item(i) for i in range(1, readline.get_current_history_length() + 1)] == ["kept one", "kept two"]
+    assert again.saving
+
+
+def test_a_models_text_cannot_drive_the_terminal(capsys: pytest.CaptureFixture[str]) -> None:
+    answer = Answer(hide_thinking=False)
+    answer.write("thinking\x1b[8m hidden", "red\x1b[31m alert\x1b]0;owned\x07 \x9b2J back\x08\x7f done\r\nok\rover")
+    out = capsys.readouterr().out
+    assert not any(c in out for c in "\x1b\x07\x9b\x08\x7f\r")
+    assert "red^[[31m alert^[]0;owned^G \\x9b2J back^H^? done\nok^Mover" in out and "thinking^[[8m hidden" in out
+    assert transcript([{"role": "assistant", "content": "saved\x1b[2Janswer"}]) == "saved^[[2Janswer\n\n"
 
 
 # --- a recording fake server ------------------------------------------------------------------------

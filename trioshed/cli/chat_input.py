@@ -54,6 +54,7 @@ class LineReader:
         self._readline = readline
         readline.set_history_length(HISTORY_LINES)
         readline.set_auto_history(False)  # each line is added by __call__, blank ones not at all
+        readline.clear_history()  # the file's lines, and only they
         try:
             readline.read_history_file(self.path)
         except OSError:  # none yet, or unreadable: start afresh
