@@ -150,6 +150,24 @@ SPENDING_ROUTES = frozenset(
 )  # fmt: skip
 
 
+#: Routes a request may be forwarded on from another node of a fleet (every route whose model may
+#: be served elsewhere: the user routes that use a model, and ``/upstream``): the only routes
+#: where node-to-node headers are honoured (trioshed.fleet.auth).
+FORWARDED_ROUTES = frozenset(p for m, p in USER_ROUTES if m == "POST" and p != "/api/show")
+
+
+def forwarded_route(method: str, path: str) -> bool:
+    """Whether a request for ``method path`` is ever forwarded from another node."""
+    if path.startswith("/upstream/"):
+        return method in ("GET", "POST")
+    return method == "POST" and path in FORWARDED_ROUTES
+
+
+def spends_tokens(path: str) -> bool:
+    """Whether a request to ``path`` may spend tokens (a key over a token budget is refused there)."""
+    return path in SPENDING_ROUTES or path.startswith("/upstream/")
+
+
 def route_role(method: str, path: str) -> str:
     """``"user"`` when a user key may call ``method path`` (``HEAD`` as ``GET``), else ``"admin"``."""
     method = "GET" if method == "HEAD" else method

@@ -14,12 +14,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from trioshed._util import read_toml
-from trioshed.core.addresses import fleet_url, unspecified_address
+from trioshed.core.addresses import fleet_secret, fleet_url, peer_urls, unspecified_address
 from trioshed.core.dburl import redact
 from trioshed.core.model import KV_CACHE_TYPES, Device
 from trioshed.core.speculation import DEFAULT as SPECULATION_DEFAULT
 from trioshed.core.speculation import parse_speculation
-from trioshed.keys import keyring
+from trioshed.keys import budgets_need_sharing, keyring
 
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
 _UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -257,6 +257,13 @@ class Settings:
     #: Where the other nodes reach this one, written to the shared database for them (nodes that
     #: find each other through ``database``, no ``peers``); None: http://<host>:<port>.
     fleet_url: str | None = None
+    #: The certificates nodes reached over https:// are verified against (None: the system's), and
+    #: how far a signed node-to-node request's time may be from this node's clock.
+    fleet_ca: Path | None = None
+    fleet_window: float = 30.0
+    #: How long the shared store's keys are honoured after its last reading: a key made over the
+    #: API and revoked while this node cannot reach the store is refused after this (trioshed.usage.keysync).
+    keys_stale: float = 30.0
 
     @classmethod
     def from_env(
@@ -275,7 +282,7 @@ class Settings:
             try:
                 kwargs.update(_parse_setting(name, raw))
             except ValueError as exc:
-                shown = redact(raw) if name == "database" else raw  # never the password
+                shown = redact(raw) if name == "database" else "***" if name in _SECRETS else raw  # never a secret
                 raise ValueError(f"TRIOSHED_{name.upper()}={shown!r}: {exc}") from None
         kwargs.update(overrides)
         settings = cls(**kwargs)  # type: ignore[arg-type]
@@ -296,6 +303,8 @@ class Settings:
             raise ValueError("TRIOSHED_PEERS needs TRIOSHED_FLEET_SECRET: nodes trust each other only with the fleet's secret")
         if problem := self.fleet_url_problem():
             raise ValueError(problem)
+        if self.fleet_discovery == "peers" and not self.database and self.keys_file is not None:
+            budgets_need_sharing(keyring(None, self.keys_file).keys)  # N nodes would count N budgets
 
     @property
     def fleet_discovery(self) -> str:
@@ -361,15 +370,6 @@ def _extra_wait(seconds: float) -> float:
     if seconds < 0 or seconds == math.inf:  # parse_duration reads a negative as "forever"
         raise ValueError("must be 0 (arrival order) or a number of seconds: a request is never passed over without bound")
     return seconds
-
-
-def _peers(value: str) -> tuple[str, ...]:
-    """``"http://10.0.0.2:11434,http://10.0.0.3:11434"`` -> the nodes' base URLs."""
-    urls = tuple(u.strip().rstrip("/") for u in value.split(",") if u.strip())
-    for url in urls:
-        if not re.fullmatch(r"https?://[^/\s]+", url):
-            raise ValueError(f"invalid peer {url!r}: use http://host:port (comma-separated)")
-    return urls
 
 
 def _at_least(minimum: int, what: str = "") -> Callable[[str], int]:
@@ -443,12 +443,16 @@ _PARSERS: dict[str, Callable[[str], object]] = {
     "fast_routes": _bool,
     "speculation": parse_speculation,
     "batch_invariant": _bool,
-    "peers": _peers,
-    "fleet_secret": str,
+    "peers": peer_urls,
+    "fleet_secret": fleet_secret,
     "fleet_interval": lambda v: _positive_timeout(parse_duration(v)),
     "fleet_stale": lambda v: _positive_timeout(parse_duration(v)),
     "fleet_url": fleet_url,
+    "fleet_ca": lambda v: Path(v).expanduser(),
+    "fleet_window": lambda v: _positive_timeout(parse_duration(v)),
+    "keys_stale": lambda v: _positive_timeout(parse_duration(v)),
 }
+_SECRETS = ("api_key", "fleet_secret")
 SETTING_NAMES = tuple(_PARSERS)
 
 
@@ -475,11 +479,11 @@ def load_settings_file(path: Path) -> dict[str, object]:
         try:
             raw = _file_value(key, value)
             relative = not Path(raw).expanduser().is_absolute()
-            if relative and (key in ("models", "kv_cache_dir", "keys_file", "usage_db") or (key == "llama_server" and "/" in raw)):
+            if relative and (key in ("models", "kv_cache_dir", "keys_file", "usage_db", "fleet_ca") or (key == "llama_server" and "/" in raw)):
                 raw = str(Path(path).parent / raw)  # a bare llama_server name is looked up on PATH
             kwargs.update(_parse_setting(key, raw))
         except ValueError as exc:
-            shown = redact(str(value)) if key == "database" else value  # never the password
+            shown = redact(str(value)) if key == "database" else "***" if key in _SECRETS else value  # never a secret
             raise ValueError(f"settings file {path}: {key} = {shown!r}: {exc}") from None
     return kwargs
 

@@ -36,7 +36,7 @@ import re
 from collections import deque
 from collections.abc import Sequence
 from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from trioshed._util import read_toml
@@ -51,6 +51,8 @@ _BUDGET_FIELDS = tuple(b[0] for b in BUDGETS)
 #: The whole-number fields of a key: its limits and its budgets (0: none).
 LIMIT_FIELDS = (*_LIMITS, *_BUDGET_FIELDS)
 ROLES = ("user", "admin")
+#: ``TRIOSHED_API_KEY``'s name on every node: no keys file, store or API call may use it.
+RESERVED = "default"
 _GLOB = re.compile(r"[A-Za-z0-9._:/@*?\[\]!+-]+")
 
 
@@ -71,6 +73,9 @@ class ApiKey:
     completion_tokens_per_minute: int = 0
     completion_tokens_per_day: int = 0
     digest: str = field(default="", repr=False, compare=False)  # the secret's (digest()): keys from the store have no secret
+    #: Honoured only on the strength of the shared store (made or changed over the API): refused
+    #: once the store has not been read for ``TRIOSHED_KEYS_STALE`` (a revoke could be missed).
+    stored: bool = field(default=False, repr=False, compare=False)
 
     @property
     def admin(self) -> bool:
@@ -94,6 +99,9 @@ class ApiKey:
 
 
 ANONYMOUS = ApiKey("", "", role="admin")  # no keys configured: everyone is one tenant
+#: Who asks a public route (``GET /``, the status page, a public ``/metrics``) without a key on a
+#: server that has keys: no admin.
+PUBLIC = ApiKey("", "", role="user")
 
 #: The key of the request this task serves (set by the HTTP edge's guard; the scheduler reads it).
 current_key: ContextVar[ApiKey] = ContextVar("trioshed_api_key", default=ANONYMOUS)
@@ -113,6 +121,7 @@ class KeyRing:
             raise ValueError("every API key needs its own non-empty secret")
         self.keys = tuple(keys)
         self._digests = tuple(d.encode() for d in digests)
+        self._by_name = {k.name: k for k in keys}
 
     @property
     def required(self) -> bool:
@@ -127,6 +136,10 @@ class KeyRing:
                 found = key
         return found
 
+
+    def by_name(self, name: str) -> ApiKey | None:
+        """The key named ``name`` (a forwarded request's: names are not secrets)."""
+        return self._by_name.get(name)
 
     def identify_headers(self, authorization: str | None, x_api_key: str | None) -> ApiKey | None:
         """The key sent as ``Authorization: Bearer <key>`` or ``x-api-key: <key>``: both are
@@ -202,6 +215,8 @@ def load_keys_file(path: Path) -> tuple[ApiKey, ...]:
         name, secret = entry.get("name"), entry.get("key")
         if not isinstance(name, str) or not name or not name.replace("-", "").replace("_", "").isalnum():
             raise ValueError(f"{where('name')}: name must be letters, digits, '-' or '_'")
+        if name == RESERVED:
+            raise ValueError(f"{where('name')}: the name {RESERVED!r} is TRIOSHED_API_KEY's on every node: choose another")
         if not isinstance(secret, str) or len(secret) < 8:
             raise ValueError(f"{where('key')} ({name}): key must be a string of at least 8 characters")
         weight = entry.get("weight", 1)
@@ -240,22 +255,41 @@ def merge(local: Sequence[ApiKey], stored: Sequence[ApiKey], revoked: frozenset[
     """The keys in force: ``TRIOSHED_API_KEY``'s and the file's (``local``), less those revoked
     in the store and those the store holds by name or secret (the store's copy wins: a rotated or
     updated key, in the local key's place), plus the store's other keys; ``stored`` holds no
-    revoked key."""
-    by_name = {k.name: k for k in stored}
-    digests = {k.digest for k in stored}
+    revoked key. ``TRIOSHED_API_KEY``'s key (:data:`RESERVED`) is never replaced nor revoked by
+    the store, and a stored key of that name is ignored. A store's copy whose secret the file
+    holds too is the file's as well (not :attr:`ApiKey.stored`)."""
+    by_name = {k.name: k for k in stored if k.name != RESERVED}
+    digests = {k.digest for k in by_name.values()}
     out: list[ApiKey] = []
     for k in local:  # in the file's order (the status page's), the store's copy in its place
-        if k.name in by_name:
-            out.append(by_name.pop(k.name))
-        elif k.name not in revoked and (k.digest or digest(k.secret)) not in digests:
+        mine = k.digest or digest(k.secret)
+        if k.name == RESERVED:
             out.append(k)
-    return [*out, *by_name.values()]
+        elif k.name in by_name:
+            copy = by_name.pop(k.name)
+            out.append(replace(copy, stored=False) if copy.digest == mine else copy)
+        elif k.name not in revoked and mine not in digests:
+            out.append(k)
+    reserved = {k.digest or digest(k.secret) for k in out if k.name == RESERVED}
+    return [*out, *(k for k in by_name.values() if k.digest not in reserved)]
+
+
+def budgets_need_sharing(keys: Sequence[ApiKey]) -> None:
+    """ValueError when ``keys`` give token budgets to nodes of a fleet that share no database:
+    each node counts only what it served, so a key could spend its budget once per node."""
+    budgeted = [k.name for k in keys if k.budgets()]
+    if budgeted:
+        raise ValueError(
+            f"TRIOSHED_KEYS_FILE gives token budgets ({', '.join(budgeted[:5])}) to a fleet without TRIOSHED_DATABASE: "
+            "each node would count only what it served, and a key could spend its budget once per node; "
+            "share a PostgreSQL TRIOSHED_DATABASE between the nodes, or remove the budgets"
+        )
 
 
 def keyring(
     api_key: str | None, keys_file: Path | None, stored: Sequence[ApiKey] = (), revoked: frozenset[str] = frozenset()
 ) -> KeyRing:
-    keys = [ApiKey("default", api_key, role="admin")] if api_key else []
+    keys = [ApiKey(RESERVED, api_key, role="admin")] if api_key else []
     if keys_file is not None:
         keys += load_keys_file(keys_file)
     return KeyRing(merge(keys, stored, revoked) if stored or revoked else keys)

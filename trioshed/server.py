@@ -205,7 +205,7 @@ async def serve(
     )  # fmt: skip
     quart_app = create_app(state)  # installs the gate's key rebuild, state.reload_keys
     assert state.reload_keys is not None
-    state.key_sync = KeySync(state.usage, settings.keys_file, reload=state.reload_keys)
+    state.key_sync = KeySync(state.usage, settings.keys_file, reload=state.reload_keys, stale_after=settings.keys_stale)
     fast = quart_app.config["TRIOSHED_FAST"]  # the generating routes (TRIOSHED_FAST_ROUTES) and blob uploads
     app = Drain(quart_app, idle_timeout=settings.stream_idle_timeout, fast=fast)  # type: ignore[arg-type]
     if state.fleet is not None:

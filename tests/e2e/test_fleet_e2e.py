@@ -16,6 +16,7 @@ from tests.conftest import add_tiny
 from tests.e2e.fleet_nodes import SECRET, open_fleet, sees, wait_until
 from tests.support.haproxy import needs_haproxy, run_haproxy
 from tests.support.serve_process import serve_process
+from trioshed.fleet.auth import FleetAuth, body_digest
 from trioshed.testing.llama import free_port
 from trioshed.testing.server import open_test_server
 
@@ -72,14 +73,22 @@ async def test_forged_node_headers_are_refused(tmp_path: Path) -> None:
                     r = await http.post("/v1/chat/completions", json={"model": "m1", "messages": []}, headers=headers)
                     assert r.status_code == 401 and "error" in r.json()
                 assert (await http.get("/api/fleet/state")).status_code == 401
-                ok = await http.get("/api/fleet/state", headers={"X-Trioshed-Fleet-Secret": SECRET})
+                assert (await http.get("/api/fleet/state", headers={"X-Trioshed-Fleet-Secret": SECRET})).status_code == 401  # no bearer
+                ok = await http.get("/api/fleet/state", headers=state_request())
                 assert ok.status_code == 200 and ok.json()["name"] == "A"
             assert a.loads() == 0
         async with open_test_server(store) as alone:  # a node in no fleet takes no node request
             async with httpx.AsyncClient(base_url=alone.base_url, timeout=30) as http:
-                r = await http.post("/api/generate", json=body, headers={**forged, "X-Trioshed-Fleet-Secret": SECRET})
+                content = json.dumps(body).encode()
+                signed = FleetAuth(SECRET, "B").sign("POST", "/api/generate", body_digest(content), to="", key=None)
+                r = await http.post("/api/generate", content=content, headers={**signed, "Content-Type": "application/json"})
                 assert r.status_code == 403, r.text
-                assert (await http.get("/api/fleet/state", headers={"X-Trioshed-Fleet-Secret": SECRET})).status_code == 403
+                assert (await http.get("/api/fleet/state", headers=state_request())).status_code == 403
+
+
+def state_request() -> dict[str, str]:
+    """The headers of a state poll from another node of the fleet."""
+    return FleetAuth(SECRET, "B").sign("GET", "/api/fleet/state", body_digest(b""), to="", key=None)
 
 
 async def test_a_hot_model_spreads_to_a_second_node_under_a_burst(tmp_path: Path) -> None:

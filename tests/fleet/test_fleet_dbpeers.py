@@ -56,6 +56,9 @@ def test_a_row_older_than_the_stale_limit_is_unreachable_with_its_age() -> None:
         ("B", "10.0.0.2:11434", "{}", "not a node's URL"),
         ("B", "http://10.0.0.2", "{}", "not a node's URL"),
         ("B", "http://10.0.0.2:1/x", "{}", "not a node's URL"),
+        ("B", "http://10.0.0.2:99999", "{}", "not a node's URL"),  # a port out of range: no connection can be made
+        ("B", "http://10.0.0.2:0", "{}", "not a node's URL"),
+        ("B", "gopher://10.0.0.2:70", "{}", "not a node's URL"),
         ("B", "http://10.0.0.2:1", "{nope", "not JSON"),
         ("B", "http://10.0.0.2:1", '{"version": 99}', "not a fleet state of version"),
         ("B", "http://10.0.0.2:1", '{"version": 1, "name": "B"}', "malformed fleet state"),
@@ -200,7 +203,7 @@ async def test_a_row_that_is_no_state_is_shown_unreachable_and_logged_once(
 
 
 def test_the_database_is_the_way_only_with_the_secret_and_no_list_and_needs_an_address_others_reach() -> None:
-    db = {"TRIOSHED_DATABASE": "postgresql://u:pw@db.example/team", "TRIOSHED_FLEET_SECRET": "s"}
+    db = {"TRIOSHED_DATABASE": "postgresql://u:pw@db.example/team", "TRIOSHED_FLEET_SECRET": "a-fleet-secret-0123"}
     assert Settings.from_env(db).fleet_discovery == "database"
     assert Settings.from_env({**db, "TRIOSHED_PEERS": "http://10.0.0.2:11434"}).fleet_discovery == "peers"
     assert Settings.from_env({"TRIOSHED_DATABASE": db["TRIOSHED_DATABASE"]}).fleet_discovery == ""
@@ -211,9 +214,11 @@ def test_the_database_is_the_way_only_with_the_secret_and_no_list_and_needs_an_a
     assert given.fleet_url == "http://10.0.0.1:11434"
     assert Settings.from_env({**db, "TRIOSHED_HOST": "10.0.0.1"}).fleet_url_problem() is None
     assert Settings.from_env({"TRIOSHED_HOST": "0.0.0.0"}).fleet_url_problem() is None  # in no fleet: nothing to say
-    for bad in ("10.0.0.1:11434", "https://10.0.0.1:443", "http://10.0.0.1", "http://0.0.0.0:11434", "http://h:99999"):
+    for bad in ("10.0.0.1:11434", "ftp://10.0.0.1:443", "http://10.0.0.1", "http://0.0.0.0:11434", "http://h:99999", "http://h:0"):
         with pytest.raises(ValueError, match="TRIOSHED_FLEET_URL"):
             Settings.from_env({**db, "TRIOSHED_FLEET_URL": bad})
+    tls = Settings.from_env({**db, "TRIOSHED_HOST": "0.0.0.0", "TRIOSHED_FLEET_URL": "https://node1.internal:8443"})
+    assert tls.fleet_url == "https://node1.internal:8443"  # a TLS proxy in front of the node
 
 
 def test_a_loopback_url_for_a_database_elsewhere_is_warned_about(caplog: pytest.LogCaptureFixture) -> None:

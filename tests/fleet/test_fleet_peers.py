@@ -15,6 +15,7 @@ import trio.testing
 
 from trioshed.core.route import NodeState
 from trioshed.fleet.auth import FleetAuth
+from trioshed.fleet.node import routable
 from trioshed.fleet.peers import STATE_PATH, StaticPeers
 from trioshed.fleet.state import to_json
 
@@ -28,7 +29,8 @@ ANSWERS = {
 
 
 def _answer(request: httpx.Request) -> httpx.Response:
-    assert request.url.path == STATE_PATH and request.headers.get("x-trioshed-fleet-secret")
+    assert request.url.path == STATE_PATH and request.headers.get("x-trioshed-fleet-signature", "").startswith("v1;")
+    assert "x-trioshed-fleet-secret" not in request.headers and "s3cret" not in str(request.headers)
     state = ANSWERS[f"{request.url.scheme}://{request.url.host}:{request.url.port}"]
     return httpx.Response(200, json=to_json(state))
 
@@ -51,6 +53,8 @@ async def test_a_node_answering_with_a_name_another_node_has_is_routed_nothing_a
     assert "http://n2:1" in peers.conflict and "this node's name 'A'" in peers.conflict
     errors = sorted(r.getMessage() for r in caplog.records if r.levelno == logging.ERROR)
     assert len(errors) == 2 and "n2:1" in errors[0] and "n4:1" in errors[1]
+    # C's traffic goes to the first node answering as C, never to the one that took its name
+    assert routable(tuple(seen.values())) == {"C": "http://n3:1", "D": "http://n5:1"}
 
 
 async def test_without_a_second_node_of_its_name_no_conflict_is_shown() -> None:

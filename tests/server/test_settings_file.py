@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -59,10 +60,13 @@ budgets_fail_closed = true
 speculation = false
 batch_invariant = true
 peers = ["http://10.0.0.2:11434", "http://10.0.0.3:11434/"]
-fleet_secret = "fleet"
+fleet_secret = "fleet-secret-0123"
 fleet_interval = "500ms"
 fleet_stale = 3
 fleet_url = "http://10.0.0.1:8080/"
+fleet_ca = "certs/fleet-ca.pem"
+fleet_window = "10s"
+keys_stale = "1m"
 """
 
 
@@ -98,8 +102,9 @@ def test_every_setting_can_be_given_in_the_file(tmp_path: Path) -> None:
     assert s.batch_invariant is True
     assert s.metrics_public is True
     assert s.peers == ("http://10.0.0.2:11434", "http://10.0.0.3:11434")
-    assert (s.fleet_secret, s.node_name, s.fleet_interval, s.fleet_stale) == ("fleet", "gpu-1", 0.5, 3)
+    assert (s.fleet_secret, s.node_name, s.fleet_interval, s.fleet_stale) == ("fleet-secret-0123", "gpu-1", 0.5, 3)
     assert s.fleet_url == "http://10.0.0.1:8080"
+    assert (s.fleet_ca, s.fleet_window, s.keys_stale) == (tmp_path / "certs" / "fleet-ca.pem", 10, 60)  # relative to the file
     # the file covers every TRIOSHED_* setting there is
     assert set(load_settings_file(path)) - {"port"} == set(SETTING_NAMES)
 
@@ -107,9 +112,12 @@ def test_every_setting_can_be_given_in_the_file(tmp_path: Path) -> None:
 def test_peers_need_the_fleet_secret_and_urls(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="needs TRIOSHED_FLEET_SECRET"):
         Settings.from_env({"TRIOSHED_PEERS": "http://10.0.0.2:11434"})
-    with pytest.raises(ValueError, match="invalid peer"):
-        Settings.from_env({"TRIOSHED_PEERS": "10.0.0.2:11434", "TRIOSHED_FLEET_SECRET": "s"})
+    with pytest.raises(ValueError, match=re.escape("TRIOSHED_PEERS='10.0.0.2:11434': invalid node URL")):
+        Settings.from_env({"TRIOSHED_PEERS": "10.0.0.2:11434", "TRIOSHED_FLEET_SECRET": "a-fleet-secret-0123"})
     assert "s3cr3t" not in repr(Settings(fleet_secret="s3cr3t"))  # never shown
+    with pytest.raises(ValueError, match="fleet_secret = '\\*\\*\\*': use at least 16") as exc:  # nor in an error
+        Settings.from_env({}, file=write(tmp_path, 'fleet_secret = "s3cr3t"\n'))
+    assert "s3cr3t" not in str(exc.value)
 
 
 def test_values_as_strings_work_like_the_variables(tmp_path: Path) -> None:

@@ -34,6 +34,7 @@ from trioshed.api.routes import (
     usage,
 )
 from trioshed.api.state import AppState
+from trioshed.fleet.auth import current_signed
 
 BODY_TIMEOUT = 120  # seconds for a whole request body (408 after): 32 MiB at >= 0.27 MB/s
 
@@ -100,7 +101,9 @@ def create_app(state: AppState) -> QuartTrio:
     @app.before_request
     async def _enter() -> Response | None:
         route = request.url_rule.rule if request.url_rule is not None else None
-        entry = wrapper.enter(request.method, request.path, request.headers.get, request.content_length, route=route)
+        entry = await wrapper.enter_or_look_again(request.method, request.path, request.headers.get, request.content_length, route=route)
+        if current_signed.get() is not None:  # another node's request: the body it signed, read now (and kept)
+            wrapper.check_body(await request.get_data(cache=True, as_text=False, parse_form_data=False))
         return Response("", status=204) if entry.preflight else None
 
     @app.after_request

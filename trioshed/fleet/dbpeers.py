@@ -3,7 +3,7 @@
 Where a node has the team's database and the fleet secret but no ``TRIOSHED_PEERS``, each node
 writes its own state (:func:`trioshed.fleet.state.to_json`) to the ``fleet_nodes`` table every
 interval, with the URL the other nodes reach it at, and reads every other node's row in the same
-transaction. Relays still go over HTTP to that URL with the fleet secret, as with a static list
+transaction. Relays still go over HTTP(S) to that URL, signed, as with a static list
 (:mod:`trioshed.fleet.peers`); only the discovery and the states travel through the database.
 
 **Freshness is the database's clock.** A row carries when it was written by the database's clock
@@ -36,7 +36,6 @@ from __future__ import annotations
 import ipaddress
 import json
 import logging
-import re
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Protocol
@@ -45,6 +44,7 @@ from urllib.parse import urlsplit
 import trio
 from trio_util import RepeatedEvent
 
+from trioshed.core.addresses import node_url
 from trioshed.core.route import NodeState
 from trioshed.fleet.peers import Peer
 from trioshed.fleet.state import DeviceView, LocalNode, from_json, to_json
@@ -57,7 +57,6 @@ log = logging.getLogger(__name__)
 #: fleet's view as unreachable first, for whoever looks).
 FORGET_AFTER = 3600.0
 
-_URL = re.compile(r"http://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):\d{1,5}")
 
 
 class FleetTable(Protocol):
@@ -82,9 +81,12 @@ def to_row(node: NodeState, devices: tuple[DeviceView, ...], url: str) -> tuple[
 def from_row(name: str, url: str, text: str, age: float, now: float, stale_after: float) -> Peer:
     """Another node's row read back at ``now`` (the reader's clock), ``age`` seconds old by the
     database's clock: a :class:`Peer` seen at ``now - age``, unreachable when stale. ValueError
-    when the row is not a node's state (a bad URL, not JSON, another version, another name)."""
-    if not _URL.fullmatch(url):
-        raise ValueError(f"not a node's URL: {url!r}")
+    when the row is not a node's state (a bad URL, a port out of range included, not JSON,
+    another version, another name): the reader shows that node unreachable and routes it nothing."""
+    try:
+        node_url(url, port_required=True)
+    except ValueError:
+        raise ValueError(f"not a node's URL: {url[:200]!r}") from None
     try:
         data = json.loads(text)
     except ValueError as exc:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import ssl
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -22,7 +23,7 @@ from trio_util import RepeatedEvent
 
 from trioshed.core.model import ModelSpec
 from trioshed.core.route import Choice, NodeState, PrefixTable, choose, prefix_key
-from trioshed.fleet.auth import FleetAuth, serve_here
+from trioshed.fleet.auth import FleetAuth, body_digest, serve_here
 from trioshed.fleet.peers import Peer, StateSource
 from trioshed.fleet.relay import Relayed, Target, forward_headers, open_relay
 from trioshed.fleet.state import LocalNode
@@ -45,6 +46,16 @@ class Forward(Exception):  # not an error: a request the fleet sends elsewhere
         self.targets = targets
 
 
+def routable(peers: Sequence[Peer]) -> dict[str, str]:
+    """Where each node's name is reached: reachable peers only, and for a name two peers answer
+    with, the first one's (the one routing reads: never the second's traffic)."""
+    urls: dict[str, str] = {}
+    for peer in peers:
+        if peer.state.reachable:
+            urls.setdefault(peer.state.name, peer.url)
+    return urls
+
+
 def canonical(name: str) -> str:
     """A model name as stores list it: ``m`` is ``m:latest``."""
     return name if ":" in name.rsplit("/", 1)[-1] else f"{name}:latest"
@@ -62,8 +73,10 @@ class Fleet:
         *,
         interval: float,
         stale_after: float,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.local = local
+        self.ssl_context = ssl_context  # for nodes reached over https:// (None: the system's CAs)
         self.source = source
         self.auth = auth
         self.client = client
@@ -109,18 +122,27 @@ class Fleet:
             if prefix is not None:
                 self.local.served.note(prefix, self.name, now)
             return
-        urls = {p.state.name: p.url for p in self.source.peers()}
+        urls = routable(self.source.peers())
         names = [choice.node, *itertools.takewhile(lambda n: n != self.name, choice.then)]
         raise Forward(model, choice, tuple(Target(n, urls[n]) for n in names if n in urls))
 
     def pool(self, url: str) -> UpstreamPool:
         """The keep-alive connections to the node at ``url`` (trioshed's own HTTP/1.1 client:
-        httpx costs a third of a relayed request's CPU; see ``trioshed.runner.client``)."""
+        httpx costs a third of a relayed request's CPU; see ``trioshed.runner.client``), over TLS
+        for an ``https://`` URL, verified against :attr:`ssl_context`. ConnectionFailed for a URL
+        no connection can be made to (a port out of range: a bad row of the database)."""
         pool = self._pools.get(url)
         if pool is None:
-            parts = urlsplit(url)  # http://[::1]:port too: the host without its brackets
-            host, port = parts.hostname or "127.0.0.1", parts.port or 80
-            pool = self._pools[url] = UpstreamPool(port, host=host, max_idle=64, connect_timeout=3.0, streams_keep_alive=True)
+            try:
+                parts = urlsplit(url)  # http://[::1]:port too: the host without its brackets
+                tls = parts.scheme == "https"
+                host, port = parts.hostname or "127.0.0.1", parts.port or (443 if tls else 80)
+            except ValueError as exc:
+                raise ConnectionFailed(f"{url[:200]!r} is no node's URL: {exc}") from None
+            context = (self.ssl_context or ssl.create_default_context()) if tls else None
+            pool = self._pools[url] = UpstreamPool(
+                port, host=host, max_idle=64, connect_timeout=3.0, streams_keep_alive=True, ssl_context=context
+            )  # fmt: skip
         return pool
 
     def inflight(self, node: str) -> int:
@@ -135,15 +157,19 @@ class Fleet:
     async def relay(
         self, forward: Forward, key: ApiKey | None, method: str, path: str, headers: Sequence[tuple[str, str]], body: bytes
     ) -> Relayed | None:
-        """Send the request on (:func:`trioshed.fleet.relay.open_relay`); None when every target
+        """Send the request on (:func:`trioshed.fleet.relay.open_relay`), signed for each node it
+        is tried on, with the name of its key (``key`` None: no key); None when every target
         failed before answering (then this node serves it). The request counts as in flight on
         its node until the answer is closed."""
-        kind, sent = forward_headers(headers, self.auth.headers(key, self.name))
+        kind, kept = forward_headers(headers)
+        digest = body_digest(body)  # once, whichever nodes it is tried on
+        name = key.name if key is not None else None
         for target in forward.targets:
             started = trio.current_time()
             slot = self._inflight.setdefault((target.name, forward.model), [])
             slot.append(started)
             self.sending.set()
+            sent = [*kept, *self.auth.sign(method, path, digest, to=target.name, key=name).items()]
             try:
                 relayed = await open_relay(self.pool(target.url), target, method, path, kind, sent, body)
             except ConnectionFailed as exc:

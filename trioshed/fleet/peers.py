@@ -2,8 +2,8 @@
 
 :class:`StateSource` is the small interface the fleet reads: the peers as last seen, and a way
 to say that one was found dead between two readings. :class:`StaticPeers` implements it over a
-static list of URLs (``TRIOSHED_PEERS``), polling each node's ``GET /api/fleet/state`` with the
-fleet secret every ``interval`` seconds; :class:`~trioshed.fleet.dbpeers.DatabasePeers` over the
+static list of URLs (``TRIOSHED_PEERS``), polling each node's ``GET /api/fleet/state``, signed
+(:mod:`trioshed.fleet.auth`), every ``interval`` seconds; :class:`~trioshed.fleet.dbpeers.DatabasePeers` over the
 shared database (each node writing its state to a table, every node reading the others').
 
 A node finds itself in the list by its name and its run's token (every node may be given the same
@@ -22,7 +22,7 @@ import trio
 from trio_util import RepeatedEvent
 
 from trioshed.core.route import NodeState
-from trioshed.fleet.auth import FleetAuth
+from trioshed.fleet.auth import FleetAuth, body_digest
 from trioshed.fleet.state import DeviceView, from_json
 
 if TYPE_CHECKING:
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STATE_PATH = "/api/fleet/state"
+_NO_BODY = body_digest(b"")
 
 
 @dataclass(frozen=True)
@@ -143,14 +144,17 @@ class StaticPeers:
         import httpx  # the client's errors: httpx is imported by build_fleet, only in a fleet
 
         old = self._peers[url]
+        # signed for the node last read there (any node before a first answer, or after a failure)
+        to = old.state.name if old.state.reachable and old.state.name != url else ""
         try:
             with trio.fail_after(max(1.0, 2 * self.interval)):
-                response = await self.client.get(url + STATE_PATH, headers=self.auth.headers(None, self.self_name))
+                headers = self.auth.sign("GET", STATE_PATH, _NO_BODY, to=to, key=None)
+                response = await self.client.get(url + STATE_PATH, headers=headers)
             if response.status_code != 200:
                 raise ValueError(f"answered {response.status_code}")
             state, devices = from_json(response.json(), url, trio.current_time())
         except (httpx.HTTPError, trio.TooSlowError, ValueError) as exc:
-            error = str(exc) or type(exc).__name__
+            error = _describe(exc)
             if old.state.reachable or old.error != error:
                 log.warning("fleet: node %s is unreachable: %s", url, error)
             self._peers[url] = replace(old, state=replace(old.state, reachable=False), error=error)
@@ -161,3 +165,14 @@ class StaticPeers:
         if not old.state.reachable and old.error != "not read yet":
             log.info("fleet: node %s (%s) answers again", state.name, url)
         self._peers[url] = Peer(url, state, devices)
+
+
+def _describe(exc: BaseException) -> str:
+    """What went wrong, in the words of the first error in the chain that has some (httpx's
+    ConnectError has none of its own for a certificate that does not verify: its cause does)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if str(seen):
+            return str(seen)
+        seen = seen.__cause__ or seen.__context__
+    return type(exc).__name__

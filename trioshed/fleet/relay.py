@@ -16,6 +16,7 @@ the request there (a client's disconnect reaches the serving node's runner).
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -31,11 +32,15 @@ log = logging.getLogger(__name__)
 #: before it is passed on.
 STREAMS = ("application/x-ndjson", "text/event-stream")
 #: Request headers never passed on: hop-by-hop, the length and type (written apart), the client's own
-#: credentials (the fleet headers carry the key instead) and any fleet header a client forged.
+#: credentials (the fleet headers carry the key's name instead), any fleet header a client forged,
+#: and the browser's ``Origin`` (the entry node checked it; the serving node sees a node's request).
 _DROP_REQUEST = frozenset(
     {"host", "content-length", "content-type", "connection", "keep-alive", "transfer-encoding", "te", "upgrade",
-     "proxy-authorization", "authorization", "x-api-key", "cookie", "expect"}
+     "proxy-authorization", "authorization", "x-api-key", "cookie", "expect", "origin"}
 ) | FLEET_HEADERS  # fmt: skip
+#: A header name HTTP allows (a token), and a value the relay writes: visible ASCII and spaces.
+_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+_VALUE = re.compile(r"[\x20-\x7e\t]*")
 #: Answer headers not passed back (the serving path sets its own).
 _DROP_RESPONSE = frozenset({"content-length", "connection", "keep-alive", "transfer-encoding", "date", "server"})
 
@@ -112,12 +117,15 @@ class Relayed:
             done()
 
 
-def forward_headers(headers: Sequence[tuple[str, str]], fleet: dict[str, str]) -> tuple[str, list[tuple[str, str]]]:
+def forward_headers(headers: Sequence[tuple[str, str]]) -> tuple[str, list[tuple[str, str]]]:
     """The content type and the other request headers a node passes on: the client's, less
-    :data:`_DROP_REQUEST`, plus the fleet's own (``fleet``)."""
+    :data:`_DROP_REQUEST` and less any whose name or value is not plain ASCII (``User-Agent: café``
+    is dropped, not a failed relay); the fleet's own headers are added per node by the caller."""
     kind = next((v for k, v in headers if k.lower() == "content-type"), "application/json")
-    kept = [(k, v) for k, v in headers if k.lower() not in _DROP_REQUEST and "\r" not in v and "\n" not in v]
-    return kind, kept + list(fleet.items())
+    if not _VALUE.fullmatch(kind):
+        kind = "application/octet-stream"
+    kept = [(k, v) for k, v in headers if k.lower() not in _DROP_REQUEST and _NAME.fullmatch(k) and _VALUE.fullmatch(v)]
+    return kind, kept
 
 
 async def open_relay(

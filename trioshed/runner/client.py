@@ -28,17 +28,21 @@ A request written to a connection in the instant the upstream closes it gets no 
 
 Cancellation: a request cancelled mid-answer closes its connection (llama-server then stops the
 generation); only connections whose answer was read to the end go back to the pool.
+
+TLS: the fleet's relays to another node reached over ``https://`` use the same pool with an
+``ssl_context`` (each connection's handshake verified against it; nothing opened ahead).
 """
 
 from __future__ import annotations
 
 import errno
 import socket
+import ssl
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 import trio
 
@@ -90,11 +94,13 @@ class ConnectionFailed(Exception):
 
 
 class _Connection:
-    __slots__ = ("idle_since", "raw", "requests", "stream")
+    __slots__ = ("idle_since", "raw", "requests", "sock", "stream")
 
-    def __init__(self, raw: socket.socket, stream: trio.SocketStream) -> None:
+    def __init__(self, raw: socket.socket, stream: trio.SocketStream | trio.SSLStream[trio.SocketStream]) -> None:
         self.raw = raw  # the same socket, for the non-blocking liveness peek
-        self.stream = stream
+        self.sock = stream.transport_stream.socket if isinstance(stream, trio.SSLStream) else stream.socket
+        # an SSLStream's receive_some gives bytes too (ssl's read), though typed as any stream's
+        self.stream = cast(trio.SocketStream, stream)
         self.requests = 0
         self.idle_since = 0.0
 
@@ -109,7 +115,7 @@ class _Connection:
         return False  # closed (b"") or unexpected bytes: not usable for a new request
 
     def close(self) -> None:
-        self.stream.socket.close()
+        self.sock.close()
 
 
 @dataclass(frozen=True)
@@ -199,9 +205,10 @@ class UpstreamPool:
 
     def __init__(
         self, port: int, *, host: str = "127.0.0.1", max_idle: int = 16, connect_timeout: float = 10.0, api_key: str | None = None,
-        streams_keep_alive: bool = False,
+        streams_keep_alive: bool = False, ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.host = host
+        self.ssl_context = ssl_context  # TLS, verified against it (another node over https://)
         self._family = socket.AF_INET6 if ":" in host else socket.AF_INET
         #: Whether a connection that carried a whole stream may carry another: not to llama-server
         #: (see the module's notes), yes to another trioshed (hypercorn keeps it open).
@@ -316,12 +323,28 @@ class UpstreamPool:
         except BaseException:
             sock.close()
             raise
+        plain = trio.SocketStream(sock)
+        if self.ssl_context is None:
+            self._opened += 1
+            return _Connection(raw, plain)
+        tls = trio.SSLStream(plain, self.ssl_context, server_hostname=self.host, https_compatible=True)
+        try:
+            with trio.fail_after(self.connect_timeout):
+                await tls.do_handshake()
+        except (OSError, trio.TooSlowError, trio.BrokenResourceError) as exc:
+            sock.close()
+            raise ConnectionFailed(f"TLS with {self.host}:{self.port} failed: {_describe(exc)}") from None
+        except BaseException:
+            sock.close()
+            raise
         self._opened += 1
-        return _Connection(raw, trio.SocketStream(sock))
+        return _Connection(raw, tls)
 
     def _open_ahead(self) -> None:
         """Start connecting the next request's connection now, without waiting for it (see the
         module's notes); a connect that fails leaves nothing behind (the next request connects)."""
+        if self.ssl_context is not None:
+            return  # a TLS connection's handshake is made when it is used
         raw = socket.socket(self._family, socket.SOCK_STREAM)
         raw.setblocking(False)
         if raw.connect_ex((self.host, self.port)) not in (0, errno.EINPROGRESS):
@@ -376,6 +399,8 @@ class UpstreamPool:
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, trio.TooSlowError):
         return "timed out"
+    if isinstance(exc, trio.BrokenResourceError) and exc.__cause__ is not None:
+        return str(exc.__cause__) or type(exc.__cause__).__name__  # the TLS error (a certificate not trusted...)
     if isinstance(exc, OSError) and exc.errno is not None:
         return f"{errno.errorcode.get(exc.errno, exc.errno)} ({exc.strerror})"
     return str(exc) or type(exc).__name__

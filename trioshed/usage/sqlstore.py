@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import replace
 from typing import Any, Protocol
 
 from trioshed.usage import schema
@@ -228,24 +229,51 @@ class SqlStore:
                 tx.run(_BUMP)
         return bool(n)
 
-    def import_keys(self, rows: Sequence[KeyRow], now: float) -> int:
-        """The keys file's keys into the store: new names are added, keys imported before follow
-        the file (a key made or revoked over the API is left alone). The number changed."""
+    def patch_key(self, name: str, changes: dict[str, Any], now: float) -> KeyRow | None:
+        """Change some fields of a key that is not revoked, in one transaction (two changes of
+        different fields made at once both hold): ``limits`` are merged into the key's (a limit
+        of 0 removes it). The key as changed; None when there is none."""
+        assert set(changes) <= _UPDATABLE - {"revoked"}, changes
+        lock = " FOR UPDATE" if self.dialect == "postgresql" else ""  # SQLite's BEGIN IMMEDIATE holds the file
+        with self._transaction() as tx:
+            found = tx.run(f"SELECT {', '.join(_KEY_COLUMNS)} FROM api_keys WHERE name = ? AND revoked IS NULL{lock}", (name,))
+            if not found:
+                return None
+            old = _key_row(found[0])
+            values = dict(changes)
+            if "limits" in values:
+                values["limits"] = {f: v for f, v in {**old.limits, **values["limits"]}.items() if v}
+            new = replace(old, **values, updated=now, source="api")
+            sets = ", ".join(f"{c} = ?" for c in _KEY_COLUMNS[1:])
+            tx.run(f"UPDATE api_keys SET {sets} WHERE name = ?", (*_key_values(new)[1:], name))
+            tx.run(_BUMP)
+        return new
+
+    def import_keys(self, rows: Sequence[KeyRow], now: float, node: str = "", conflicts: list[str] | None = None) -> int:
+        """The keys file of node ``node`` into the store: new names are added as that node's,
+        keys it imported before follow its file; a key made or revoked over the API is left
+        alone, and so is a name another node's file gave (its name goes to ``conflicts``, when its
+        secret or rights differ: two files never overwrite each other). The number changed."""
         changed = 0
+        mine = ("file", f"file@{node}") if node else ("file",)
+        same = ("digest", "role", "weight", "limits", "models")
         with self._transaction() as tx:
             known = {r.name: r for r in (_key_row(x) for x in tx.run(f"SELECT {', '.join(_KEY_COLUMNS)} FROM api_keys"))}
             for row in rows:
+                row = replace(row, source=mine[-1])
                 old = known.get(row.name)
-                same = ("digest", "role", "weight", "limits", "models")
+                differs = old is not None and any(getattr(old, f) != getattr(row, f) for f in same)
                 if old is None:
                     marks = ", ".join("?" * len(_KEY_COLUMNS))
                     tx.run(f"INSERT INTO api_keys ({', '.join(_KEY_COLUMNS)}) VALUES ({marks})", _key_values(row))
-                elif old.source == "file" and old.revoked is None and any(getattr(old, f) != getattr(row, f) for f in same):
+                elif old.source in mine and old.revoked is None and (differs or old.source != row.source):
                     tx.run(
-                        "UPDATE api_keys SET digest = ?, role = ?, weight = ?, limits = ?, models = ?, updated = ? WHERE name = ?",
-                        (*_key_values(row)[1:6], now, row.name),
+                        "UPDATE api_keys SET digest = ?, role = ?, weight = ?, limits = ?, models = ?, source = ?, updated = ? "
+                        "WHERE name = ?", (*_key_values(row)[1:7], now, row.name),
                     )  # fmt: skip
                 else:
+                    if differs and old is not None and old.source.startswith("file") and conflicts is not None:
+                        conflicts.append(row.name)
                     continue
                 changed += 1
             if changed:

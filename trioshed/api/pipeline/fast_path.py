@@ -51,6 +51,7 @@ from trioshed.api.pipeline.wrapper import Entry, Headers, RequestWrapper
 from trioshed.api.routes import upload
 from trioshed.api.state import AppState
 from trioshed.errors import TrioshedError
+from trioshed.fleet.auth import current_signed
 
 Message = dict[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -161,10 +162,11 @@ class FastPath:
                     scope_of_request.deadline = math.inf
                     answering = True
                     departure: Departure = scope["extensions"][DEPARTURE]
-                    token = fast_request.set((self.state, bytes(body), scope))
+                    whole = bytes(body)
+                    token = fast_request.set((self.state, whole, scope))
                     departure.watch(scope_of_request)
                     try:
-                        await self._answer(method, path, get, send, entry, scope["extensions"][BODY])
+                        await self._answer(method, path, get, send, entry, scope["extensions"][BODY], whole)
                     finally:
                         departure.watch(None)
                         fast_request.reset(token)
@@ -174,8 +176,10 @@ class FastPath:
         with _new_scope(guard):
             await self.delegate(scope, _replay(read, receive), send)  # too large, or too slow
 
-    async def _answer(self, method: str, path: str, get: Headers, send: Send, entry: Entry, write: Write) -> None:
+    async def _answer(self, method: str, path: str, get: Headers, send: Send, entry: Entry, write: Write, sent: bytes = b"") -> None:
         try:
+            if current_signed.get() is not None:  # another node's request: the body it signed
+                self.wrapper.check_body(sent)
             self.wrapper.admit(entry, path)
             response = await self.handlers[path]()
         except Exception as exc:

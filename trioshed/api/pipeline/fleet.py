@@ -1,7 +1,7 @@
 """The fleet at the HTTP edge: the node-to-node state route, and requests sent to other nodes.
 
-``GET /api/fleet/state`` answers this node's state (:mod:`trioshed.fleet.state`) to a node that
-presents the fleet secret (the gate checks it: :class:`trioshed.fleet.auth.FleetAuth`).
+``GET /api/fleet/state`` answers this node's state (:mod:`trioshed.fleet.state`) to a node of the
+fleet (the gate checks its signature: :class:`trioshed.fleet.auth.FleetAuth`).
 
 :func:`routed` wraps each route of both serving paths when the node is in a fleet: a
 :class:`~trioshed.fleet.node.Forward` raised by the preamble (the one place the decision is
@@ -20,7 +20,8 @@ from typing import Any
 import trio
 from quart import Blueprint, Response, request
 
-from trioshed.api.pipeline.preamble import fast_request, read_body_raw, state
+from trioshed import access
+from trioshed.api.pipeline.preamble import fast_request, state
 from trioshed.api.protocols.errors import error_body, openai_error_event
 from trioshed.fleet.auth import serve_here
 from trioshed.fleet.node import Forward
@@ -35,7 +36,7 @@ View = Callable[..., Awaitable[Any]]
 
 @bp.get("/api/fleet/state")
 async def fleet_state() -> Any:
-    """This node's state, for the other nodes (the gate has checked the fleet secret)."""
+    """This node's state, for the other nodes (the gate has checked their signature)."""
     fleet = state().fleet
     if fleet is None:  # the gate refuses first (403); kept for a route reached another way
         return Response(json.dumps({"error": "this node is in no fleet"}), status=404, content_type="application/json")
@@ -48,13 +49,13 @@ def routed(view: View) -> View:
 
     @functools.wraps(view)
     async def routed_view(*args: Any, **kwargs: Any) -> Any:
+        body = await body_as_sent()  # before the view: parsing a form (a transcription) consumes it
         try:
             return await view(*args, **kwargs)
         except Forward as forward:
             fleet = state().fleet
             assert fleet is not None
             method, path, headers = request_head()
-            body = b"" if method in ("GET", "HEAD") else (await read_body_raw())[0]
             key = current_key.get()
             relayed = await fleet.relay(forward, None if key is ANONYMOUS else key, method, path, headers, body)
             if relayed is not None:
@@ -66,6 +67,18 @@ def routed(view: View) -> View:
             serve_here.reset(token)
 
     return routed_view
+
+
+async def body_as_sent() -> bytes:
+    """The request's body as the client sent it, on either serving path: b"" for a route whose
+    requests are never forwarded (nothing is read for them), else read whole and kept (Quart
+    parses a form from the kept bytes)."""
+    fast = fast_request.get()
+    if fast is not None:
+        return fast[1]
+    if not access.forwarded_route(request.method, request.path):
+        return b""
+    return await request.get_data(cache=True, as_text=False, parse_form_data=False)
 
 
 def request_head() -> tuple[str, str, list[tuple[str, str]]]:

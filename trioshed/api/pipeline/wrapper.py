@@ -8,9 +8,12 @@ in the same order, by calling one :class:`RequestWrapper`:
    request ends, becomes metrics, the log line and the status page's activity
    (:mod:`trioshed.api.observe.request_log`);
 2. :meth:`~RequestWrapper.enter`: the route is noted, then the gate (:mod:`trioshed.api.pipeline.gate`)
-   checks the Origin, the Host, the API key, the body's announced size and type, and the key's
-   rate and budgets (:meth:`~RequestWrapper.admit`, which the fast path calls itself once it knows
-   that it serves the request); a CORS preflight is answered 204;
+   checks the Origin, the Host, the API key (or another node's signature), the body's announced
+   size and type, and the key's rate and budgets (:meth:`~RequestWrapper.admit`, which the fast
+   path calls itself once it knows that it serves the request); a CORS preflight is answered
+   204. A key the node does not know is looked for in the shared store before it is refused
+   (:meth:`~RequestWrapper.enter_or_look_again`, on the Quart path, where the fast path sends
+   every refusal), and a signed request's body is checked once read (:meth:`~RequestWrapper.check_body`);
 3. :meth:`~RequestWrapper.on_error`: an error becomes its status, headers and body in the shape
    of the protocol serving the path (:func:`trioshed.api.protocols.errors.error_parts`); a
    refusal's cause is noted for the metrics, an unexpected error is logged and never shown;
@@ -36,9 +39,10 @@ from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
 from trioshed.api.observe import request_log
 from trioshed.api.observe.metrics import Metrics
-from trioshed.api.pipeline.gate import Gate
+from trioshed.api.pipeline.gate import Gate, UnknownKey
 from trioshed.api.protocols.errors import error_body, error_parts
 from trioshed.errors import TrioshedError
+from trioshed.fleet.auth import current_signed
 from trioshed.keys import ApiKey
 from trioshed.trace import RequestTrace
 from trioshed.trace import current as current_trace
@@ -138,6 +142,24 @@ class RequestWrapper:
         if method == "OPTIONS":
             return Entry(None, preflight=True)
         return Entry(self.gate.check_request(method, path, headers, content_length, count=count))
+
+    async def enter_or_look_again(
+        self, method: str, path: str, headers: Headers, content_length: int | None, *, route: str | None
+    ) -> Entry:
+        """:meth:`enter`, and when the gate refused a key this node does not know, once more after
+        the shared store was read (a key made on another node a moment ago: :meth:`Gate.look_again`)."""
+        try:
+            return self.enter(method, path, headers, content_length, route=route)
+        except UnknownKey as unknown:
+            if not await self.gate.look_again(unknown):
+                raise
+        return self.enter(method, path, headers, content_length, route=route)
+
+    def check_body(self, body: bytes) -> None:
+        """A request another node signed must carry the body it signed (401 else: changed on its way)."""
+        signed = current_signed.get()
+        if signed is not None:
+            self.gate.fleet.check_body(signed, body)
 
     def admit(self, entry: Entry, path: str) -> None:
         """Count the request against its key's rate and budgets (after ``enter(count=False)``)."""

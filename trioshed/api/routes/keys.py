@@ -29,13 +29,12 @@ from quart import Blueprint, Response, request
 
 from trioshed.api.pipeline.preamble import state
 from trioshed.errors import BadRequest, Conflict, Forbidden, TrioshedError
-from trioshed.keys import ANONYMOUS, LIMIT_FIELDS, ROLES, check_glob, current_key, digest
+from trioshed.keys import ANONYMOUS, LIMIT_FIELDS, RESERVED, ROLES, check_glob, current_key, digest
 from trioshed.usage.store import KeyRow
 
 bp = Blueprint("keys", __name__)
 
 _FIELDS = {"name", "role", "weight", "models", *LIMIT_FIELDS}
-_RESERVED = {"default"}  # TRIOSHED_API_KEY's name on every node
 
 
 class KeyNotFound(TrioshedError):
@@ -54,8 +53,15 @@ def new_secret() -> str:
 def check_name(name: object) -> str:
     if not isinstance(name, str) or not name or len(name) > 64 or not name.replace("-", "").replace("_", "").isalnum():
         raise BadRequest("name must be letters, digits, '-' or '_' (at most 64)")
-    if name in _RESERVED:
+    if name == RESERVED:
         raise BadRequest(f"the name {name!r} is TRIOSHED_API_KEY's on every node: choose another")
+    return name
+
+
+def _not_reserved(name: str) -> str:
+    """A key named in a path: TRIOSHED_API_KEY's ``default`` is no key of the store (400)."""
+    if name == RESERVED:
+        raise BadRequest(f"{RESERVED!r} is TRIOSHED_API_KEY's name on every node: it is not a key of the store, and cannot be changed here")
     return name
 
 
@@ -102,7 +108,7 @@ def describe(row: KeyRow) -> dict[str, Any]:
     return {
         "name": row.name, "role": row.role, "weight": row.weight, "models": list(row.models),
         **{f: row.limits.get(f, 0) for f in LIMIT_FIELDS},
-        "source": row.source, "created": _iso(row.created), "updated": _iso(row.updated),
+        "source": row.source.partition("@")[0], "created": _iso(row.created), "updated": _iso(row.updated),
         "last_used": _iso(row.last_used), "revoked": _iso(row.revoked),
     }  # fmt: skip
 
@@ -142,6 +148,12 @@ async def _keys_in_use() -> None:
 
 @bp.post("/api/keys")
 async def create() -> Response:
+    settings = state().settings
+    if settings.fleet_discovery == "peers" and not settings.database:
+        raise Conflict(
+            "this node is in a fleet without a shared store (TRIOSHED_PEERS, no TRIOSHED_DATABASE): a key made here "
+            "would be unknown to the other nodes; give every node the same TRIOSHED_KEYS_FILE, or share a PostgreSQL TRIOSHED_DATABASE"
+        )
     body = await _body()
     fields = check_fields(body, creating=True)
     assert isinstance(body, dict)
@@ -161,29 +173,22 @@ async def list_keys() -> Response:
     return _json({"keys": [describe(r) for r in rows]})
 
 
-def _find(rows: list[KeyRow], name: str) -> KeyRow:
-    for r in rows:
-        if r.name == name and r.revoked is None:
-            return r
-    raise KeyNotFound(f"no API key '{name[:100]}' in the store (GET /api/keys lists them)")
-
-
 @bp.patch("/api/keys/<name>")
 async def update(name: str) -> Response:
+    _not_reserved(name)
     fields = check_fields(await _body(), creating=False)
     if not fields:
         raise BadRequest(f"nothing to change: send one of {', '.join(sorted(_FIELDS - {'name'}))}")
-    old = _find(await _store(lambda db: db.keys()), name)
-    if "limits" in fields:
-        fields["limits"] = {f: v for f, v in {**old.limits, **fields["limits"]}.items() if v}
-    if not await _store(lambda db: db.update_key(name, fields, time.time())):
-        raise KeyNotFound(f"no API key '{name[:100]}' in the store")
+    row = await _store(lambda db: db.patch_key(name, fields, time.time()))  # read, merged and written in one transaction
+    if row is None:
+        raise KeyNotFound(f"no API key '{name[:100]}' in the store (GET /api/keys lists them)")
     await _changed()
-    return _json(describe(_find(await _store(lambda db: db.keys()), name)))
+    return _json(describe(row))
 
 
 @bp.delete("/api/keys/<name>")
 async def revoke(name: str) -> Response:
+    _not_reserved(name)
     now = time.time()
     if not await _store(lambda db: db.update_key(name, {"revoked": now}, now)):
         raise KeyNotFound(f"no API key '{name[:100]}' in the store, or it is revoked already")
@@ -193,6 +198,7 @@ async def revoke(name: str) -> Response:
 
 @bp.post("/api/keys/<name>/rotate")
 async def rotate(name: str) -> Response:
+    _not_reserved(name)
     secret = new_secret()
     if not await _store(lambda db: db.update_key(name, {"digest": digest(secret)}, time.time())):
         raise KeyNotFound(f"no API key '{name[:100]}' in the store, or it is revoked")
