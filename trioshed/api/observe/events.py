@@ -80,22 +80,24 @@ def state_message(st: AppState) -> dict[str, Any]:
 
 def for_key(message: dict[str, Any], key: ApiKey) -> dict[str, Any]:
     """A state message as ``key`` may see it: an admin sees all (every key's usage, the usage
-    store, the fleet), a user key only its own models' runners, memory and queue, and its own usage."""
+    store, the fleet), a user key only its own models' runners, memory and queue, its own usage,
+    and no other key's name (its queue entries say whose only when they are its own)."""
     if key.admin:
         return message
-    message = {k: v for k, v in message.items() if k != "database"}  # where the store is: admin only
+    out = {k: v for k, v in message.items() if k not in ("database", "fleet")}  # where the store and the nodes are: admin only
+    out["usage"] = [u for u in message.get("usage", []) if u.get("key") == key.name]
+    out["queue"] = [
+        {**q, "key": q.get("key") if q.get("key") == key.name else ""}
+        for q in message.get("queue", []) if key.may_use(str(q.get("model", "")))
+    ]  # fmt: skip
     if not key.models:
-        return {**message, "usage": [u for u in message.get("usage", []) if u.get("key") == key.name]}
-    out = dict(message)
-    out.pop("fleet", None)
+        return out
     out["runners"] = [r for r in message.get("runners", []) if key.may_use(str(r.get("model", "")))]
-    out["queue"] = [q for q in message.get("queue", []) if key.may_use(str(q.get("model", "")))]
     out["devices"] = [
         {**d, "runners": [m for m in d.get("runners", []) if key.may_use(str(m.get("model", "")))]}
         if isinstance(d.get("runners"), list) else d
         for d in message.get("devices", [])
     ]  # fmt: skip
-    out["usage"] = [u for u in message.get("usage", []) if u.get("key") == key.name]
     return out
 
 

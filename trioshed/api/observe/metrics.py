@@ -31,6 +31,7 @@ from prometheus_client.utils import floatToGoString
 from quart import Blueprint, Response, current_app
 
 from trioshed.api.observe.gateway import GatewayCollector
+from trioshed.keys import current_key
 from trioshed.runner.slots import WarmReturns
 from trioshed.scheduler import Scheduler, SchedulerStatistics
 from trioshed.scheduler.events import SchedulerEvent
@@ -404,13 +405,19 @@ class Metrics:
                 if queue_wait is not None:
                     self.key_queue_wait.labels(api_key).observe(queue_wait)
 
-    def render(self) -> bytes:
+    def render(self, *, keys: bool = True) -> bytes:
+        """The metrics as text; ``keys=False``: without the series labelled by API key name
+        (``/metrics`` read without an admin key, where TRIOSHED_METRICS_PUBLIC allows it)."""
         self._count_events()
         self._count_finished()
-        return render_text(self.registry)
+        return render_text(self.registry, skip=() if keys else (KEY_SERIES,))
 
 
-def render_text(registry: CollectorRegistry) -> bytes:
+#: The families labelled by API key name: an admin's to read.
+KEY_SERIES = "trioshed_key_"
+
+
+def render_text(registry: CollectorRegistry, skip: tuple[str, ...] = ()) -> bytes:
     """What ``prometheus_client.generate_latest`` writes (text format 0.0.4), byte for byte, for a
     registry whose metric and label names are plain Prometheus names (trioshed's are), at under
     half its cost: its per-sample name validation and escaping were most of a scrape's time with
@@ -418,6 +425,8 @@ def render_text(registry: CollectorRegistry) -> bytes:
     out: list[str] = []
     for metric in registry.collect():
         name, kind = metric.name, metric.type
+        if skip and name.startswith(skip):
+            continue
         exposed = name
         if kind == "counter":
             exposed = name + "_total"
@@ -467,4 +476,5 @@ def _label_value(v: str) -> str:
 async def metrics() -> Response:
     metrics: Metrics = current_app.config["TRIOSHED_METRICS"]
     await metrics.gateway.refresh()  # the runners' slots, for the KV-cache utilization
-    return Response(metrics.render(), content_type=CONTENT_TYPE_PLAIN_0_0_4)
+    keys = current_key.get().admin  # read without an admin key (a public /metrics): no key names
+    return Response(metrics.render(keys=keys), content_type=CONTENT_TYPE_PLAIN_0_0_4)
