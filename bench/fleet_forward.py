@@ -9,7 +9,9 @@ differences is the hop's cost.
 Two kinds: a whole answer (``"stream": false``) and a stream of 16 tokens (to its last byte),
 both on ``/api/generate``. Beside them, the same requests through a bare forwarder
 (:mod:`bench.bare_forward`: the same HTTP layer and client relaying bytes, with no gate, routing,
-trace or log): the stack's own floor for a hop, measured in the same run. Writes
+trace or log): the stack's own floor for a hop, measured in the same run. Beside them, what
+signing a forwarded request costs alone (:func:`signing_cost`: the body's digest and the HMAC
+on the sending node, the checks on the serving one, in process CPU). Writes
 ``bench/results/<date>-fleet-forward.md``.
 """
 
@@ -67,6 +69,25 @@ async def open_bare_forward(
         yield server
 
 
+def signing_cost(body: bytes, rounds: int = 20000) -> dict[str, float]:
+    """Process CPU per request, in microseconds, of signing a forwarded request of ``body``
+    (its digest and the HMAC: the sending node) and of checking it (the signature, the window,
+    the nonce, then the body's digest: the serving node)."""
+    import contextvars
+
+    from trioshed.fleet.auth import FleetAuth, body_digest
+
+    a, b = FleetAuth(SECRET, "A"), FleetAuth(SECRET, "B")
+    started = time.process_time()
+    signed = [a.sign("POST", "/api/generate", body_digest(body), to="B", key="alice") for _ in range(rounds)]
+    sign = time.process_time() - started
+    started = time.process_time()
+    for headers in signed:  # each in a context of its own, as each request's task has
+        contextvars.copy_context().run(lambda h=headers: b.check_body(b.verify("POST", "/api/generate", h.get), body))
+    verify = time.process_time() - started
+    return {"body_bytes": len(body), "sign_us": 1e6 * sign / rounds, "verify_us": 1e6 * verify / rounds}
+
+
 async def run(requests: int = 300) -> dict[str, Any]:
     from trioshed.testing.tiny import write_tiny_model
 
@@ -114,7 +135,8 @@ async def run(requests: int = 300) -> dict[str, Any]:
                         "floor_added_p50_ms": 1000 * statistics.median(floor_deltas),
                         "floor_added_p90_ms": 1000 * (percentile(floor_deltas, 90) or 0.0),
                     }
-    return {"requests": requests, "rows": rows}
+    signing = [signing_cost(b'{"model":"tiny","prompt":"' + b"x" * size + b'"}') for size in (20, 4096, 65536)]
+    return {"requests": requests, "rows": rows, "signing": signing}
 
 
 def report(result: dict[str, Any], note: str) -> str:
@@ -135,6 +157,10 @@ def report(result: dict[str, Any], note: str) -> str:
     lines += [
         "", "The bare forwarder (`bench/bare_forward.py`) is the same HTTP layer and client relaying "
         "bytes, with nothing else: its added time is the stack's floor for a hop on this machine.",
+        "", "Signing alone (process CPU per request, in process): the sending node's body digest and HMAC, "
+        "the serving node's checks (signature, window, nonce, the body's digest).", "",
+        "| body | sign | check |", "| ---: | ---: | ---: |",
+        *(f"| {s['body_bytes']:,} bytes | {s['sign_us']:.1f} us | {s['verify_us']:.1f} us |" for s in result.get("signing", [])),
     ]  # fmt: skip
     return "\n".join(lines) + "\n"
 
