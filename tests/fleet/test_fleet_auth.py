@@ -6,6 +6,10 @@ addresses and the fleet secret are checked at start."""
 from __future__ import annotations
 
 import contextvars
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -112,3 +116,16 @@ def test_the_secret_and_the_nodes_addresses_are_checked_at_start() -> None:
     for bad in ("http://10.0.0.2:99999", "http://10.0.0.2:0", "ftp://10.0.0.2:1", "http://10.0.0.2:1/path", "10.0.0.2:11434"):
         with pytest.raises(ValueError, match="TRIOSHED_PEERS"):
             Settings.from_env({**fleet, "TRIOSHED_PEERS": bad})
+
+
+def test_certificates_that_cannot_be_read_stop_the_node_at_start_naming_the_setting(tmp_path: Path) -> None:
+    (tmp_path / "models").mkdir()
+    bad = tmp_path / "not-a-ca.pem"
+    bad.write_text("not a certificate\n")
+    for path in (bad, tmp_path / "missing.pem"):
+        env = {**os.environ, "TRIOSHED_MODELS": str(tmp_path / "models"), "TRIOSHED_FLEET_SECRET": SECRET, "TRIOSHED_FLEET_CA": str(path),
+               "TRIOSHED_PEERS": "https://127.0.0.1:9", "TRIOSHED_HOST": "127.0.0.1:0", "TRIOSHED_USAGE": "0"}  # fmt: skip
+        done = subprocess.run([sys.executable, "-m", "trioshed", "serve"], env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2, done.stderr[-2000:]
+        assert f"TRIOSHED_FLEET_CA={path}: not a readable PEM file of certificates" in done.stdout + done.stderr
+        assert "Traceback" not in done.stdout + done.stderr

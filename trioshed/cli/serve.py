@@ -75,8 +75,12 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
         say(banner)
     from trioshed.devices.rpc import check_addresses
 
-    try:  # a public RPC server address is refused before anything starts
+    try:  # a public RPC server address, or fleet certificates that cannot be read, refused before anything starts
         trio.run(lambda: check_addresses(settings.rpc_servers, allow_public=settings.rpc_allow_public))
+        if settings.fleet_discovery:
+            from trioshed.fleet import fleet_tls
+
+            fleet_tls(settings)  # TRIOSHED_FLEET_CA
     except ValueError as exc:
         say(f"Error: {exc}")
         return 2

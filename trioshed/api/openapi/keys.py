@@ -20,8 +20,10 @@ _NAME: Schema = {"name": "name", "in": "path", "required": True, "schema": {"typ
 
 
 def _answers(ok: str, schema: Schema, *errors: str) -> Schema:
-    words = {"400": "A bad field.", "401": "The API key is missing or wrong.", "403": "Not an admin key.",
-             "404": "No such key (or it is revoked).", "409": "The name is taken.", "503": "The key store cannot be reached."}  # fmt: skip
+    words = {"400": "A bad field, or the name `default` (TRIOSHED_API_KEY's on every node).", "401": "The API key is missing or wrong.",
+             "403": "Not an admin key.", "404": "No such key (or it is revoked).",
+             "409": "The name is taken, or this node is in a fleet without a shared store (a key made here would be unknown to the others).",
+             "503": "The key store cannot be reached."}  # fmt: skip
     out: Schema = {ok: {"description": "OK", "content": {"application/json": {"schema": schema}}}}
     for code in ("401", "403", "503", *errors):
         out[code] = {"description": words[code], "content": _ERROR}
@@ -44,10 +46,10 @@ def keys_paths() -> dict[str, Schema]:
             "patch": {"summary": "Change a key's role, weight, models, limits or budgets (admin)", "parameters": [_NAME],
                       "requestBody": body, "responses": _answers("200", _KEY, "400", "404")},
             "delete": {"summary": "Revoke a key on every node (admin)", "parameters": [_NAME],
-                       "responses": _answers("200", {"type": "object"}, "404")},
+                       "responses": _answers("200", {"type": "object"}, "400", "404")},
         },
         "/api/keys/{name}/rotate": {
             "post": {"summary": "A new secret for a key; the old one stops working (admin)", "parameters": [_NAME],
-                     "responses": _answers("200", secret, "404")},
+                     "responses": _answers("200", secret, "400", "404")},
         },
     }  # fmt: skip
