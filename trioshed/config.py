@@ -261,8 +261,7 @@ class Settings:
     #: how far a signed node-to-node request's time may be from this node's clock.
     fleet_ca: Path | None = None
     fleet_window: float = 30.0
-    #: How long the shared store's keys are honoured after its last reading: a key made over the
-    #: API and revoked while this node cannot reach the store is refused after this (trioshed.usage.keysync).
+    #: How long keys made over the API are honoured without a reading of a shared store (trioshed.usage.keysync).
     keys_stale: float = 30.0
 
     @classmethod

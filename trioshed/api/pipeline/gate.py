@@ -1,7 +1,8 @@
-"""Who may use the API: the Origin, the Host (against DNS rebinding), the API key and its rate,
-and the body's announced size and type; and the CORS headers an allowed page gets. One
-:class:`Gate` per app, asked by the request wrapper (:mod:`trioshed.api.pipeline.wrapper`) on both
-serving paths."""
+"""Who may use the API: the Origin, the Host (against DNS rebinding), the API key and its rate
+(or, for a request another node forwarded, its signature and the serving node's own record of
+the key it names: :mod:`trioshed.fleet.auth`), and the body's announced size and type; and the
+CORS headers an allowed page gets. One :class:`Gate` per app, asked by the request wrapper
+(:mod:`trioshed.api.pipeline.wrapper`) on both serving paths."""
 
 from __future__ import annotations
 
