@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import trioshed.cli.chat_session as cs
+from trioshed.cli.base_model import base_model_of, one_shot_of_base_model, with_length
 from trioshed.cli.chat_input import (
     ImageError,
     LineReader,
@@ -153,11 +154,18 @@ def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
     answer = Answer(bool(args.hidethinking))
     answer.spinner.start()
     try:
-        with open_client(settings) as client, client.stream("POST", "/api/generate", json=body) as response:
-            check_stream(response)
-            for chunk in stream_lines(response):
-                answer.write(str(chunk.get("thinking") or ""), str(chunk.get("response") or ""))
-                answer.last = chunk
+        with open_client(settings) as client:
+            body, paragraph = one_shot_of_base_model(client, body, args.verbose)
+            with client.stream("POST", "/api/generate", json=body) as response:
+                check_stream(response)
+                for chunk in stream_lines(response):
+                    text = str(chunk.get("response") or "")
+                    answer.write(str(chunk.get("thinking") or ""), paragraph.feed(text) if paragraph else text)
+                    answer.last = chunk
+                    if paragraph and paragraph.done:
+                        break  # the continuation's first paragraph is written: the request is closed
+                if paragraph:
+                    answer.write("", paragraph.rest())
     finally:
         answer.spinner.stop()
     answer.finish(args.verbose)
@@ -200,6 +208,7 @@ class Chat:
         self.settings = settings
         self.read = read
         self.client = open_client(settings)
+        self.base: dict[str, Any] | None = None  # /api/show's answer for a base model
 
     def run(self) -> int:
         try:
@@ -226,6 +235,7 @@ class Chat:
             self.session.capabilities = None
             return False
         self.session.apply_show(response.json())
+        self.base = base_model_of(self.session.model, response.json())
         return True
 
     def gather(self, first: str) -> str:
@@ -322,6 +332,7 @@ class Chat:
             return
         session.messages, session.system = [], ""
         session.apply_show(response.json())
+        self.base = base_model_of(name, response.json())
         print(cs.transcript(session.loaded), end="")
 
     def turn(self, line: str) -> None:
@@ -346,7 +357,8 @@ class Chat:
         stopped = False
         answer.spinner.start()
         try:
-            with self.client.stream("POST", "/api/chat", json=session.body()) as response:
+            body = session.body() if self.base is None else with_length(session.body(), self.base)
+            with self.client.stream("POST", "/api/chat", json=body) as response:
                 check_stream(response)
                 for chunk in stream_lines(response):
                     said = chunk.get("message") or {}
