@@ -38,6 +38,7 @@ import trio
 
 from trioshed._util import single_error
 from trioshed.core.estimate_kv import effective_kv_type, kv_layer_bytes
+from trioshed.core.media import MEDIA_MARKER, MEDIA_MARKER_VARIABLE
 from trioshed.core.model import MeasuredMemory, ModelSpec, Placement, RunnerOptions
 from trioshed.errors import LoadFailed
 from trioshed.models.gguf_meta import unreadable
@@ -71,11 +72,13 @@ CLOSED_CORS_ORIGIN = "http://trioshed.invalid"
 
 
 def runner_environment(base: dict[str, str] | None, secret: str) -> dict[str, str]:
-    """The child's environment: ``base`` (else trioshed's), its secret and closed CORS."""
+    """The child's environment: ``base`` (else trioshed's), its secret, closed CORS and the
+    process's media marker (:mod:`trioshed.core.media`)."""
     env = dict(base) if base else dict(os.environ)
     env["LLAMA_API_KEY"] = secret
     env["LLAMA_ARG_CORS_ORIGINS"] = CLOSED_CORS_ORIGIN
     env["LLAMA_ARG_CORS_CREDENTIALS"] = "false"
+    env[MEDIA_MARKER_VARIABLE] = MEDIA_MARKER  # where a transcript's images and sounds go
     env.pop("LLAMA_ARG_API_KEY_FILE", None)  # would add keys trioshed does not hold
     return env
 
