@@ -73,6 +73,11 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
         logging.getLogger("trioshed").info(banner)  # every line of a JSON log is JSON
     else:
         say(banner)
+    if args.demo_model and settings.log_format != "json":
+        from trioshed.models.demo import demo_hint
+
+        if hint := demo_hint(folders):
+            say(hint)
     from trioshed.devices.rpc import check_addresses
 
     try:  # a public RPC server address, or fleet certificates that cannot be read, refused before anything starts

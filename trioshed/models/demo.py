@@ -23,6 +23,19 @@ from typing import Any
 DEMO_MODEL = "gemma3-270m"
 
 
+#: What ``make serve`` (``serve --demo-model``) says to try once it serves: the demo model is a
+#: base model, so a text to continue, and the way to a chat model.
+DEMO_HINT = (
+    f'try: trioshed run {DEMO_MODEL} "The three largest cities in France are"\n'
+    f"     ({DEMO_MODEL} is a small base model: it continues text; for a chat model: trioshed pull llama3.2:1b)"
+)
+
+
+def demo_hint(stores: list[Path]) -> str | None:
+    """:data:`DEMO_HINT` where the demo model is in one of ``stores``, else None."""
+    return DEMO_HINT if any((store / f"{DEMO_MODEL}.gguf").is_file() for store in stores) else None
+
+
 class DemoUnavailable(Exception):
     """The demo model cannot be put into the store (package missing, bad parts, disk full)."""
 
