@@ -49,7 +49,12 @@ from typing import Any
 
 from trioshed.api.protocols.llama import Upstream, has_part
 from trioshed.api.protocols.options import json_type, require_object
-from trioshed.api.protocols.transcript import TURN_STOP, transcript_prompt
+from trioshed.api.protocols.transcript import (
+    TURN_STOP,
+    media_prompt,
+    transcript_media,
+    transcript_prompt,
+)
 from trioshed.core.grammar import grammar_safe_schema
 from trioshed.errors import BadRequest
 
@@ -367,7 +372,9 @@ def messages_upstream(req: Mapping[str, Any], *, chat_template: bool = True, thi
     prefill = _prefill(messages)
     if not chat_template:
         # A prefill continues the transcript's last "Assistant:" turn (/completion echoes nothing).
-        prompt = transcript_prompt(messages[:-1]) + f" {prefill}" if prefill else transcript_prompt(messages)
+        # Images stand where they were, as llama-server's media marker (transcript.py).
+        text, media = transcript_media(messages[:-1]) if prefill else transcript_media(messages)
+        prompt = media_prompt(text + f" {prefill}" if prefill else text, media)
         body: dict[str, Any] = {"prompt": prompt, "n_predict": max_tokens, "stop": [*stops, TURN_STOP],
                                 "stream": True, "cache_prompt": True, "return_progress": True, **sampling}
         return MessagesUpstream(Upstream("/completion", body), turn_stop=TURN_STOP, stream=stream)

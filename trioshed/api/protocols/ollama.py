@@ -26,8 +26,14 @@ from trioshed.api.protocols.llama import (
     thinking_requested,
 )
 from trioshed.api.protocols.options import field, json_type, require_object, split_options
-from trioshed.api.protocols.transcript import transcript_prompt, with_turn_stop
+from trioshed.api.protocols.transcript import (
+    media_of_images,
+    media_prompt,
+    transcript_media,
+    with_turn_stop,
+)
 from trioshed.core.grammar import grammar_safe_schema
+from trioshed.core.media import MEDIA_MARKER
 from trioshed.errors import BadRequest
 
 Kind = Literal["generate", "chat"]
@@ -146,13 +152,20 @@ def generate_upstream(req: Mapping[str, Any], *, chat_template: bool = True) -> 
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in context):
         raise BadRequest('"context" must be a list of token ids (integers)')
     sampling, runner = split_options(req.get("options"))
+    media: list[str] = []
     if not raw and not suffix and not chat_template:
+        # Ollama's default template, "{{ .Prompt }}", with each image's tag before the prompt
         raw = True
-        prompt = f"{system}\n\n{prompt}" if system else prompt
+        if images:
+            _content(prompt, images, '"images"')  # validated as for a model with a template
+            media = media_of_images(images)
+        prompt = f"{system}\n\n{MEDIA_MARKER * len(media)}{prompt}" if system else MEDIA_MARKER * len(media) + prompt
 
     if suffix or raw:
-        if images:
+        if images and not media:
             raise BadRequest('"images" are not supported with "raw" or "suffix"; use /api/chat')
+        if context and media:
+            raise BadRequest('"context" cannot be sent with "images"')
         if context and not raw:
             raise BadRequest('"context" is not supported with "suffix"')
         body: dict[str, Any] = {"stream": True, "cache_prompt": True, **sampling}
@@ -161,7 +174,7 @@ def generate_upstream(req: Mapping[str, Any], *, chat_template: bool = True) -> 
         if suffix:
             body.update({"input_prefix": prompt, "input_suffix": suffix, "prompt": ""})
             return Upstream("/infill", body, runner)
-        body["prompt"] = [*context, prompt] if context else prompt
+        body["prompt"] = [*context, prompt] if context else media_prompt(prompt, media)
         return Upstream("/completion", body, runner)
 
     if context:
@@ -350,15 +363,20 @@ def with_model_system(
     return {**body, "messages": [*head, *messages]} if head else body
 
 
-def transcript_upstream(body: dict[str, Any]) -> Upstream:
+def transcript_upstream(body: dict[str, Any], *, default_stop: object = None) -> Upstream:
     """Chat with a model that brings no chat template (a base model, like the demo's): a plain
-    transcript it can continue, cut at the next turn (see :mod:`.transcript`)."""
-    chat_upstream(body)  # the same validation as templated chat
-    prompt = transcript_prompt(body.get("messages") or [])
+    transcript it can continue, cut at the next turn, with the messages' images and sounds
+    where they stand (see :mod:`.transcript`). ``default_stop``: the model's ``stop`` option,
+    for a request that sets none (the transcript's own stop would hide it otherwise)."""
+    chat = chat_upstream(body)  # the same validation as templated chat; images become parts
+    prompt, media = transcript_media(chat.body["messages"])
     options = dict(body.get("options") or {})
-    options["stop"] = with_turn_stop(options.get("stop"))
+    options["stop"] = with_turn_stop(options.get("stop") if options.get("stop") is not None else default_stop)
     raw = {k: v for k, v in body.items() if k not in ("messages", "tools")}
-    return generate_upstream({**raw, "prompt": prompt, "raw": True, "options": options})
+    upstream = generate_upstream({**raw, "prompt": prompt, "raw": True, "options": options})
+    if media:
+        upstream.body["prompt"] = media_prompt(prompt, media)
+    return upstream
 
 
 #: Ollama's last /api/generate answer carries ``context``, the conversation's token ids, which a

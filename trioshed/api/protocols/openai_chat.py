@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from trioshed.api.protocols.llama import has_part, parse_sse_line, thinking_requested
-from trioshed.api.protocols.transcript import transcript_prompt, with_turn_stop
+from trioshed.api.protocols.transcript import media_prompt, transcript_media, with_turn_stop
 from trioshed.core.grammar import grammar_safe_tools
 from trioshed.errors import BadRequest
 
@@ -114,12 +114,16 @@ def with_grammar_safe_tools(body: Mapping[str, Any]) -> dict[str, Any] | None:
 
 def transcript_completion_body(body: Mapping[str, Any]) -> dict[str, Any]:
     """A chat body for a model without a chat template as a ``/v1/completions`` body: the
-    conversation as a plain transcript, cut at the next turn."""
+    conversation as a plain transcript, cut at the next turn. With images or sounds the prompt
+    is ``/completion``'s multimodal object instead (:func:`transcript_path`)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
         raise BadRequest("messages must be a list of objects")
     out = with_response_format({k: v for k, v in body.items() if k not in _CHAT_ONLY})
-    out |= {"prompt": transcript_prompt(messages), "stop": with_turn_stop(out.get("stop"))}
+    text, media = transcript_media(messages)
+    if media and out.get("logprobs"):
+        raise BadRequest("logprobs are not available for images or sounds sent to a model without a chat template")
+    out |= {"prompt": media_prompt(text, media), "stop": with_turn_stop(out.get("stop"))}
     if out.get("logprobs") is True:
         # chat's logprobs: true + top_logprobs: N is completions' logprobs: N (at least 1: llama-server
         # reports nothing for 0); top_logprobs stays in the body (llama-server ignores it there) so
@@ -132,6 +136,13 @@ def transcript_completion_body(body: Mapping[str, Any]) -> dict[str, Any]:
     if "max_completion_tokens" in out:
         out.setdefault("max_tokens", out.pop("max_completion_tokens"))
     return out
+
+
+def transcript_path(body: Mapping[str, Any]) -> str:
+    """Where a transcript body (:func:`transcript_completion_body`) goes: ``/completion`` for one
+    with media (``/v1/completions`` takes none; its answer is then read through
+    :func:`~trioshed.api.protocols.transcript.completion_event`), else ``/v1/completions``."""
+    return "/completion" if isinstance(body.get("prompt"), Mapping) else "/v1/completions"
 
 
 def with_response_format(body: Mapping[str, Any]) -> dict[str, Any]:

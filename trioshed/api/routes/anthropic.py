@@ -43,6 +43,7 @@ from trioshed.api.pipeline.upstream import (
     run_again_or_raise,
     truncated,
 )
+from trioshed.api.protocols import sampling
 from trioshed.api.protocols.anthropic import (
     MessagesUpstream,
     count_tokens_upstream,
@@ -82,12 +83,12 @@ async def _can_think(spec: ModelSpec) -> bool:
 
 
 def _with_defaults(up: MessagesUpstream, defaults: dict[str, Any]) -> MessagesUpstream:
-    """The model's default sampling options under the request's own; not its ``num_predict``,
-    which llama-server would prefer to the client's ``max_tokens``."""
-    if not defaults:
-        return up
-    sampling = {k: v for k, v in split_options(defaults)[0].items() if k != "n_predict"}
-    return MessagesUpstream(up.upstream.with_defaults(sampling), up.stop_sequences, up.turn_stop, up.prefill, up.stream)
+    """The model's default sampling options, then Anthropic's (protocols/sampling.py), under the
+    request's own; not the model's ``num_predict``, which llama-server would prefer to the
+    client's ``max_tokens``."""
+    model = {k: v for k, v in split_options(defaults)[0].items() if k != "n_predict"}
+    upstream = up.upstream.with_defaults({**sampling.ANTHROPIC, **model})
+    return MessagesUpstream(upstream, up.stop_sequences, up.turn_stop, up.prefill, up.stream)
 
 
 def _translator(up: MessagesUpstream, name: str) -> MessageStream:

@@ -32,7 +32,7 @@ from trioshed.api.pipeline.upstream import (
     post_upstream,
     truncated,
 )
-from trioshed.api.protocols import ollama
+from trioshed.api.protocols import ollama, sampling
 from trioshed.api.protocols.llama import Upstream
 from trioshed.api.protocols.ollama_stream import OllamaStream, ndjson
 from trioshed.api.protocols.options import split_options
@@ -116,9 +116,9 @@ async def _serve(kind: ollama.Kind) -> Response:
     elif templated:
         upstream = ollama.chat_upstream(body)
     else:
-        upstream = ollama.transcript_upstream(body)
-    if req.defaults:
-        upstream = upstream.with_defaults(split_options(req.defaults)[0])
+        upstream = ollama.transcript_upstream(body, default_stop=req.defaults.get("stop"))
+    # under the request's options: the model's, then Ollama's DefaultOptions (not llama-server's)
+    upstream = upstream.with_defaults({**sampling.OLLAMA, **split_options(req.defaults)[0]})
     top = body.get("top_logprobs")
     translator = OllamaStream(kind, model.name, prefill=upstream.prefill, top_logprobs=top if isinstance(top, int) else 0)
 

@@ -34,6 +34,7 @@ from trioshed.api.pipeline.upstream import (
     open_upstream_bytes,
     post_upstream_raw,
 )
+from trioshed.api.protocols import sampling
 from trioshed.api.protocols.errors import context_error, message_for, openai_error_event
 from trioshed.api.protocols.openai_chat import (
     FINISHED,
@@ -46,9 +47,12 @@ from trioshed.api.protocols.openai_chat import (
     logprobs_asked,
     openai_model_rewrite,
     transcript_completion_body,
+    transcript_path,
     with_grammar_safe_tools,
     with_response_format,
 )
+from trioshed.api.protocols.options import split_options
+from trioshed.api.protocols.transcript import completion_event, completion_lines
 from trioshed.core.model import ModelSpec, RunnerOptions
 from trioshed.errors import BadRequest, ModelNotFound, TrioshedError
 from trioshed.fleet import view as fleet_view
@@ -127,6 +131,20 @@ async def openai_request(*, embedding: bool = False, need: Callable[[dict[str, A
     return OpenAIRequest(body, name, req.model, req.options, req.keep_alive, raw, req)
 
 
+def _sampled(req: OpenAIRequest) -> OpenAIRequest:
+    """``req`` with the model's options and OpenAI's sampling defaults under the request's own
+    (:mod:`trioshed.api.protocols.sampling`). A body that can go upstream as sent still does,
+    with the added members written before the client's."""
+    defaults = split_options(req.prepared.defaults)[0] if req.prepared is not None else {}
+    extra = sampling.missing(req.body, sampling.model_sampling_for_openai(defaults, req.body), sampling.OPENAI)
+    if not extra:
+        return req
+    raw = None
+    if req.raw is not None and not any(k in req.body for k in extra):  # a null member would be there twice
+        raw = sampling.spliced(req.raw, extra)
+    return replace(req, body={**req.body, **extra}, raw=raw)
+
+
 async def _proxy(
     path: str, req: OpenAIRequest | None = None, *, as_chat_shape: bool = False, legacy: LegacyLogprobs | None = None
 ) -> Response:
@@ -150,7 +168,7 @@ async def _proxy(
         if isinstance(data, dict):
             if as_chat_shape and status == 200:
                 assert isinstance(upstream, dict)
-                data = as_chat(data, top_logprobs=logprobs_asked(upstream))
+                data = as_chat(completion_event(data) if path == "/completion" else data, top_logprobs=logprobs_asked(upstream))
             elif legacy is not None and status == 200:
                 data = legacy.event(data)
             data = openai_model_rewrite(data, name)
@@ -159,7 +177,7 @@ async def _proxy(
         return Response(json.dumps(data), status=client_status(status, raw), content_type="application/json")
     if as_chat_shape:
         assert isinstance(upstream, dict)
-        relay = lambda lease: _relay_as_chat(lease, upstream, name)  # noqa: E731
+        relay = lambda lease: _relay_as_chat(lease, path, upstream, name)  # noqa: E731
     else:
         relay = lambda lease: _relay(lease, path, upstream, name, legacy)  # noqa: E731
     return await leased_stream(st.scheduler, model, options, keep_alive, relay, "text/event-stream", key=req.key, fit=fit)
@@ -171,6 +189,7 @@ async def chat_completions() -> Response:
     await require_capabilities(req.model, req.name, chat_needs(req.body), action="chat")
     if (safe := with_grammar_safe_tools(req.body)) is not None:
         req = replace(req, body=safe, raw=None)
+    req = _sampled(req)
     if not await has_chat_template(req.model):
         return await _chat_as_transcript(req)
     return await _proxy("/v1/chat/completions", req)
@@ -181,20 +200,22 @@ async def _chat_as_transcript(req: OpenAIRequest) -> Response:
     conversation as a plain transcript on llama-server's /v1/completions, cut at the next turn,
     answered in chat's shape. (llama-server's fallback, ChatML, makes such a model echo markup.)"""
     body = transcript_completion_body(req.body)
-    return await _proxy("/v1/completions", replace(req, body=body, raw=None), as_chat_shape=True)
+    return await _proxy(transcript_path(body), replace(req, body=body, raw=None), as_chat_shape=True)
 
 
-async def _relay_as_chat(lease: Lease, body: dict[str, Any], model: str) -> AsyncIterator[bytes]:
-    """llama-server's /v1/completions events as chat.completion.chunk events."""
+async def _relay_as_chat(lease: Lease, path: str, body: dict[str, Any], model: str) -> AsyncIterator[bytes]:
+    """llama-server's /v1/completions events (or /completion's, read in their shape) as
+    chat.completion.chunk events."""
     options = body.get("stream_options")
     translator = CompletionAsChat(
         model, include_usage=isinstance(options, dict) and options.get("include_usage") is True, top_logprobs=logprobs_asked(body)
     )
     sent = False
+    native = path == "/completion"
     try:
-        async with open_upstream(lease, "/v1/completions", body) as batches:
+        async with open_upstream(lease, path, body) as batches:
             async for lines in batches:
-                if out := translator.feed_lines(lines):
+                if out := translator.feed_lines(completion_lines(lines) if native else lines):
                     sent = True
                     yield out
             yield Last()  # the answer's end, before the runner's connection goes back
@@ -208,6 +229,7 @@ async def _relay_as_chat(lease: Lease, body: dict[str, Any], model: str) -> Asyn
 async def completions() -> Response:
     req = await openai_request()
     await require_capabilities(req.model, req.name, (), action="generate")
+    req = _sampled(req)
     if "response_format" in req.body:  # llama-server's completions honour only json_schema
         req = replace(req, body=with_response_format(req.body), raw=None)
     if completion_logprobs_asked(req.body):  # OpenAI's fields beside llama-server's own

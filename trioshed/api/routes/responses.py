@@ -31,11 +31,18 @@ from trioshed.api.pipeline.upstream import (
     truncated,
     upstream_message,
 )
+from trioshed.api.protocols import sampling
 from trioshed.api.protocols.errors import context_error, message_for, openai_error
 from trioshed.api.protocols.llama import parse_sse_line, upstream_error_message
-from trioshed.api.protocols.openai_chat import chat_needs, transcript_completion_body
+from trioshed.api.protocols.openai_chat import (
+    chat_needs,
+    transcript_completion_body,
+    transcript_path,
+)
 from trioshed.api.protocols.openai_responses import Response as Frame
 from trioshed.api.protocols.openai_responses import ResponsesStream, chat_request, response_of
+from trioshed.api.protocols.options import split_options
+from trioshed.api.protocols.transcript import completion_event
 from trioshed.errors import BadRequest, TrioshedError, UpstreamError
 from trioshed.scheduler import Lease
 from trioshed.trace import current as current_trace
@@ -52,9 +59,13 @@ async def responses() -> Response:
     chat = chat_request(body)  # before the model: previous_response_id is refused for any model
     req = prepare(body, name)
     await require_capabilities(req.model, name, chat_needs(chat), action="chat")
+    # under the request's own: the model's options, then OpenAI's defaults (protocols/sampling.py)
+    model_sampling = sampling.model_sampling_for_openai(split_options(req.defaults)[0], chat)
+    chat |= sampling.missing(chat, model_sampling, sampling.OPENAI)
     path = "/v1/chat/completions"
     if not await has_chat_template(req.model):
-        path, chat = "/v1/completions", transcript_completion_body(chat)
+        chat = transcript_completion_body(chat)
+        path = transcript_path(chat)  # /completion for images and sounds, read as /v1/completions
     st = state()
     frame = Frame(body, name, int(time.time()))
     fit = prompt_fit(req, path, chat)
@@ -68,6 +79,8 @@ async def responses() -> Response:
             code = client_status(status, raw)
             return _json(openai_error(code, upstream_message(raw, status)), code)
         answer = json.loads(raw)
+        if path == "/completion":
+            answer = completion_event(answer)
         if (trace := current_trace.get()) is not None:
             trace.counted(answer)
         return _json(response_of(frame, answer, int(time.time())))
@@ -88,6 +101,7 @@ async def _relay(lease: Lease, path: str, body: dict[str, Any], stream: Response
     with the answer's first byte: an error before it is the request's, with its status."""
     trace = current_trace.get()
     started = False
+    native = path == "/completion"
     try:
         async with open_upstream(lease, path, body) as batches:
             async for lines in batches:
@@ -96,6 +110,8 @@ async def _relay(lease: Lease, path: str, body: dict[str, Any], stream: Response
                     event = parse_sse_line(line)
                     if event is None:
                         continue
+                    if native:
+                        event = completion_event(event)
                     if "error" in event:
                         raise UpstreamError(f"llama-server error: {upstream_error_message(event)}")
                     if trace is not None and ("usage" in event or "timings" in event):
