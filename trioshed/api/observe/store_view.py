@@ -73,6 +73,7 @@ async def store_models(st: AppState) -> list[dict[str, Any]]:
                 "family": facts.get("family") or "", "parameters": facts.get("parameter_size") or "",
                 "quantization": facts.get("quantization_level") or "", "context_length": meta.context_length,
                 "num_ctx": options.num_ctx, "capabilities": capabilities_of(spec, meta),
+                "chat_template": bool(meta.chat_template),  # without one: a base model, which continues text
                 "estimate": est.total, "prompt_cache": options.cache_ram_mib * 1024 * 1024,
                 "fit": fit_words(now, alone), "fits_now": isinstance(now, Placement),
             })  # fmt: skip

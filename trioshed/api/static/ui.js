@@ -603,8 +603,12 @@ function playKind(model) {
   const caps = (m && m.capabilities) || [];
   if (caps.includes("rerank")) return "rerank";
   if (caps.includes("embedding") && !caps.includes("completion")) return "embedding";
+  if (m && m.chat_template === false) return "continue";  // a base model: it continues text, it does not chat
   return "chat";
 }
+
+//: The most tokens one continuation of a base model takes here (as `trioshed run` writes one).
+const CONTINUE_TOKENS = 128;
 
 function turn(role, content) { return el("div", { class: "turn " + role, dataset: { role } }, content); }
 
@@ -618,8 +622,10 @@ function playModelChanged() {
   if (model) sessionStorage.setItem(PLAY_MODEL, model);
   const kind = playKind(model);
   document.body.dataset.playKind = kind;
-  $("play-kind").textContent = { chat: "chat", embedding: "embedding model: shows the vector", rerank: "reranker: ranks the documents" }[kind];
-  $("play-label").textContent = kind === "chat" ? "Message" : kind === "rerank" ? "Query" : "Text to embed";
+  $("play-kind").textContent = { chat: "chat", embedding: "embedding model: shows the vector", rerank: "reranker: ranks the documents",
+    continue: `base model: it continues your text (up to ${CONTINUE_TOKENS} tokens), it does not chat · for a chat model: trioshed pull llama3.2:1b` }[kind];
+  $("play-label").textContent = { chat: "Message", rerank: "Query", embedding: "Text to embed", continue: "Text to continue" }[kind];
+  $("play-input").placeholder = kind === "continue" ? "The three largest cities in France are" : "";
   $("play-docs").hidden = kind !== "rerank";
   $("play-chat").hidden = kind !== "chat";
   $("play-clear").hidden = kind !== "chat";
@@ -683,6 +689,49 @@ async function playChat(model, text) {
   $("play-timings").textContent = words.join(" · ");
 }
 
+async function playContinue(model, text) {
+  // A base model's continuation of the text: streamed, shown after the text it continues.
+  const result = $("play-result");
+  result.replaceChildren(el("span", { class: "muted" }, text));
+  result.hidden = false;
+  const started = performance.now();
+  let first = null, final = null, written = "";
+  try {
+    const response = await fetch("/api/generate", { method: "POST", signal: play.controller.signal, headers: headers({ "Content-Type": "application/json" }),
+      body: JSON.stringify({ model, prompt: text, stream: true, options: { num_predict: CONTINUE_TOKENS } }) });
+    if (!response.ok) throw new Error(await playError(response));
+    const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
+    const continuation = document.createTextNode("");
+    result.append(continuation);
+    let buffer = "";
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) break;
+      buffer += value;
+      let end;
+      while ((end = buffer.indexOf("\n")) >= 0) {
+        const line = buffer.slice(0, end).trim();
+        buffer = buffer.slice(end + 1);
+        if (!line) continue;
+        const chunk = JSON.parse(line);
+        if (chunk.error) throw new Error(chunk.error);
+        if (chunk.response && first === null) first = performance.now();
+        written += chunk.response || "";
+        continuation.data = written;
+        if (chunk.done) final = chunk;
+      }
+    }
+    document.body.dataset.play = "done";
+  } catch (err) {
+    if (err.name === "AbortError") document.body.dataset.play = "stopped";
+    else { document.body.dataset.play = "failed"; showError(`${model}: ${err.message}`); }
+  }
+  const words = [];
+  if (first !== null) words.push(`first token ${((first - started) / 1000).toFixed(2)} s`);
+  if (final && final.eval_count && final.eval_duration) words.push(`${(final.eval_count / (final.eval_duration / 1e9)).toFixed(1)} tokens/s`, `${final.eval_count} tokens`);
+  $("play-timings").textContent = words.join(" · ");
+}
+
 async function playOther(kind, model, text) {
   const body = kind === "rerank"
     ? { model, query: text, documents: $("play-docs").value.split("\n").map((d) => d.trim()).filter((d) => d) }
@@ -715,6 +764,7 @@ async function playSend() {
   try {
     const kind = playKind(model);
     if (kind === "chat") await playChat(model, text);
+    else if (kind === "continue") await playContinue(model, text);
     else await playOther(kind, model, text);
   } finally {
     play.controller = null;
