@@ -38,8 +38,8 @@ def is_base_model(show: Mapping[str, Any]) -> bool:
 def notice(model: str) -> str:
     """The line ``run`` writes once, on standard error, for a base model."""
     return (
-        f"{model} is a base model (no chat template): it continues your text rather than answering it, "
-        f"up to a paragraph. For a chat model: trioshed pull {CHAT_MODEL}"
+        f"{model} is a base model (no chat template): it continues your text rather than answering it. "
+        f"For a chat model: trioshed pull {CHAT_MODEL}"
     )
 
 
