@@ -27,6 +27,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
 from tests.support.paths import REPO
 from trioshed.testing.llama import free_port
@@ -41,10 +42,27 @@ DRAIN_BOUND = 20.0
 
 if ENGINE is None and os.environ.get("TRIOSHED_TEST_NEEDS_CONTAINERS"):
     raise RuntimeError("CI: no container engine (apt-get install podman buildah mmdebstrap runc); the image test needs one")
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(ENGINE is None, reason="no container engine here (apt-get install podman buildah mmdebstrap runc, or docker)"),
-]
+needs_engine = pytest.mark.skipif(ENGINE is None, reason="no container engine here (apt-get install podman buildah mmdebstrap runc, or docker)")
+
+
+def test_the_manifests_and_docs_run_the_image_make_image_builds() -> None:
+    """Without an engine: the image the manifests name is the one ``make image`` tags, run as
+    the Containerfile's user with its volumes, and the docs name the same command."""
+    containerfile = (ROOT / "Containerfile").read_text()
+    deployment = yaml.safe_load((ROOT / "packaging" / "kubernetes" / "deployment.yaml").read_text())
+    kustomization = yaml.safe_load((ROOT / "packaging" / "kubernetes" / "kustomization.yaml").read_text())
+    (image,) = kustomization["images"]
+    assert f"{image['newName']}:{image['newTag']}" == "trioshed:latest"
+    assert "IMAGE=${IMAGE:-trioshed:latest}" in BUILD.read_text()
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["image"] == image["name"] and container["command"][0] == "trioshed"
+    assert "USER 10001:10001" in containerfile and pod["securityContext"]["runAsUser"] == 10001
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    mounts = {m["mountPath"] for m in container["volumeMounts"]}
+    assert {"/models", "/var/lib/trioshed", "/tmp"} <= mounts
+    assert 'VOLUME ["/models", "/var/lib/trioshed"]' in containerfile
+    assert "make image" in (ROOT / "docs" / "kubernetes.md").read_text()
 
 
 def _run(*args: str, timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -69,6 +87,8 @@ def image() -> Iterator[tuple[list[str], list[str]]]:
     _run(ENGINE, "rmi", "-f", IMAGE, check=False)
 
 
+@pytest.mark.slow
+@needs_engine
 def test_the_image_holds_trioshed_and_no_build_tools(image: tuple[list[str], list[str]]) -> None:
     assert ENGINE is not None
     runtime, limits = image
@@ -100,6 +120,8 @@ def test_the_image_holds_trioshed_and_no_build_tools(image: tuple[list[str], lis
     assert marker["origin"] == "bundled" and marker["path"].startswith("/opt/trioshed/")
 
 
+@pytest.mark.slow
+@needs_engine
 def test_the_image_serves_the_demo_model_read_only_and_drains_on_sigterm(
     image: tuple[list[str], list[str]], gemma_model: Path, tmp_path: Path
 ) -> None:
