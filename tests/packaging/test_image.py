@@ -10,8 +10,8 @@ exits 0 within the drain's bound.
 
 Skipped, saying so, where no container engine is installed. ``.ci/run`` installs podman, buildah,
 mmdebstrap and runc and sets ``TRIOSHED_TEST_NEEDS_CONTAINERS``, which makes that a failure.
-A cold build (base and image) takes about four minutes on two cores; a build whose base is kept,
-about two.
+Measured on two cores (load 2.5): with nothing cached, the base and the image built in 87 s and
+the whole module ran in 103 s; with the base kept, the image built in 44 s.
 """
 
 from __future__ import annotations
