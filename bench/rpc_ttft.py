@@ -31,7 +31,7 @@ import httpx
 import trio
 
 from bench.models import GEMMA, prepare_models
-from trioshed.config import parse_rpc_servers
+from trioshed.config_values import parse_rpc_servers
 from trioshed.core.model import Device, RunnerOptions
 from trioshed.models.store import ModelStore
 from trioshed.server import estimate_model

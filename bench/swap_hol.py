@@ -65,7 +65,7 @@ async def one_run(models: Path, *, predict: int, num_ctx: int) -> dict[str, Any]
     import httpx
     import trio
 
-    from trioshed.config import parse_devices
+    from trioshed.config_values import parse_devices
     from trioshed.testing.server import open_test_server
 
     size = inventory(models / "big.gguf", num_ctx=num_ctx, num_parallel=2)

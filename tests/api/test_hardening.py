@@ -16,7 +16,7 @@ import pytest
 import trio
 
 from trioshed.api.routes.ollama_models import rfc3339
-from trioshed.config import LONGEST_DURATION, parse_duration
+from trioshed.config_values import LONGEST_DURATION, parse_duration
 from trioshed.testing.llama import free_port
 from trioshed.testing.server import open_test_server
 

@@ -9,7 +9,8 @@ import psutil
 import pytest
 import trio
 
-from trioshed.config import RpcServer, Settings, is_private_address, parse_rpc_servers
+from trioshed.config import Settings
+from trioshed.config_values import RpcServer, is_private_address, parse_rpc_servers
 from trioshed.core.model import GiB, MiB
 from trioshed.devices.rpc import RemoteDevices, check_addresses, parse_list_devices
 from trioshed.runner.binary import BinaryNotFound, find_llama_server, find_rpc_server

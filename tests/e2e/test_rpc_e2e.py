@@ -21,7 +21,7 @@ import pytest
 import trio
 
 from tests.conftest import add_tiny
-from trioshed.config import parse_rpc_servers
+from trioshed.config_values import parse_rpc_servers
 from trioshed.core.model import Device, MemoryEstimate, RunnerOptions
 from trioshed.models.store import ModelStore
 from trioshed.runner.binary import BinaryNotFound

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from trioshed.config import Settings, parse_bytes, parse_devices, parse_duration, parse_host
+from trioshed.config import Settings
+from trioshed.config_values import parse_bytes, parse_devices, parse_duration, parse_host
 from trioshed.core.model import ModelSpec, Placement, RunnerOptions
 from trioshed.errors import BadRequest, ModelNotFound
 from trioshed.models.names import split_name

@@ -32,7 +32,7 @@ import yaml
 
 from tests.support.paths import REPO
 from trioshed.api.pipeline.drain import CUT_GRACE
-from trioshed.config import parse_duration
+from trioshed.config_values import parse_duration
 from trioshed.testing.server import open_test_server
 
 ROOT = REPO / "packaging" / "kubernetes"

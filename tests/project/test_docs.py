@@ -13,7 +13,8 @@ import pytest
 
 from tests.support.paths import REPO
 from trioshed.api.openapi.document import document
-from trioshed.config import _PARSERS, SETTING_NAMES, Settings, parse_host
+from trioshed.config import _PARSERS, SETTING_NAMES, Settings
+from trioshed.config_values import parse_host
 
 ROOT = REPO
 README = ROOT / "README.md"

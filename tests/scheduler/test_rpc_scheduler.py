@@ -11,7 +11,7 @@ import trio
 import trio.testing
 
 from tests.devices.test_rpc_devices import FakeProbes
-from trioshed.config import parse_rpc_servers
+from trioshed.config_values import parse_rpc_servers
 from trioshed.core.model import Device, GiB, ModelSpec, RunnerOptions
 from trioshed.core.placement import place
 from trioshed.devices import DeviceSource

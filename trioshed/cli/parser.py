@@ -17,7 +17,7 @@ def settings_from_args(args: argparse.Namespace, env: Mapping[str, str] | None =
     """Flags, then ``TRIOSHED_*`` variables, then ``--config FILE``, then the defaults."""
     overrides: dict[str, object] = {}
     if getattr(args, "host", None):
-        from trioshed.config import parse_host
+        from trioshed.config_values import parse_host
 
         overrides["host"], overrides["port"] = parse_host(args.host)
     if getattr(args, "models", None):

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field, replace
 
 import trio
 
-from trioshed.config import RpcServer, is_private_address
+from trioshed.config_values import RpcServer, is_private_address
 from trioshed.core.model import RPC_LIBRARY, Device, MiB
 
 log = logging.getLogger(__name__)

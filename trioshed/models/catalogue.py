@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
-from trioshed.config import parse_duration
+from trioshed.config_values import parse_duration
 from trioshed.core.speculation import OFF, parse_speculation
 from trioshed.errors import BadRequest
 from trioshed.models.names import full_name

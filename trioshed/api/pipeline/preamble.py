@@ -21,7 +21,7 @@ from quart import current_app, request
 from trioshed.api.pipeline.limits import check_body_fields, check_unicode
 from trioshed.api.protocols.options import split_options
 from trioshed.api.state import AppState
-from trioshed.config import parse_duration
+from trioshed.config_values import parse_duration
 from trioshed.core.context import tokens_upper_bound
 from trioshed.core.model import ModelSpec, RunnerOptions
 from trioshed.errors import BadRequest, Forbidden, ModelNotFound
