@@ -15,6 +15,7 @@ import trio.testing
 
 from trioshed.core.model import Device, ModelSpec, RunnerOptions
 from trioshed.devices import DeviceSource
+from trioshed.fleet.state import loaded_of
 from trioshed.scheduler import Lease, Scheduler
 from trioshed.testing.fake import FakeFactory, fixed_estimator, simple_place
 
@@ -100,6 +101,21 @@ async def test_a_base_and_four_adapter_models_rotating_are_one_load(autojump_clo
         stats = h.sched.statistics()
         assert (stats.loads, h.factory.started) == (1, 1)
         assert [m.name for m in stats.runners[0].members] == ["a4:latest", "a3:latest", "a2:latest", "a1:latest", "alpha:latest"]
+
+
+async def test_the_fleet_sees_every_warm_member_of_a_group(autojump_clock: trio.testing.MockClock) -> None:
+    """What this node publishes to the others: each warm member of a group's one runner is
+    loaded here (its slots shared), so a request for any of them entering elsewhere comes here."""
+    async with running() as h:
+        for name in ("a1", "a3", "alpha"):
+            async with h.sched.acquire(MODELS[name], RunnerOptions()):
+                pass
+        release = trio.Event()
+        await h.hold(MODELS["a1"], release)
+        loaded = loaded_of(h.sched.statistics())
+        assert set(loaded) == {"a1:latest", "a3:latest", "alpha:latest"}
+        assert all((m.slots, m.busy, m.ready) == (1, 1, True) for m in loaded.values())
+        release.set()
 
 
 async def test_an_embedding_request_gets_a_runner_with_only_its_adapters(autojump_clock: trio.testing.MockClock) -> None:

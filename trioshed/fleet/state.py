@@ -129,20 +129,24 @@ class LocalNode:
 
 
 def loaded_of(stats: SchedulerStatistics) -> dict[str, ModelLoad]:
-    """The loaded models, each one's runners together, with the requests waiting for them."""
+    """The loaded models, each one's runners together, with the requests waiting for them.
+
+    An adapter group's runner serves each of its warm members without a load: each is listed
+    with the runner's slots (which the members share), so that other nodes send them here."""
     queued = {q.model: q.waiting for q in stats.queue}
     out: dict[str, ModelLoad] = {}
     for r in stats.runners:
         if r.state == "unloading" or r.evicting:
             continue
-        old = out.get(r.model)
         ready = r.state == "ready"
-        if old is None:
-            out[r.model] = ModelLoad(r.slots, r.leases, queued.get(r.model, 0), r.context_length, ready)
-        else:
-            out[r.model] = ModelLoad(
-                old.slots + r.slots, old.busy + r.leases, old.queued, max(old.context, r.context_length), old.ready or ready
-            )
+        for name in dict.fromkeys((r.model, *(m.name for m in r.members))):
+            old = out.get(name)
+            if old is None:
+                out[name] = ModelLoad(r.slots, r.leases, queued.get(name, 0), r.context_length, ready)
+            else:
+                out[name] = ModelLoad(
+                    old.slots + r.slots, old.busy + r.leases, old.queued, max(old.context, r.context_length), old.ready or ready
+                )
     return out
 
 
