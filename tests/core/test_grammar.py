@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import copy
 
-from trioshed.core.grammar import REPETITION_LIMIT, grammar_safe_schema, grammar_safe_tools
+from trioshed.core.grammar import (
+    REPETITION_LIMIT,
+    grammar_safe_response_format,
+    grammar_safe_schema,
+    grammar_safe_tools,
+)
 
 BIG = REPETITION_LIMIT
 KEPT = REPETITION_LIMIT - 1
@@ -103,3 +108,13 @@ def test_tools_keep_their_names_descriptions_and_order() -> None:
     assert relaxed[0]["function"]["description"] == "runs one"
     assert "maxLength" not in relaxed[0]["function"]["parameters"]["properties"]["script"]
     assert relaxed[1:] == tools[1:] and all(a is b for a, b in zip(relaxed[1:], tools[1:], strict=True))
+
+
+def test_a_response_formats_schema_is_relaxed_in_either_shape() -> None:
+    schema = {"type": "object", "properties": {"text": {"type": "string", "maxLength": 524288}}}
+    relaxed = {"type": "object", "properties": {"text": {"type": "string"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "strict": True, "schema": schema}}
+    assert grammar_safe_response_format(fmt) == {"type": "json_schema", "json_schema": {"name": "answer", "strict": True, "schema": relaxed}}
+    assert grammar_safe_response_format({"type": "json_object", "schema": schema}) == {"type": "json_object", "schema": relaxed}
+    for unchanged in ({"type": "json_schema", "json_schema": {"schema": relaxed}}, {"type": "json_object"}, {"type": "text"}, None, "json"):
+        assert grammar_safe_response_format(unchanged) is unchanged

@@ -94,3 +94,40 @@ async def test_every_protocol_offers_the_tool_with_its_limits_relaxed(tmp_path: 
             done = await chat.chat.completions.create(model="t", messages=[{"role": "user", "content": "hi"}], tools=[openai_tool], max_tokens=2)  # type: ignore[list-item]
             assert done.choices[0].finish_reason in ("length", "stop", "tool_calls")
             await chat.close()
+
+
+ANSWER = {"type": "object", "properties": {"summary": {"type": "string", "maxLength": 100000}}, "required": ["summary"]}
+
+
+async def test_a_structured_answers_schema_with_limits_a_grammar_cannot_hold_is_served(tmp_path: Path) -> None:
+    """The same bounds in a structured answer's schema (Ollama's ``format``, OpenAI's
+    ``response_format`` and ``text.format``), with a chat template and without one: answered,
+    and still constrained by the rest of the schema (the answer opens the JSON object)."""
+    write_tiny_model(tmp_path / "t.gguf", chat_template=TOOLS_TEMPLATE)
+    write_tiny_model(tmp_path / "b.gguf")  # no chat template: the plain transcript
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}
+    hi = [{"role": "user", "content": "hi"}]
+    with trio.fail_after(180):
+        async with open_test_server(tmp_path) as server, httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
+            for model in ("t", "b"):
+                texts = []
+                r = await http.post("/api/chat", json={"model": model, "messages": hi, "format": ANSWER, "stream": False, "options": {"num_predict": 8, "temperature": 0}})
+                assert r.status_code == 200, r.text
+                texts.append(r.json()["message"]["content"])
+                r = await http.post("/api/generate", json={"model": model, "prompt": "hi", "format": ANSWER, "stream": False, "options": {"num_predict": 8, "temperature": 0}})
+                assert r.status_code == 200, r.text
+                texts.append(r.json()["response"])
+                for stream in (False, True):
+                    r = await http.post("/v1/chat/completions", json={"model": model, "messages": hi, "response_format": fmt, "max_tokens": 8, "temperature": 0, "stream": stream})
+                    assert r.status_code == 200 and '"error"' not in r.text, r.text
+                    if not stream:
+                        texts.append(r.json()["choices"][0]["message"]["content"])
+                r = await http.post("/v1/completions", json={"model": model, "prompt": "hi", "response_format": fmt, "max_tokens": 8, "temperature": 0})
+                assert r.status_code == 200, r.text
+                texts.append(r.json()["choices"][0]["text"])
+                r = await http.post("/v1/responses", json={"model": model, "input": "hi", "max_output_tokens": 8, "temperature": 0,
+                                                         "text": {"format": {"type": "json_schema", "name": "answer", "schema": ANSWER}}})  # fmt: skip
+                assert r.status_code == 200, r.text
+                texts.append(r.json()["output"][0]["content"][0]["text"])
+                # the grammar holds each answer to the object (white space is JSON's too)
+                assert all(text.strip().startswith("{") for text in texts), (model, texts)

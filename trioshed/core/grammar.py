@@ -13,6 +13,9 @@ that still loads): ``maxLength`` 1,999 and ``minLength`` 1,999 (``char{m,n}``), 
 bounds never multiply), and a ``maxLength`` beside a ``format`` is ignored by the converter.
 Integer ranges, enums and ``maxProperties`` build no repetition.
 
+The same limit binds a structured answer's schema (Ollama's ``format``, OpenAI's
+``response_format`` and ``text.format``): :func:`grammar_safe_response_format`.
+
 :func:`grammar_safe_tools` therefore drops every such bound at or above :data:`REPETITION_LIMIT`
 (1,997), and a ``pattern`` with a quantifier bound that large. Dropping a bound only widens what
 the grammar accepts: the tool is still offered with the rest of its schema, the model sees the
@@ -28,7 +31,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["REPETITION_LIMIT", "grammar_safe_schema", "grammar_safe_tools"]
+__all__ = ["REPETITION_LIMIT", "grammar_safe_response_format", "grammar_safe_schema", "grammar_safe_tools"]
 
 #: The smallest count that is relaxed: ``maxItems`` 1,998 already fails for an array of objects.
 REPETITION_LIMIT = 1997
@@ -100,3 +103,21 @@ def grammar_safe_tools(tools: Sequence[Mapping[str, Any]]) -> list[Mapping[str, 
                 tool = {**tool, "function": {**function, "parameters": parameters}}
         out.append(tool)
     return out
+
+
+def grammar_safe_response_format(fmt: Any) -> Any:
+    """OpenAI's ``response_format`` with its schema made :func:`grammar_safe_schema` (the same
+    object when nothing changes): ``{"type": "json_schema", "json_schema": {"schema": ...}}``, and
+    the ``schema`` llama-server also takes beside ``json_object``. A structured answer's bound
+    that a grammar cannot hold (a string of 2,000 characters or more, say) is then not enforced,
+    where llama-server would refuse the whole request."""
+    if not isinstance(fmt, Mapping):
+        return fmt
+    spec = fmt.get("json_schema")
+    if isinstance(spec, Mapping) and "schema" in spec:
+        schema = grammar_safe_schema(spec["schema"])
+        return fmt if schema is spec["schema"] else {**fmt, "json_schema": {**spec, "schema": schema}}
+    if "schema" in fmt:
+        schema = grammar_safe_schema(fmt["schema"])
+        return fmt if schema is fmt["schema"] else {**fmt, "schema": schema}
+    return fmt

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from trioshed.api.protocols.options import field as field_of
+from trioshed.core.grammar import grammar_safe_schema
 from trioshed.errors import BadRequest, UpstreamError
 
 
@@ -56,7 +57,7 @@ def format_params(fmt: object, *, chat: bool) -> dict[str, Any]:
     if fmt == "json":
         schema: dict[str, Any] = {"type": "object"}
     elif isinstance(fmt, Mapping):
-        schema = dict(fmt)
+        schema = dict(grammar_safe_schema(fmt))  # bounds a grammar cannot hold are not enforced
     else:
         raise BadRequest(f'"format" must be "json" or a JSON schema object, got {json.dumps(fmt)}')
     if chat:

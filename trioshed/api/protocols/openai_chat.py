@@ -14,7 +14,10 @@ from typing import Any
 
 from trioshed.api.protocols.llama import has_part, parse_sse_line, thinking_requested
 from trioshed.api.protocols.transcript import media_prompt, transcript_media, with_turn_stop
-from trioshed.core.grammar import grammar_safe_tools
+from trioshed.core.grammar import (
+    grammar_safe_response_format,
+    grammar_safe_tools,
+)
 from trioshed.errors import BadRequest
 
 
@@ -100,16 +103,20 @@ class ModelRenamer:
 _CHAT_ONLY = ("messages", "tools", "tool_choice", "parallel_tool_calls")
 
 
-def with_grammar_safe_tools(body: Mapping[str, Any]) -> dict[str, Any] | None:
-    """``body`` with its tools' schemas cut to what llama-server's grammar holds
-    (:mod:`trioshed.core.grammar`), or None when no tool needs it (the body goes upstream as sent)."""
+def with_grammar_safe_schemas(body: Mapping[str, Any]) -> dict[str, Any] | None:
+    """``body`` with its tools' schemas and its ``response_format``'s cut to what llama-server's
+    grammar holds (:mod:`trioshed.core.grammar`), or None when none needs it (the body goes
+    upstream as sent)."""
+    out: dict[str, Any] | None = None
     tools = body.get("tools")
-    if not isinstance(tools, list) or not tools:
-        return None
-    safe = grammar_safe_tools(tools)
-    if all(a is b for a, b in zip(safe, tools, strict=True)):
-        return None
-    return {**body, "tools": safe}
+    if isinstance(tools, list) and tools:
+        safe = grammar_safe_tools(tools)
+        if not all(a is b for a, b in zip(safe, tools, strict=True)):
+            out = {**body, "tools": safe}
+    fmt = body.get("response_format")
+    if (safe_fmt := grammar_safe_response_format(fmt)) is not fmt:
+        out = {**(out or body), "response_format": safe_fmt}
+    return out
 
 
 def transcript_completion_body(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -151,7 +158,7 @@ def with_response_format(body: Mapping[str, Any]) -> dict[str, Any]:
     converts it the same way): ``json_object`` any JSON object, ``json_schema`` its ``schema``,
     ``text`` nothing."""
     out = dict(body)
-    fmt = out.pop("response_format", None)
+    fmt = grammar_safe_response_format(out.pop("response_format", None))
     if fmt is None:
         return out
     kind = fmt.get("type") if isinstance(fmt, Mapping) else None

@@ -172,7 +172,7 @@ def _response_format(text: object) -> dict[str, Any] | None:
         schema = fmt.get("schema")  # type: ignore[union-attr]
         if not isinstance(schema, Mapping):
             raise BadRequest("text.format.schema must be a JSON schema object")
-        return {"type": "json_schema", "json_schema": {"name": fmt.get("name") or "response", "schema": dict(schema)}}  # type: ignore[union-attr]
+        return {"type": "json_schema", "json_schema": {"name": fmt.get("name") or "response", "schema": dict(grammar_safe_schema(schema))}}  # type: ignore[union-attr]
     raise BadRequest('text.format.type must be "text", "json_object" or "json_schema"')
 
 

@@ -48,7 +48,7 @@ from trioshed.api.protocols.openai_chat import (
     openai_model_rewrite,
     transcript_completion_body,
     transcript_path,
-    with_grammar_safe_tools,
+    with_grammar_safe_schemas,
     with_response_format,
 )
 from trioshed.api.protocols.options import split_options
@@ -187,7 +187,7 @@ async def _proxy(
 async def chat_completions() -> Response:
     req = await openai_request()
     await require_capabilities(req.model, req.name, chat_needs(req.body), action="chat")
-    if (safe := with_grammar_safe_tools(req.body)) is not None:
+    if (safe := with_grammar_safe_schemas(req.body)) is not None:
         req = replace(req, body=safe, raw=None)
     req = _sampled(req)
     if not await has_chat_template(req.model):
