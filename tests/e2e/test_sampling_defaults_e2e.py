@@ -32,6 +32,7 @@ def store(tmp_path: Path) -> Path:
     (store / "models.toml").write_text(
         '[models.capped]\npath = "chat.gguf"\noptions = { num_predict = 3, temperature = 0.5, top_k = 7, stop = ["zzz"] }\n'
         '[models.capped-base]\npath = "base.gguf"\noptions = { num_predict = 3, temperature = 0.5, top_k = 7 }\n'
+        '[models.stopped-base]\npath = "base.gguf"\noptions = { stop = ["zzz"] }\n'
     )
     return store
 
@@ -116,3 +117,50 @@ async def test_a_models_options_apply_on_openais_routes_under_the_requests_own(s
             assert value == (2, 0.25, 5 if "/v1/responses" not in key else 7, 1.0, True), key
         else:
             assert value == (3, 0.5, 7, 1.0, True), key
+
+
+
+def _answer(route: str, data: dict[str, Any]) -> str:
+    if route == "/api/chat":
+        return str(data["message"]["content"])
+    if route == "/v1/messages":
+        return "".join(block.get("text", "") for block in data["content"])
+    return str(data["choices"][0]["message"]["content"])
+
+
+@pytest.mark.parametrize("model", ["base", "chat"])
+async def test_a_models_stop_applies_on_every_protocol_unless_the_request_names_its_own(store: Path, model: str) -> None:
+    """A model's own ``stop`` (models.toml) ends its answer where it appears on every protocol's
+    chat route, with a chat template and without one (where the transcript's next turn is a stop
+    too); a request's own stop sequences replace the model's, as on Ollama's routes. (Seen in the
+    answers: llama-server's /slots does not show a task's stops.)"""
+    hi = [{"role": "user", "content": "hi"}]
+    cases = {
+        "/api/chat": lambda stop: {"messages": hi, "options": {"num_predict": 24, "temperature": 0, **stop}},
+        "/v1/chat/completions": lambda stop: {"messages": hi, "max_tokens": 24, "temperature": 0, **stop},
+        "/v1/messages": lambda stop: {"messages": hi, "max_tokens": 24, "temperature": 0,
+                                      **({"stop_sequences": stop["stop"]} if stop else {})},
+    }  # fmt: skip
+    with trio.fail_after(180):
+        async with open_test_server(store) as server, httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
+            whole: dict[str, str] = {}
+            for route, body in cases.items():
+                r = await http.post(route, json={**body({}), "model": model, "stream": False})
+                assert r.status_code == 200, r.text
+                whole[route] = _answer(route, r.json())
+            # each route's stop: the last piece of its whole answer that is first seen where it stands
+            stops = {}
+            for route, text in whole.items():
+                at = max(i for i in range(1, len(text) - 1) if text.find(text[i : i + 2]) == i)
+                stops[route] = (text[at : at + 2], at)
+            (store / "models.toml").write_text((store / "models.toml").read_text() + "".join(
+                f'[models.stop{n}]\npath = "{model}.gguf"\noptions = {{ stop = [{json.dumps(stop)}] }}\n'
+                for n, (stop, _) in enumerate(stops.values())))  # fmt: skip
+            for n, (route, body) in enumerate(cases.items()):
+                stop, at = stops[route]
+                r = await http.post(route, json={**body({}), "model": f"stop{n}", "stream": False})
+                assert r.status_code == 200, r.text
+                assert _answer(route, r.json()) == whole[route][:at], (route, stop, whole[route])
+                r = await http.post(route, json={**body({"stop": ["never-seen"]}), "model": f"stop{n}", "stream": False})
+                assert r.status_code == 200, r.text
+                assert _answer(route, r.json()) == whole[route], route  # the request's own replace the model's

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from quart import Blueprint, Response
@@ -53,6 +54,7 @@ from trioshed.api.protocols.anthropic import (
 from trioshed.api.protocols.anthropic_stream import MessageStream, encode_events, error_event
 from trioshed.api.protocols.errors import message_for
 from trioshed.api.protocols.options import split_options
+from trioshed.api.protocols.transcript import with_turn_stop
 from trioshed.core.model import ModelSpec
 from trioshed.errors import BadRequest, RunnerCrashed, RunnerStalled, TrioshedError, UpstreamError
 from trioshed.models.capabilities import capabilities
@@ -85,9 +87,17 @@ async def _can_think(spec: ModelSpec) -> bool:
 def _with_defaults(up: MessagesUpstream, defaults: dict[str, Any]) -> MessagesUpstream:
     """The model's default sampling options, then Anthropic's (protocols/sampling.py), under the
     request's own; not the model's ``num_predict``, which llama-server would prefer to the
-    client's ``max_tokens``."""
+    client's ``max_tokens``. The model's ``stop`` applies when the request names no stop sequence
+    (with a transcript's next turn, where there is one)."""
     model = {k: v for k, v in split_options(defaults)[0].items() if k != "n_predict"}
-    upstream = up.upstream.with_defaults({**sampling.ANTHROPIC, **model})
+    upstream = up.upstream
+    # the request's own stop sequences (matched here, or a transcript's beside its next turn)
+    own = bool(up.stop_sequences) or (up.turn_stop is not None and upstream.body.get("stop") != [up.turn_stop])
+    if own:
+        model.pop("stop", None)  # replace the model's
+    elif up.turn_stop is not None and "stop" in model:  # a transcript's next turn is a stop too
+        upstream = replace(upstream, body={**upstream.body, "stop": with_turn_stop(model.pop("stop"))})
+    upstream = upstream.with_defaults({**sampling.ANTHROPIC, **model})
     return MessagesUpstream(upstream, up.stop_sequences, up.turn_stop, up.prefill, up.stream)
 
 
