@@ -13,6 +13,7 @@ import trio
 from trioshed.core.model import Device, ModelSpec, RunnerOptions
 from trioshed.devices import DeviceSource
 from trioshed.scheduler import Lease, Scheduler
+from trioshed.scheduler.runner import Estimator
 from trioshed.testing.fake import FakeFactory, fixed_estimator, simple_place
 
 GiB = 1024**3
@@ -20,6 +21,10 @@ GiB = 1024**3
 
 def spec(name: str, **kw: object) -> ModelSpec:
     return ModelSpec(f"{name}:latest", f"/models/{name}.gguf", **kw)  # type: ignore[arg-type]
+
+
+def as_spec(model: str | ModelSpec) -> ModelSpec:
+    return spec(model) if isinstance(model, str) else model
 
 
 @dataclass
@@ -32,14 +37,15 @@ class Harness:
     def events(self, *kinds: str) -> list[tuple[str, str]]:
         return [e for e in self.record if not kinds or e[0] in kinds]
 
-    async def hold(self, name: str, release: trio.Event, *, options: RunnerOptions | None = None,
-                   keep_alive: float | None = None, model: ModelSpec | None = None) -> Lease:
-        """Start a request that holds its lease until ``release`` is set; returns the lease."""
+    async def hold(self, model: str | ModelSpec, release: trio.Event, *, options: RunnerOptions | None = None,
+                   keep_alive: float | None = None) -> Lease:
+        """Start a request that holds its lease until ``release`` is set; returns the lease.
+        ``model`` is a ModelSpec or the name of one made by ``spec``."""
         got: list[Lease] = []
         ready = trio.Event()
 
         async def user() -> None:
-            async with self.sched.acquire(model or spec(name), options or RunnerOptions(), keep_alive) as lease:
+            async with self.sched.acquire(as_spec(model), options or RunnerOptions(), keep_alive) as lease:
                 got.append(lease)
                 ready.set()
                 await release.wait()
@@ -48,12 +54,17 @@ class Harness:
         await ready.wait()
         return got[0]
 
-    def want(self, name: str, got: list[str]) -> None:
-        """Start a request in the background that appends ``name`` to ``got`` once it has a lease."""
+    def want(self, model: str | ModelSpec, got: list[str], *, options: RunnerOptions | None = None,
+             hold: trio.Event | None = None) -> None:
+        """Start a request in the background that appends its model's name to ``got`` once it has a
+        lease (and holds the lease until ``hold`` is set, if given)."""
+        name = model if isinstance(model, str) else model.short_name
 
         async def user() -> None:
-            async with self.sched.acquire(spec(name), RunnerOptions()):
+            async with self.sched.acquire(as_spec(model), options or RunnerOptions()):
                 got.append(name)
+                if hold is not None:
+                    await hold.wait()
 
         self.nursery.start_soon(user)
 
@@ -74,7 +85,10 @@ async def running(
     load_time: float = 1.0,
     keep_alive: float = 300.0,
     max_extra_wait: float = 0.0,
+    estimator: Estimator | None = None,
 ) -> AsyncIterator[Harness]:
+    """A scheduler over one declared GPU per ``gpus`` entry and ``system`` GiB of RAM, with models
+    of ``sizes`` GiB (or ``estimator``'s sizes, where given)."""
     record: list[tuple[str, str]] = []
     factory = FakeFactory(load_time=load_time, record=record)
     devices = DeviceSource(
@@ -86,7 +100,7 @@ async def running(
     sched = Scheduler(
         devices=devices,
         factory=factory,
-        estimator=fixed_estimator({k: int(v * GiB) for k, v in sizes.items()}),
+        estimator=estimator or fixed_estimator({k: int(v * GiB) for k, v in sizes.items()}),
         place=simple_place,
         max_queue=max_queue,
         max_loaded_models=max_loaded,

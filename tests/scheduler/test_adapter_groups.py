@@ -6,20 +6,16 @@ the old one, which drains, with no request lost."""
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import trio
 import trio.testing
 
-from trioshed.core.model import Device, ModelSpec, RunnerOptions
-from trioshed.devices import DeviceSource
+from tests.scheduler import harness
+from tests.scheduler.harness import GiB
+from trioshed.core.model import ModelSpec, RunnerOptions
 from trioshed.fleet.state import loaded_of
-from trioshed.scheduler import Lease, Scheduler
-from trioshed.testing.fake import FakeFactory, fixed_estimator, simple_place
 
-GiB = 1024**3
 BASE = "/models/alpha.gguf"
 
 
@@ -35,58 +31,11 @@ MODELS = {
 }
 
 
-@dataclass
-class Harness:
-    sched: Scheduler
-    factory: FakeFactory
-    record: list[tuple[str, str]]
-    nursery: trio.Nursery
-
-    def events(self, *kinds: str) -> list[tuple[str, str]]:
-        return [e for e in self.record if not kinds or e[0] in kinds]
-
-    async def hold(self, model: ModelSpec, release: trio.Event, *, options: RunnerOptions | None = None,
-                   keep_alive: float | None = None) -> Lease:
-        got: list[Lease] = []
-        ready = trio.Event()
-
-        async def user() -> None:
-            async with self.sched.acquire(model, options or RunnerOptions(), keep_alive) as lease:
-                got.append(lease)
-                ready.set()
-                await release.wait()
-
-        self.nursery.start_soon(user)
-        await ready.wait()
-        return got[0]
-
-    def want(self, model: ModelSpec, got: list[str], *, options: RunnerOptions | None = None,
-             hold: trio.Event | None = None) -> None:
-        """A request in the background that appends its model's name to ``got`` once leased
-        (and holds the lease until ``hold`` is set, if given)."""
-
-        async def user() -> None:
-            async with self.sched.acquire(model, options or RunnerOptions()):
-                got.append(model.short_name)
-                if hold is not None:
-                    await hold.wait()
-
-        self.nursery.start_soon(user)
-
-
-@asynccontextmanager
-async def running(*, system: float = 64, max_loaded: int = 0, load_time: float = 1.0) -> AsyncIterator[Harness]:
-    record: list[tuple[str, str]] = []
-    factory = FakeFactory(load_time=load_time, record=record)
-    devices = DeviceSource((), "declared", accounting_only=True, fixed_system=Device("cpu", "cpu", 0, int(system * GiB), int(system * GiB)))
-    sizes = {name: 1 * GiB for name in (*MODELS, "a5")}
-    sched = Scheduler(devices=devices, factory=factory, estimator=fixed_estimator(sizes), place=simple_place,
-                      max_loaded_models=max_loaded, record=record)  # fmt: skip
-    async with trio.open_nursery() as nursery:
-        await nursery.start(sched.run)
-        yield Harness(sched, factory, record, nursery)
-        nursery.cancel_scope.cancel()
-    assert factory.live == [], "a runner outlived the scheduler"
+def running(*, system: float = 64, max_loaded: int = 0, load_time: float = 1.0):  # type: ignore[no-untyped-def]
+    """The group's models, each 1 GiB, on ``system`` GiB of RAM and no GPU."""
+    sizes = {name: 1.0 for name in (*MODELS, "a5")}
+    return harness.running(sizes, gpus=(), system=system, max_loaded=max_loaded, load_time=load_time,
+                           max_queue=512)  # fmt: skip
 
 
 async def test_a_base_and_four_adapter_models_rotating_are_one_load(autojump_clock: trio.testing.MockClock) -> None:
@@ -226,17 +175,8 @@ def _by_adapters(base: float, per_adapter: float):  # type: ignore[no-untyped-de
     return estimate
 
 
-@asynccontextmanager
-async def sized(estimator, *, system: float, max_loaded: int = 0) -> AsyncIterator[Harness]:  # type: ignore[no-untyped-def]
-    record: list[tuple[str, str]] = []
-    factory = FakeFactory(load_time=1.0, record=record)
-    devices = DeviceSource((), "declared", accounting_only=True, fixed_system=Device("cpu", "cpu", 0, int(system * GiB), int(system * GiB)))
-    sched = Scheduler(devices=devices, factory=factory, estimator=estimator, place=simple_place, max_loaded_models=max_loaded, record=record)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(sched.run)
-        yield Harness(sched, factory, record, nursery)
-        nursery.cancel_scope.cancel()
-    assert factory.live == [], "a runner outlived the scheduler"
+def sized(estimator, *, system: float, max_loaded: int = 0):  # type: ignore[no-untyped-def]
+    return harness.running({}, gpus=(), system=system, max_loaded=max_loaded, max_queue=512, estimator=estimator)
 
 
 async def test_a_group_too_large_for_the_memory_serves_each_model_with_its_own_adapters(autojump_clock: trio.testing.MockClock) -> None:
