@@ -80,6 +80,19 @@ def vocabulary(*, fim: bool = False) -> tuple[list[bytes], list[float], list[int
     return tokens, scores, [int(t) for t in types]
 
 
+def add_vocabulary(writer: gguf.GGUFWriter, tokens: list[bytes], scores: list[float], types: list[int]) -> None:
+    """A SentencePiece ("llama") tokenizer with ``<unk>``, ``<s>`` and ``</s>`` first: BOS added, EOS not."""
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_unk_token_id(UNK_ID)
+    writer.add_bos_token_id(BOS_ID)
+    writer.add_eos_token_id(EOS_ID)
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(False)
+
+
 def write_tiny_model(
     path: str | os.PathLike[str],
     *,
@@ -185,15 +198,7 @@ def write_tiny_model(
         writer.add_rope_freq_base(10000.0)
         writer.add_layer_norm_rms_eps(1e-5)
         writer.add_vocab_size(n_vocab)
-        writer.add_tokenizer_model("llama")
-        writer.add_token_list(tokens)
-        writer.add_token_scores(scores)
-        writer.add_token_types(types)
-        writer.add_unk_token_id(UNK_ID)
-        writer.add_bos_token_id(BOS_ID)
-        writer.add_eos_token_id(EOS_ID)
-        writer.add_add_bos_token(True)
-        writer.add_add_eos_token(False)
+        add_vocabulary(writer, tokens, scores, types)
         if chat_template:
             writer.add_chat_template(chat_template)
         if fim:

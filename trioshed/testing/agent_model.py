@@ -41,7 +41,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from trioshed.models.tiny_gguf import BOS_ID, EOS_ID, UNK_ID, gguf_written_atomically
+from trioshed.models.tiny_gguf import EOS_ID, add_vocabulary, gguf_written_atomically
 from trioshed.testing.tiny import TOOLS_TEMPLATE
 
 __all__ = ["AGENT_ANSWER", "AGENT_CONTEXT", "answer_tokens", "byte_vocabulary", "write_agent_model"]
@@ -145,15 +145,7 @@ def write_agent_model(path: str | os.PathLike[str], *, answer: str = AGENT_ANSWE
         writer.add_layer_norm_rms_eps(1e-6)
         writer.add_sliding_window(WINDOW)
         writer.add_vocab_size(n_vocab)
-        writer.add_tokenizer_model("llama")
-        writer.add_token_list(tokens)
-        writer.add_token_scores(scores)
-        writer.add_token_types(types)
-        writer.add_unk_token_id(UNK_ID)
-        writer.add_bos_token_id(BOS_ID)
-        writer.add_eos_token_id(EOS_ID)
-        writer.add_add_bos_token(True)
-        writer.add_add_eos_token(False)
+        add_vocabulary(writer, tokens, scores, types)
         writer.add_chat_template(TOOLS_TEMPLATE)
         for tensor_name, data in tensors:
             writer.add_tensor(tensor_name, data)

@@ -645,6 +645,33 @@ async function playError(response) {
   return message;
 }
 
+async function* ndjson(response) {
+  // The lines of an Ollama-style stream, parsed; an error line ends it with that error.
+  const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buffer += value;
+    let end;
+    while ((end = buffer.indexOf("\n")) >= 0) {
+      const line = buffer.slice(0, end).trim();
+      buffer = buffer.slice(end + 1);
+      if (!line) continue;
+      const chunk = JSON.parse(line);
+      if (chunk.error) throw new Error(chunk.error);
+      yield chunk;
+    }
+  }
+}
+
+function showTimings(started, first, final) {
+  const words = [];
+  if (first !== null) words.push(`first token ${((first - started) / 1000).toFixed(2)} s`);
+  if (final && final.eval_count && final.eval_duration) words.push(`${(final.eval_count / (final.eval_duration / 1e9)).toFixed(1)} tokens/s`, `${final.eval_count} tokens`);
+  $("play-timings").textContent = words.join(" · ");
+}
+
 async function playChat(model, text) {
   const messages = [...conversation(model), { role: "user", content: text }];
   saveConversation(model, messages);
@@ -657,25 +684,12 @@ async function playChat(model, text) {
     const response = await fetch("/api/chat", { method: "POST", signal: play.controller.signal,
       headers: headers({ "Content-Type": "application/json" }), body: JSON.stringify({ model, messages, stream: true }) });
     if (!response.ok) throw new Error(await playError(response));
-    const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
-    let buffer = "";
-    for (;;) {
-      const { value, done } = await reader.read();
-      if (done) break;
-      buffer += value;
-      let end;
-      while ((end = buffer.indexOf("\n")) >= 0) {
-        const line = buffer.slice(0, end).trim();
-        buffer = buffer.slice(end + 1);
-        if (!line) continue;
-        const chunk = JSON.parse(line);
-        if (chunk.error) throw new Error(chunk.error);
-        const piece = (chunk.message && chunk.message.content) || "";
-        if (piece && first === null) first = performance.now();
-        content += piece;
-        answer.textContent = content;
-        if (chunk.done) final = chunk;
-      }
+    for await (const chunk of ndjson(response)) {
+      const piece = (chunk.message && chunk.message.content) || "";
+      if (piece && first === null) first = performance.now();
+      content += piece;
+      answer.textContent = content;
+      if (chunk.done) final = chunk;
     }
     document.body.dataset.play = "done";
   } catch (err) {
@@ -683,10 +697,7 @@ async function playChat(model, text) {
     else { document.body.dataset.play = "failed"; showError(`${model}: ${err.message}`); }
   }
   if (content) saveConversation(model, [...messages, { role: "assistant", content }]);
-  const words = [];
-  if (first !== null) words.push(`first token ${((first - started) / 1000).toFixed(2)} s`);
-  if (final && final.eval_count && final.eval_duration) words.push(`${(final.eval_count / (final.eval_duration / 1e9)).toFixed(1)} tokens/s`, `${final.eval_count} tokens`);
-  $("play-timings").textContent = words.join(" · ");
+  showTimings(started, first, final);
 }
 
 async function playContinue(model, text) {
@@ -700,36 +711,20 @@ async function playContinue(model, text) {
     const response = await fetch("/api/generate", { method: "POST", signal: play.controller.signal, headers: headers({ "Content-Type": "application/json" }),
       body: JSON.stringify({ model, prompt: text, stream: true, options: { num_predict: CONTINUE_TOKENS } }) });
     if (!response.ok) throw new Error(await playError(response));
-    const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
     const continuation = document.createTextNode("");
     result.append(continuation);
-    let buffer = "";
-    for (;;) {
-      const { value, done } = await reader.read();
-      if (done) break;
-      buffer += value;
-      let end;
-      while ((end = buffer.indexOf("\n")) >= 0) {
-        const line = buffer.slice(0, end).trim();
-        buffer = buffer.slice(end + 1);
-        if (!line) continue;
-        const chunk = JSON.parse(line);
-        if (chunk.error) throw new Error(chunk.error);
-        if (chunk.response && first === null) first = performance.now();
-        written += chunk.response || "";
-        continuation.data = written;
-        if (chunk.done) final = chunk;
-      }
+    for await (const chunk of ndjson(response)) {
+      if (chunk.response && first === null) first = performance.now();
+      written += chunk.response || "";
+      continuation.data = written;
+      if (chunk.done) final = chunk;
     }
     document.body.dataset.play = "done";
   } catch (err) {
     if (err.name === "AbortError") document.body.dataset.play = "stopped";
     else { document.body.dataset.play = "failed"; showError(`${model}: ${err.message}`); }
   }
-  const words = [];
-  if (first !== null) words.push(`first token ${((first - started) / 1000).toFixed(2)} s`);
-  if (final && final.eval_count && final.eval_duration) words.push(`${(final.eval_count / (final.eval_duration / 1e9)).toFixed(1)} tokens/s`, `${final.eval_count} tokens`);
-  $("play-timings").textContent = words.join(" · ");
+  showTimings(started, first, final);
 }
 
 async function playOther(kind, model, text) {
