@@ -36,10 +36,10 @@ WINDOW = 60.0
 #: The share of the window a set must have filled the runner's slots.
 SUSTAINED = 0.8
 #: Two requests at once of different adapter sets on one runner, over two of the same set
-#: (tokens/s, measured by ``python -m bench.adapters --price``: 0.87 with the tiny model on the
-#: CPU, a smoke run; a device where a batch of two costs little more than one pays more, not
-#: measured here: measure it there and pass ``price``).
-ALTERNATION_PRICE = 0.87
+#: (tokens/s, measured by ``python -m bench.adapters``: 0.65 with Gemma 3 270M on a 2-core
+#: CPU, one thread per runner; a device where a batch of two costs little more than one pays
+#: more, not measured here: measure it there and pass ``price``).
+ALTERNATION_PRICE = 0.65
 
 
 @dataclass(frozen=True)
