@@ -164,3 +164,27 @@ async def test_a_models_stop_applies_on_every_protocol_unless_the_request_names_
                 r = await http.post(route, json={**body({"stop": ["never-seen"]}), "model": f"stop{n}", "stream": False})
                 assert r.status_code == 200, r.text
                 assert _answer(route, r.json()) == whole[route], route  # the request's own replace the model's
+
+
+async def test_a_greedy_request_keeps_llama_servers_own_cuts_unless_it_asks_for_probabilities(store: Path) -> None:
+    """At temperature 0 on OpenAI's and Anthropic's routes the cuts that are off (top_k 0, top_p 1,
+    min_p 0) are not sent: the runner keeps its own, as llama-server alone with the same body
+    (the same argmax, without a pass over the whole vocabulary each step); a request that asks for
+    log probabilities still gets the protocol's."""
+    cuts = {k: LLAMA[k] for k in ("top_k", "top_p", "min_p")}
+    seen: dict[str, dict[str, Any]] = {}
+    with trio.fail_after(180):
+        async with open_test_server(store) as server, httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
+            for model in ("chat", "base"):
+                for route, body in [*OPENAI, *ANTHROPIC]:
+                    r = await http.post(route, json={**body, "model": model, "temperature": 0})
+                    assert r.status_code == 200, r.text
+                    seen[f"{model} {route}"] = _close(await _slot_params(server), cuts)
+                asked = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0, "logprobs": True, "top_logprobs": 2}
+                r = await http.post("/v1/chat/completions", json={**asked, "model": model})
+                assert r.status_code == 200, r.text
+                seen[f"{model} logprobs"] = _close(await _slot_params(server), cuts)
+                await http.post("/api/generate", json={"model": model, "keep_alive": 0})
+    off = {"top_k": 0, "top_p": 1.0, "min_p": 0.0}
+    assert {k: v for k, v in seen.items() if "logprobs" not in k and v != cuts} == {}
+    assert seen["chat logprobs"] == off and seen["base logprobs"] == off

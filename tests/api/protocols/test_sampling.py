@@ -38,3 +38,20 @@ def test_a_raw_body_gets_the_added_members_first_and_stays_as_sent() -> None:
     assert json.loads(sampling.spliced(b"{ }", {"a": 1}) or b"") == {"a": 1}
     assert sampling.spliced(raw, {}) == raw
     assert sampling.spliced(b"[1]", {"a": 1}) is None
+
+
+def test_a_greedy_request_gets_no_cut_that_is_off() -> None:
+    """At temperature 0 the cuts that keep every token change no token and cost a pass over the
+    whole vocabulary each step: they are left out, unless probabilities are asked for."""
+    defaults = {**sampling.OPENAI, "top_k": 0}
+    greedy = sampling.greedy_trimmed(defaults, {"temperature": 0})
+    assert "top_k" not in greedy and "top_p" not in greedy and "min_p" not in greedy
+    assert greedy["presence_penalty"] == 0.0  # not a cut: kept
+    assert sampling.greedy_trimmed(defaults, {"temperature": 0.2}) == defaults
+    assert sampling.greedy_trimmed(defaults, {}) == defaults  # the default temperature 1
+    assert "top_k" not in sampling.greedy_trimmed({**defaults, "temperature": 0.0}, {})  # the model's 0
+    assert sampling.greedy_trimmed(defaults, {"temperature": -1}).keys() == greedy.keys()
+    assert sampling.greedy_trimmed(defaults, {"temperature": 0, "logprobs": True}) == defaults
+    assert sampling.greedy_trimmed(defaults, {"temperature": 0, "n_probs": 3}) == defaults
+    assert sampling.greedy_trimmed({"top_k": 7, "top_p": 0.5}, {"temperature": 0}) == {"top_k": 7, "top_p": 0.5}
+    assert sampling.greedy_trimmed(defaults, {"temperature": False}) == defaults  # not a number

@@ -18,6 +18,14 @@ no protocol a client speaks. On every generating route, the first that sets a pa
 * Anthropic's Messages API: ``temperature`` 1 (its documented default); ``top_p`` and ``top_k``
   apply only when asked, so they are off (1 and 0), and so is ``min_p``.
 
+A request that samples greedily (``temperature`` 0 or below, from the request or the model) gets
+the argmax whatever the cuts, so the cuts that are off (``top_k`` 0, ``top_p`` 1, ``min_p`` 0)
+are not sent there (:func:`greedy_trimmed`): a ``top_k`` of 0 makes llama-server carry the whole
+vocabulary through every sampler of every step (262,144 tokens for Gemma 3: 6% fewer tokens/s on
+a CPU, measured), for the same tokens; the request then samples as llama-server alone does with
+the same body. Not where it asks for probabilities (``logprobs``, ``top_logprobs``, ``n_probs``),
+which the cuts can change.
+
 Pure (no I/O); the names are llama-server's, which its native and OpenAI-compatible endpoints
 both read.
 """
@@ -28,7 +36,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["ANTHROPIC", "OLLAMA", "OPENAI", "missing", "model_sampling_for_openai", "spliced"]
+__all__ = ["ANTHROPIC", "OLLAMA", "OPENAI", "greedy_trimmed", "missing", "model_sampling_for_openai", "spliced"]
 
 OLLAMA: Mapping[str, Any] = {
     "n_keep": 4,
@@ -68,6 +76,23 @@ def missing(body: Mapping[str, Any], *layers: Mapping[str, Any]) -> dict[str, An
             if key not in out and body.get(key) is None:
                 out[key] = value
     return out
+
+
+#: The cuts of the distribution at their "off" values: each keeps every token.
+_NO_CUT: Mapping[str, float] = {"top_k": 0, "top_p": 1.0, "min_p": 0.0}
+_PROBABILITIES = ("logprobs", "top_logprobs", "n_probs")
+
+
+def greedy_trimmed(params: Mapping[str, Any], body: Mapping[str, Any]) -> dict[str, Any]:
+    """``params`` (going under ``body``) without the cuts that are off, where the request samples
+    greedily and asks for no probabilities (see the module docstring)."""
+    temperature = body.get("temperature")
+    if temperature is None:
+        temperature = params.get("temperature")
+    greedy = isinstance(temperature, int | float) and not isinstance(temperature, bool) and temperature <= 0
+    if not greedy or any(body.get(k) for k in _PROBABILITIES):
+        return dict(params)
+    return {k: v for k, v in params.items() if not (k in _NO_CUT and v == _NO_CUT[k])}
 
 
 def model_sampling_for_openai(sampling: Mapping[str, Any], body: Mapping[str, Any]) -> dict[str, Any]:
