@@ -55,3 +55,6 @@ def test_a_greedy_request_gets_no_cut_that_is_off() -> None:
     assert sampling.greedy_trimmed(defaults, {"temperature": 0, "n_probs": 3}) == defaults
     assert sampling.greedy_trimmed({"top_k": 7, "top_p": 0.5}, {"temperature": 0}) == {"top_k": 7, "top_p": 0.5}
     assert sampling.greedy_trimmed(defaults, {"temperature": False}) == defaults  # not a number
+    # what goes under a request's own: the first layer that sets a parameter, less the cuts that are off
+    assert sampling.under({"temperature": 0}, {"top_k": 7}, sampling.OPENAI) == {"top_k": 7, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+    assert sampling.under({}, {}, sampling.ANTHROPIC) == dict(sampling.ANTHROPIC)

@@ -36,7 +36,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["ANTHROPIC", "OLLAMA", "OPENAI", "greedy_trimmed", "missing", "model_sampling_for_openai", "spliced"]
+__all__ = ["ANTHROPIC", "OLLAMA", "OPENAI", "greedy_trimmed", "missing", "model_sampling_for_openai", "spliced", "under"]
 
 OLLAMA: Mapping[str, Any] = {
     "n_keep": 4,
@@ -93,6 +93,12 @@ def greedy_trimmed(params: Mapping[str, Any], body: Mapping[str, Any]) -> dict[s
     if not greedy or any(body.get(k) for k in _PROBABILITIES):
         return dict(params)
     return {k: v for k, v in params.items() if not (k in _NO_CUT and v == _NO_CUT[k])}
+
+
+def under(body: Mapping[str, Any], *layers: Mapping[str, Any]) -> dict[str, Any]:
+    """What goes under ``body``'s own parameters from ``layers`` (the model's, then the
+    protocol's): :func:`missing`, less the cuts that are off where the request is greedy."""
+    return greedy_trimmed(missing(body, *layers), body)
 
 
 def model_sampling_for_openai(sampling: Mapping[str, Any], body: Mapping[str, Any]) -> dict[str, Any]:

@@ -97,7 +97,7 @@ def _with_defaults(up: MessagesUpstream, defaults: dict[str, Any]) -> MessagesUp
         model.pop("stop", None)  # replace the model's
     elif up.turn_stop is not None and "stop" in model:  # a transcript's next turn is a stop too
         upstream = replace(upstream, body={**upstream.body, "stop": with_turn_stop(model.pop("stop"))})
-    upstream = upstream.with_defaults(sampling.greedy_trimmed({**sampling.ANTHROPIC, **model}, upstream.body))
+    upstream = upstream.with_defaults(sampling.under(upstream.body, model, sampling.ANTHROPIC))
     return MessagesUpstream(upstream, up.stop_sequences, up.turn_stop, up.prefill, up.stream)
 
 

@@ -136,8 +136,7 @@ def _sampled(req: OpenAIRequest) -> OpenAIRequest:
     (:mod:`trioshed.api.protocols.sampling`). A body that can go upstream as sent still does,
     with the added members written before the client's."""
     defaults = split_options(req.prepared.defaults)[0] if req.prepared is not None else {}
-    extra = sampling.missing(req.body, sampling.model_sampling_for_openai(defaults, req.body), sampling.OPENAI)
-    extra = sampling.greedy_trimmed(extra, req.body)
+    extra = sampling.under(req.body, sampling.model_sampling_for_openai(defaults, req.body), sampling.OPENAI)
     if not extra:
         return req
     raw = None

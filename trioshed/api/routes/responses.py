@@ -61,7 +61,7 @@ async def responses() -> Response:
     await require_capabilities(req.model, name, chat_needs(chat), action="chat")
     # under the request's own: the model's options, then OpenAI's defaults (protocols/sampling.py)
     model_sampling = sampling.model_sampling_for_openai(split_options(req.defaults)[0], chat)
-    chat |= sampling.greedy_trimmed(sampling.missing(chat, model_sampling, sampling.OPENAI), chat)
+    chat |= sampling.under(chat, model_sampling, sampling.OPENAI)
     path = "/v1/chat/completions"
     if not await has_chat_template(req.model):
         chat = transcript_completion_body(chat)
